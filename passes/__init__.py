@@ -1,0 +1,15 @@
+"""Rewrite passes, one per module. ``PASSES`` is the registry, listed by hand."""
+
+from transpiler.pipeline import Pass
+
+from .allreduce_grads import AllReduceGrads
+from .broadcast_params import BroadcastParams
+from .fuse_allreduce import FuseAllReduce
+from .scale_loss_grad import ScaleLossGrad
+from .schedule_collectives import ScheduleCollectives
+
+PASSES: dict[str, type[Pass]] = {
+    cls.name: cls for cls in (BroadcastParams, ScaleLossGrad, AllReduceGrads, FuseAllReduce, ScheduleCollectives)
+}
+
+__all__ = ["PASSES", "AllReduceGrads", "BroadcastParams", "FuseAllReduce", "ScaleLossGrad", "ScheduleCollectives"]

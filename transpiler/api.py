@@ -1,0 +1,80 @@
+"""``transpile()``: the one entry point users call."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from .errors import ConfigurationError
+from .modes import build_passes
+from .pipeline import Pipeline
+from .process_group import Placement, resolve_placement
+from .program import StepProgram
+from .runtime import DistributedStep
+from .tracing import LossFn, trace_step
+from .verify import DEFAULT_VERIFIERS, check_cross_rank
+
+log = logging.getLogger("transpiler")
+CROSS_RANK_LIMIT = 16  # beyond this many ranks, the static check compares ranks 0, 1 and W-1
+
+
+def transpile(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    mode: str = "fused_allreduce",
+    loss_fn: LossFn = None,
+    example_inputs: tuple | None = None,
+    *,
+    world_size: int | None = None,
+    rank: int | None = None,
+    verify: bool = True,
+    on_pass: Callable[[str, StepProgram], None] | None = None,
+    **options: Any,
+) -> DistributedStep:
+    """Trace one training step and rewrite it into this rank's distributed program.
+
+    ``mode`` is a mode name (``transpiler modes``) or a pipeline spec such as
+    ``"scale-loss-grad,fuse-allreduce{bucket-cap-mb=4}"``; ``options`` are the
+    mode's options (``bucket_cap_mb=...``). ``example_inputs`` is one batch as
+    ``step`` will get it, ``(*model_inputs, target)``; without it the step is
+    traced on its first call. ``world_size``/``rank`` build a rank's program
+    without a process group, for inspection; under torchrun leave them out.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigurationError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    passes = build_passes(mode, options)
+    placement = resolve_placement(world_size, rank)
+
+    def build(batch: tuple):
+        traced, state, plan = trace_step(model, optimizer, loss_fn, batch)
+        program = rewrite(traced, passes, placement, verify=verify, on_pass=on_pass)
+        return program, state, plan
+
+    step = DistributedStep(model, optimizer, loss_fn, placement, build)
+    if example_inputs is not None:
+        step.prepare(tuple(example_inputs))
+    return step
+
+
+def rewrite(
+    traced: StepProgram, passes: list, placement: Placement, *, verify: bool = True, on_pass=None
+) -> StepProgram:
+    """Run the pipeline on a copy of ``traced`` for ``placement``'s rank, checking all ranks agree."""
+    def for_rank(r: int, callback=None) -> StepProgram:
+        program = traced.clone(rank=r)
+        program.world_size, program.group_name = placement.world_size, placement.group_name
+        Pipeline(passes, list(DEFAULT_VERIFIERS), verify=verify, on_pass=callback).run(program)
+        return program
+
+    mine = for_rank(placement.rank, on_pass)
+    if verify and placement.world_size > 1:
+        w = placement.world_size
+        ranks = range(w) if w <= CROSS_RANK_LIMIT else sorted({0, 1, w - 1})
+        others = [mine if r == placement.rank else for_rank(r) for r in ranks]
+        check_cross_rank(others)
+    log.debug("pipeline %s built for rank %d of %d", ",".join(p.spec() for p in passes), placement.rank, placement.world_size)
+    return mine

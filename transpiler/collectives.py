@@ -1,0 +1,60 @@
+"""The collectives the passes put into graphs: torch's functional c10d ops.
+
+Collectives are recognised by their op (never by node names), and each one a
+pass inserts carries ``meta["collective"]``: what it reduces and for which
+parameters, so verifiers, the CLI and benchmarks can read it back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+C10D = torch.ops._c10d_functional
+WAIT = C10D.wait_tensor.default
+COLLECTIVES = frozenset(
+    {
+        C10D.all_reduce.default,
+        C10D.broadcast.default,
+        C10D.all_gather_into_tensor.default,
+        C10D.reduce_scatter_tensor.default,
+        C10D.all_to_all_single.default,
+    }
+)
+
+
+def is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in COLLECTIVES
+
+
+def is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is WAIT
+
+
+@dataclass(frozen=True)
+class CollectiveSignature:
+    """What every rank must agree on for one collective call."""
+
+    op: str
+    detail: str  # reduce op, or broadcast source
+    shape: tuple[int, ...]
+    dtype: str
+    group: str
+
+    def __str__(self) -> str:
+        return f"{self.op}({self.detail}) {self.dtype}{list(self.shape)} group={self.group}"
+
+
+def signature(node: fx.Node) -> CollectiveSignature:
+    val = node.meta.get("val")
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+    dtype = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else "?"
+    op = node.target._schema.name.split("::")[-1]
+    detail = str(node.args[1]) if len(node.args) > 2 else ""
+    return CollectiveSignature(op, detail, shape, dtype, str(node.args[-1]))
+
+
+def collective_sequence(graph: fx.Graph) -> list[CollectiveSignature]:
+    return [signature(n) for n in graph.nodes if is_collective(n)]

@@ -1,0 +1,42 @@
+"""Typed errors: each says what was wrong and what to do about it."""
+
+
+class TranspilerError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class UnsupportedOptimizerError(TranspilerError):
+    """The optimizer is not one the transpiler can express as a graph."""
+
+
+class UnsupportedModelError(TranspilerError):
+    """The model (or loss) cannot be traced into one static graph."""
+
+
+class ConfigurationError(TranspilerError):
+    """Options, world size, rank or process group do not fit together."""
+
+
+class PipelineSpecError(TranspilerError):
+    """A pass-pipeline spec or mode name could not be parsed."""
+
+
+class VerificationError(TranspilerError):
+    """A verifier found a broken invariant after a pass."""
+
+    def __init__(self, message: str, *, pass_name: str | None = None, passes_before: tuple[str, ...] = ()):
+        where = ""
+        if pass_name is not None:
+            before = ", ".join(passes_before) or "none"
+            where = f" (after pass '{pass_name}'; passes before it: {before})"
+        super().__init__(message + where)
+        self.pass_name = pass_name
+        self.passes_before = passes_before
+
+
+class FactoryError(TranspilerError):
+    """A user FACTORY given to the CLI could not be loaded or failed."""
+
+
+class BatchMismatchError(TranspilerError):
+    """A batch given to a step does not fit the traced step."""

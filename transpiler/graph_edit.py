@@ -1,0 +1,84 @@
+"""Small, careful helpers for rewriting fx graphs.
+
+New nodes get ``meta["val"]`` (a fake tensor computed from their inputs' fake
+values) so later passes and verifiers know shapes and dtypes without running
+anything, and ``meta["role"]`` so every node keeps a role.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+
+def fake_value(node: fx.Node) -> Any:
+    return node.meta.get("val")
+
+
+def _fake_call(target: Callable, args: tuple, kwargs: dict) -> Any:
+    vals = fx.node.map_arg((args, kwargs), lambda n: n.meta.get("val"))
+    fakes = [v for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)]
+    mode = detect_fake_mode(fakes)
+    if mode is None:
+        return None
+    with mode:
+        return target(*vals[0], **vals[1])
+
+
+def emit(graph: fx.Graph, target: Callable, args: tuple, kwargs: dict | None = None, **meta: Any) -> fx.Node:
+    """Create a call_function node at the graph's current insert point, with fake value and meta."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    node.meta["val"] = _fake_call(target, args, kwargs)
+    node.meta.update(meta)
+    return node
+
+
+class Cursor:
+    """Inserts nodes one after another *in order* after an anchor.
+
+    ``graph.inserting_after(n)`` reverses several nodes created in one block;
+    this inserts each new node right before the anchor's successor instead.
+    """
+
+    def __init__(self, graph: fx.Graph, after: fx.Node):
+        self.graph = graph
+        self.anchor = after
+
+    def emit(self, target: Callable, args: tuple, kwargs: dict | None = None, **meta: Any) -> fx.Node:
+        with self.graph.inserting_after(self.anchor):
+            node = emit(self.graph, target, args, kwargs, **meta)
+        self.anchor = node
+        return node
+
+
+def node_bytes(node: fx.Node) -> int:
+    val = fake_value(node)
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def move_after(node: fx.Node, anchor: fx.Node) -> None:
+    """Place ``node`` directly after ``anchor``."""
+    if anchor.next is not node:
+        anchor.append(node)
+
+
+def move_before(node: fx.Node, anchor: fx.Node) -> None:
+    if node.next is not anchor:
+        anchor.prepend(node)
+
+
+def users_in_order(node: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
+    return sorted(node.users, key=order.__getitem__)
+
+
+def position(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def call_nodes(graph: fx.Graph, targets: Iterable[Callable]) -> list[fx.Node]:
+    wanted = set(targets)
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in wanted]

@@ -1,0 +1,74 @@
+"""Modes: named pass pipelines, and how a mode name or spec becomes a Pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from passes import PASSES
+from passes.allreduce_grads import AllReduceGrads
+from passes.broadcast_params import BroadcastParams
+from passes.fuse_allreduce import FuseAllReduce
+from passes.scale_loss_grad import ScaleLossGrad
+from passes.schedule_collectives import ScheduleCollectives
+
+from .errors import ConfigurationError
+from .pipeline import Pass, parse_spec
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    summary: str
+    build: Callable[..., list[Pass]]
+    options: dict[str, Any]
+
+
+def _allreduce() -> list[Pass]:
+    return [BroadcastParams(), ScaleLossGrad(), AllReduceGrads(), ScheduleCollectives()]
+
+
+def _fused(bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> list[Pass]:
+    return [
+        BroadcastParams(),
+        ScaleLossGrad(),
+        FuseAllReduce(bucket_cap_mb=float(bucket_cap_mb), first_bucket_mb=float(first_bucket_mb)),
+        ScheduleCollectives(),
+    ]
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("none", "no passes: the traced single-process step as it is", lambda: [], {}),
+        Mode("allreduce", "Paddle GradAllReduce: scale the loss grad, one all-reduce per gradient", _allreduce, {}),
+        Mode(
+            "fused_allreduce",
+            "like allreduce, with gradients coalesced into dtype/size buckets (DDP-style caps)",
+            _fused,
+            {"bucket_cap_mb": 25.0, "first_bucket_mb": 1.0},
+        ),
+    )
+}
+
+
+def build_passes(mode: str, options: dict[str, Any]) -> list[Pass]:
+    """Passes for a mode name with its options, or for an explicit pipeline spec."""
+    if mode in MODES:
+        known = MODES[mode].options
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            allowed = ", ".join(known) or "none"
+            raise ConfigurationError(f"mode '{mode}' takes no option(s) {unknown}; its options: {allowed}.")
+        return MODES[mode].build(**options)
+    if options:
+        raise ConfigurationError(
+            f"options {sorted(options)} only apply to named modes; put pass options in the spec, "
+            "e.g. 'fuse-allreduce{bucket-cap-mb=4}'."
+        )
+    if not any(c in mode for c in ",{") and mode not in PASSES:
+        raise ConfigurationError(
+            f"unknown mode '{mode}'. Modes: {', '.join(MODES)}; or give a pipeline spec of passes "
+            f"({', '.join(PASSES)}), e.g. 'scale-loss-grad,allreduce-grads'."
+        )
+    return parse_spec(mode, PASSES)

@@ -1,0 +1,152 @@
+"""Pass base class, text specs, and the pipeline that verifies between passes.
+
+A pass is a frozen dataclass with a kebab-case ``name``; its fields are its
+options, written in a spec as ``name{field-name=value,...}``, e.g.
+``scale-loss-grad,fuse-allreduce{bucket-cap-mb=25}``. ``run`` rewrites a
+:class:`StepProgram` and returns whether it changed the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+from .errors import PipelineSpecError, TranspilerError, VerificationError
+from .program import StepProgram
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Base of every rewrite pass (see the module docstring)."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    reduces_gradients: ClassVar[bool] = False  # after it, every gradient must be reduced exactly once
+
+    def run(self, program: StepProgram) -> bool:
+        raise NotImplementedError
+
+    def spec(self) -> str:
+        opts = [
+            f"{f.name.replace('_', '-')}={_format(getattr(self, f.name))}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default
+        ]
+        return self.name + ("{" + ",".join(opts) + "}" if opts else "")
+
+    @classmethod
+    def options(cls) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(cls))
+
+
+def _format(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _convert(cls: type[Pass], key: str, raw: str) -> object:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    attr = key.replace("-", "_")
+    if attr not in fields:
+        known = ", ".join(f.replace("_", "-") for f in fields) or "none"
+        raise PipelineSpecError(f"pass '{cls.name}' has no option '{key}' (its options: {known}).")
+    kind = fields[attr].type
+    kind = {"int": int, "float": float, "bool": bool, "str": str}.get(kind, kind) if isinstance(kind, str) else kind
+    try:
+        if kind is bool:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1")
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise PipelineSpecError(f"option '{key}' of pass '{cls.name}' wants a {kind.__name__}, got '{raw}'.") from None
+
+
+_ITEM = re.compile(r"\s*([a-z0-9-]+)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
+
+
+def parse_spec(spec: str, registry: dict[str, type[Pass]]) -> list[Pass]:
+    """Parse ``a,b{opt=1}`` into pass instances, with errors that name the bad part."""
+    passes: list[Pass] = []
+    pos = 0
+    spec = spec.strip()
+    while pos < len(spec):
+        m = _ITEM.match(spec, pos)
+        if not m or m.end() == pos:
+            raise PipelineSpecError(f"cannot parse pipeline spec at character {pos}: '{spec[pos:]}'.")
+        name, body = m.group(1), m.group(2)
+        if name not in registry:
+            raise PipelineSpecError(f"unknown pass '{name}'; known passes: {', '.join(sorted(registry))}.")
+        kwargs = {}
+        for item in filter(None, (s.strip() for s in (body or "").split(","))):
+            if "=" not in item:
+                raise PipelineSpecError(f"option '{item}' of pass '{name}' needs the form key=value.")
+            key, raw = (s.strip() for s in item.split("=", 1))
+            kwargs[key.replace("-", "_")] = _convert(registry[name], key, raw)
+        passes.append(registry[name](**kwargs))
+        pos = m.end()
+    if not passes:
+        raise PipelineSpecError("the pipeline spec is empty.")
+    return passes
+
+
+Verifier = Callable[[StepProgram, bool], None]
+
+
+@dataclass
+class PassRecord:
+    name: str
+    modified: bool
+    seconds: float
+
+
+@dataclass
+class Pipeline:
+    """An ordered list of passes, verified after each one unless ``verify`` is off."""
+
+    passes: list[Pass]
+    verifiers: list[Verifier] = field(default_factory=list)
+    verify: bool = True
+    on_pass: Callable[[str, StepProgram], None] | None = None
+
+    def spec(self) -> str:
+        return ",".join(p.spec() for p in self.passes)
+
+    def run(self, program: StepProgram) -> list[PassRecord]:
+        records = []
+        done: list[str] = []
+        final_reduction = any(p.reduces_gradients for p in self.passes) and program.world_size > 1
+        for i, p in enumerate(self.passes):
+            start = time.perf_counter()
+            try:
+                modified = bool(p.run(program))
+            except VerificationError:
+                raise
+            except TranspilerError:
+                raise
+            except Exception as exc:
+                raise VerificationError(
+                    f"pass '{p.name}' failed: {type(exc).__name__}: {exc}", pass_name=p.name, passes_before=tuple(done)
+                ) from exc
+            program.recompile()
+            last = i == len(self.passes) - 1
+            if self.verify:
+                self.check(program, p.name, tuple(done), final=last and final_reduction)
+            records.append(PassRecord(p.name, modified, time.perf_counter() - start))
+            program.snapshot(p.spec())
+            if self.on_pass is not None:
+                self.on_pass(p.spec(), program)
+            done.append(p.name)
+        return records
+
+    def check(self, program: StepProgram, pass_name: str, before: tuple[str, ...], *, final: bool) -> None:
+        try:
+            program.graph.lint()
+            for verifier in self.verifiers:
+                verifier(program, final)
+        except VerificationError as exc:
+            raise VerificationError(str(exc), pass_name=pass_name, passes_before=before) from exc
+        except Exception as exc:  # graph.lint raises RuntimeError
+            raise VerificationError(f"{type(exc).__name__}: {exc}", pass_name=pass_name, passes_before=before) from exc

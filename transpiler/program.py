@@ -1,0 +1,67 @@
+"""The step program: a rewritten graph plus the facts passes share about it.
+
+Everything a pass learns or adds travels in ``node.meta`` or in this object,
+never in hidden module state, so a program can be copied, printed, compared
+across ranks and run.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+ROLES = ("forward", "loss", "loss_grad", "backward", "communication", "optimizer")
+
+
+@dataclass(frozen=True)
+class Port:
+    """One graph input or output: what it carries and the name it refers to."""
+
+    kind: str  # inputs: param, frozen, buffer, state, batch, scalar; outputs: loss, param, state, buffer
+    name: str
+
+
+@dataclass
+class StepProgram:
+    """A rank's training-step graph and the context the pipeline keeps beside it."""
+
+    graph_module: fx.GraphModule
+    inputs: list[Port]
+    outputs: list[Port]
+    world_size: int = 1
+    rank: int = 0
+    group_name: str = "default"
+    startup: fx.GraphModule | None = None
+    startup_ports: list[Port] = field(default_factory=list)
+    history: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    def recompile(self) -> None:
+        self.graph_module.recompile()
+
+    def snapshot(self, label: str) -> None:
+        """Keep the code after a stage, so 'the graph after pass X' is a lookup."""
+        self.history.append((label, self.graph_module.code))
+
+    def clone(self, *, rank: int | None = None) -> StepProgram:
+        """A deep copy whose graph can be rewritten without touching this one."""
+        gm = fx.GraphModule(self.graph_module, copy.deepcopy(self.graph_module.graph))
+        startup = None
+        if self.startup is not None:
+            startup = fx.GraphModule(self.startup, copy.deepcopy(self.startup.graph))
+        return StepProgram(
+            gm,
+            list(self.inputs),
+            list(self.outputs),
+            self.world_size,
+            self.rank if rank is None else rank,
+            self.group_name,
+            startup,
+            list(self.startup_ports),
+            list(self.history),
+        )

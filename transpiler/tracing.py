@@ -1,0 +1,271 @@
+"""Trace one whole training step into one functional, aten-level fx graph.
+
+The step is ``forward -> loss -> autograd.grad -> optimizer update``. It is
+traced with fake tensors (nothing runs for real), then re-traced through
+``torch.func.functionalize`` so in-place ops become out-of-place ones. Each
+node is tagged with its role (``node.meta["role"]``) and each gradient with
+the parameter it belongs to (``node.meta["grad_of"]``). The graph's inputs and
+outputs are listed as :class:`~transpiler.program.Port` s.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functional_call, functionalize
+
+from .errors import ConfigurationError, UnsupportedModelError
+from .optimizers import OptimizerPlan
+from .program import Port, StepProgram
+
+LossFn = Callable[..., torch.Tensor] | None
+_DATA_DEPENDENT = (
+    "data-dependent",
+    "DataDependentOutputException",
+    "GuardOnDataDependentSymNode",
+    "Could not guard on data-dependent",
+    "item()",
+    "DynamicOutputShapeException",
+)
+
+
+@dataclass
+class ModelState:
+    """The model's tensors in the order the graph takes them."""
+
+    names: list[str]  # trainable parameter names (tied parameters once)
+    params: list[torch.nn.Parameter]
+    frozen_names: list[str]
+    frozen: list[torch.nn.Parameter]
+    buffer_names: list[str]
+    buffers: list[torch.Tensor]
+
+
+def collect_model_state(model: torch.nn.Module) -> ModelState:
+    named = list(model.named_parameters())  # tied parameters appear once
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if not trainable:
+        raise ConfigurationError(
+            "the model has no trainable parameters (every parameter has requires_grad=False); "
+            "there is nothing to train or reduce."
+        )
+    frozen = [(n, p) for n, p in named if not p.requires_grad]
+    buffers = list(model.named_buffers())
+    return ModelState(
+        [n for n, _ in trainable],
+        [p for _, p in trainable],
+        [n for n, _ in frozen],
+        [p for _, p in frozen],
+        [n for n, _ in buffers],
+        [b for _, b in buffers],
+    )
+
+
+def check_batch(batch: tuple, *, loss_fn: LossFn) -> None:
+    if not isinstance(batch, (tuple, list)) or not batch:
+        raise ConfigurationError("example_inputs must be a non-empty tuple of tensors, e.g. (x, y).")
+    if loss_fn is not None and len(batch) < 2:
+        raise ConfigurationError(
+            "with a loss_fn the batch is (*model_inputs, target): give at least two tensors, "
+            "or pass loss_fn=None if the model returns its own loss."
+        )
+    for i, t in enumerate(batch):
+        if not isinstance(t, torch.Tensor):
+            raise ConfigurationError(f"batch element {i} is a {type(t).__name__}; every batch element must be a tensor.")
+
+
+def trace_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, batch: tuple
+) -> tuple[StepProgram, ModelState, OptimizerPlan]:
+    """Trace forward, loss, backward and optimizer update of one step into a StepProgram."""
+    check_batch(batch, loss_fn=loss_fn)
+    state = collect_model_state(model)
+    plan = OptimizerPlan(optimizer, state.params, state.names)
+    opt_states = [plan.state_tensors(i) for i in range(len(state.params))]
+    counts = [len(s) for s in opt_states]
+    n_p, n_f, n_b = len(state.params), len(state.frozen), len(state.buffers)
+    n_model_out: list[int] = []
+    grad_present: list[bool] = []
+
+    def step_fn(*flat: torch.Tensor):
+        params, rest = list(flat[:n_p]), flat[n_p:]
+        frozen, buffers, rest = rest[:n_f], rest[n_f : n_f + n_b], rest[n_f + n_b :]
+        states, pos = [], 0
+        for c in counts:
+            states.append(list(rest[pos : pos + c]))
+            pos += c
+        data = rest[pos:]
+        tensors = dict(zip(state.names, params))
+        tensors.update(zip(state.frozen_names, frozen))
+        tensors.update(zip(state.buffer_names, buffers))
+        inputs = tuple(data[:-1]) if loss_fn is not None else tuple(data)
+        out = functional_call(model, tensors, inputs, tie_weights=True, strict=False)
+        loss = loss_fn(out, data[-1]) if loss_fn is not None else out
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            raise UnsupportedModelError(
+                "the loss must be a floating-point tensor with one element; "
+                f"got {type(loss).__name__} {getattr(loss, 'shape', '')}. Reduce it (mean or sum) in loss_fn."
+            )
+        seed = torch.ones_like(loss)
+        grads = torch.autograd.grad(loss, params, seed, allow_unused=True)
+        grad_present[:] = [g is not None for g in grads]
+        new_params, new_states = [], []
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if g is None:  # unused parameter: eager skips it too
+                new_params.append(p.detach())
+                new_states += states[i]
+                continue
+            new_p, new_s = plan.update(i, p.detach(), g, states[i])
+            new_params.append(new_p)
+            new_states += new_s
+        out_leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] if loss_fn else []
+        n_model_out[:] = [len(out_leaves)]
+        return (loss.detach(), *out_leaves, *[g for g in grads if g is not None], *new_params, *new_states, *buffers)
+
+    flat_inputs = [
+        *[p.detach().requires_grad_(True) for p in state.params],
+        *[p.detach() for p in state.frozen],
+        *state.buffers,
+        *[t for s in opt_states for t in s],
+        *batch,
+    ]
+    snapshot = [t.clone() for t in state.buffers]  # tracing must not touch real buffers
+    try:
+        first = make_fx(step_fn, tracing_mode="fake")(*flat_inputs)
+        functional = make_fx(functionalize(first, remove="mutations"), tracing_mode="fake")(*flat_inputs)
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:  # torch raises many kinds while tracing; name the cause plainly
+        raise _explain_trace_failure(exc) from exc
+    finally:
+        with torch.no_grad():
+            for b, s in zip(state.buffers, snapshot):
+                b.copy_(s)
+    ports = (
+        [Port("param", n) for n in state.names]
+        + [Port("frozen", n) for n in state.frozen_names]
+        + [Port("buffer", n) for n in state.buffer_names]
+        + [Port("state", f"{state.names[i]}.{k}") for i in range(n_p) for k in plan.state_keys(i)]
+        + [Port("batch", f"batch{i}") for i in range(len(batch))]
+    )
+    used = [n for n, ok in zip(state.names, grad_present) if ok]
+    program = _finish(functional, ports, plan, n_model_out[0], used)
+    return program, state, plan
+
+
+def _explain_trace_failure(exc: Exception) -> Exception:
+    text = f"{type(exc).__name__}: {exc}"
+    if any(marker in text for marker in _DATA_DEPENDENT):
+        return UnsupportedModelError(
+            "the model's forward (or the loss) has data-dependent control flow or reads a tensor value "
+            "in Python (if x.sum() > 0, .item(), .tolist(), nonzero...), so one static graph cannot describe "
+            "every step. Rewrite it with torch.where / masks, or keep that logic outside the model. "
+            f"Torch said: {text.splitlines()[0][:300]}"
+        )
+    return UnsupportedModelError(f"tracing the training step failed: {text.splitlines()[0][:500]}")
+
+
+def _finish(gm: fx.GraphModule, in_ports: list[Port], plan: OptimizerPlan, n_out: int, grads_of: list[str]) -> StepProgram:
+    """Clean the functional trace, name its inputs, swap sentinels, tag roles."""
+    graph = gm.graph
+    graph._codegen = fx.graph.CodeGen()  # plain positional signature instead of pytree
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = graph.output_node()
+    for node in list(graph.nodes):  # functionalize's copy_ epilogue: we return new values instead
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default and node.args[0].op == "placeholder":
+            node.replace_all_uses_with(node.args[1])
+            graph.erase_node(node)
+    for node in list(graph.nodes):  # detach is a no-op without autograd
+        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    results = list(pytree.tree_leaves(output.args[0]))
+
+    renamed: list[fx.Node] = []
+    with graph.inserting_before(placeholders[0]):
+        for port in in_ports:
+            renamed.append(graph.placeholder(_ident(port)))
+        slot_nodes = {s.sentinel: graph.placeholder(_ident(Port("scalar", s.name))) for s in plan.scalar_slots()}
+    for old, new, port in zip(placeholders, renamed, in_ports):
+        new.meta.update(old.meta)
+        new.meta["port"] = port
+        old.replace_all_uses_with(new)
+        graph.erase_node(old)
+    results = [renamed[placeholders.index(r)] if r in placeholders else r for r in results]
+    for node in slot_nodes.values():
+        node.meta["port"] = Port("scalar", node.name)
+    _swap_sentinels(graph, slot_nodes)
+
+    loss, model_out = results[0], results[1 : 1 + n_out]
+    grads = results[1 + n_out : 1 + n_out + len(grads_of)]
+    rest = results[1 + n_out + len(grads_of) :]
+    for name, g in zip(grads_of, grads):
+        g.meta["grad_of"] = name
+    out_ports = [Port("loss", "loss")] + [p for p in in_ports if p.kind == "param"]
+    out_ports += [p for p in in_ports if p.kind == "state"] + [p for p in in_ports if p.kind == "buffer"]
+    output.args = (tuple([loss, *rest]),)
+    graph.eliminate_dead_code()
+    _tag_roles(graph, loss, model_out, grads)
+    graph.lint()
+    gm.recompile()
+    ports_in = in_ports + [Port("scalar", s.name) for s in plan.scalar_slots()]
+    program = StepProgram(gm, ports_in, out_ports)
+    program.snapshot("traced")
+    return program
+
+
+def _ident(port: Port) -> str:
+    prefix = {"param": "p", "frozen": "frozen", "buffer": "buf", "state": "opt", "batch": "", "scalar": "s"}[port.kind]
+    name = "".join(c if c.isalnum() else "_" for c in port.name)
+    return f"{prefix}_{name}" if prefix else name
+
+
+def _swap_sentinels(graph: fx.Graph, slot_nodes: dict[float, fx.Node]) -> None:
+    def swap(arg: Any) -> Any:
+        if isinstance(arg, float) and arg in slot_nodes:
+            return slot_nodes[arg]
+        return arg
+
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.args = fx.node.map_aggregate(node.args, swap)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    for node in slot_nodes.values():  # keep placeholders together, before any op
+        first.prepend(node)
+
+
+def _tag_roles(graph: fx.Graph, loss: fx.Node, model_out: list[fx.Node], grads: list[fx.Node]) -> None:
+    """Tag by execution order, which make_fx records faithfully: forward, loss, seed, backward, optimizer."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    end_forward = max((order[n] for n in model_out if n.op != "placeholder"), default=-1)
+    if not model_out:  # the model returns its own loss
+        end_forward = order[loss]
+    seed = next(
+        (u for u in loss.users if u.target is torch.ops.aten.ones_like.default), None
+    )
+    end_backward = max((order[g] for g in grads), default=order[loss])
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        i = order[node]
+        if node is seed:
+            role = "loss_grad"
+        elif i <= end_forward:
+            role = "forward"
+        elif i <= order[loss]:
+            role = "loss"
+        elif i <= end_backward:
+            role = "backward"
+        else:
+            role = "optimizer"
+        node.meta["role"] = role
+    for node in graph.nodes:  # getitem of a multi-output op shares its producer's role
+        if node.target is operator.getitem and "role" in node.args[0].meta:
+            node.meta["role"] = node.args[0].meta["role"]

@@ -1,0 +1,96 @@
+"""Invariants checked between passes (see ARCHITECTURE.md), and across ranks.
+
+Each verifier takes the program and whether the pipeline has finished, and
+raises :class:`VerificationError` with a message that names the node at fault.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch.fx as fx
+
+from .collectives import collective_sequence, is_collective, is_wait
+from .errors import VerificationError
+from .program import ROLES, StepProgram
+
+
+def check_roles(program: StepProgram, final: bool) -> None:
+    """Every op node says which part of the step it belongs to."""
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.meta.get("role") not in ROLES:
+            raise VerificationError(f"node '{node.name}' has no role (meta['role'] = {node.meta.get('role')!r}).")
+
+
+def check_collectives_waited(program: StepProgram, final: bool) -> None:
+    """Each collective is waited exactly once, and only its wait reads it."""
+    for node in program.graph.nodes:
+        if not is_collective(node):
+            continue
+        waits = [u for u in node.users if is_wait(u)]
+        others = [u.name for u in node.users if not is_wait(u)]
+        if len(waits) != 1 or others:
+            raise VerificationError(
+                f"collective '{node.name}' must be read by exactly one wait_tensor and nothing else; "
+                f"it has {len(waits)} waits and other users {others}."
+            )
+
+
+def check_gradient_reductions(program: StepProgram, final: bool) -> None:
+    """Along every path from a gradient to the optimizer, count the all-reduces.
+
+    Between passes a gradient may be reduced at most once; once the pipeline
+    has finished with a reducing pass, exactly once on every path.
+    """
+    for grad in (n for n in program.graph.nodes if "grad_of" in n.meta):
+        counts = _reductions_to_optimizer(grad)
+        name = grad.meta["grad_of"]
+        if any(c > 1 for c in counts):
+            raise VerificationError(f"gradient of '{name}' is all-reduced {max(counts)} times before the optimizer.")
+        if final and counts != {1}:
+            missing = "never reaches the optimizer" if not counts else "reaches the optimizer un-reduced"
+            raise VerificationError(f"gradient of '{name}' {missing}; it must be all-reduced exactly once.")
+
+
+def _reductions_to_optimizer(grad: fx.Node) -> set[int]:
+    """Reduction counts on the paths from ``grad`` through communication nodes into the optimizer."""
+    seen: dict[fx.Node, set[int]] = {grad: {0}}
+    found: set[int] = set()
+    queue = deque([grad])
+    while queue:
+        node = queue.popleft()
+        for user in node.users:
+            role = user.meta.get("role")
+            if role == "optimizer":
+                found |= seen[node]
+                continue
+            if role != "communication":
+                continue
+            step = 1 if is_collective(user) and user.target.__name__.startswith("all_reduce") else 0
+            new = {c + step for c in seen[node]} - seen.get(user, set())
+            if new:
+                seen.setdefault(user, set()).update(new)
+                queue.append(user)
+    return found
+
+
+DEFAULT_VERIFIERS = [check_roles, check_collectives_waited, check_gradient_reductions]
+
+
+def check_cross_rank(programs: list[StepProgram]) -> None:
+    """All ranks of one world size issue the same collectives in the same order."""
+    if not programs:
+        return
+    reference = collective_sequence(programs[0].graph)
+    for program in programs[1:]:
+        sequence = collective_sequence(program.graph)
+        for i, (a, b) in enumerate(zip(reference, sequence)):
+            if a != b:
+                raise VerificationError(
+                    f"rank {program.rank} issues collective #{i} as {b}, but rank {programs[0].rank} issues {a}: "
+                    "the ranks would deadlock or reduce mismatched data."
+                )
+        if len(reference) != len(sequence):
+            raise VerificationError(
+                f"rank {program.rank} issues {len(sequence)} collectives, rank {programs[0].rank} issues {len(reference)}."
+            )
