@@ -1,0 +1,41 @@
+"""Launch real multi-process runs over gloo on loopback, with a hard timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: Path, world: int, args: list[str], *, timeout: float) -> list[subprocess.CompletedProcess]:
+    """Start ``world`` ranks of ``script``; kill them all and fail if any hangs past ``timeout``."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                   LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, ""))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"{script.name} with {world} ranks did not finish in {timeout}s (hang?)") from None
+    failed = [r for r in results if r.returncode != 0]
+    if failed:
+        raise AssertionError(f"{script.name}: a rank failed (exit {failed[0].returncode}):\n{failed[0].stdout[-4000:]}")
+    return results
