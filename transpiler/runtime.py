@@ -8,6 +8,7 @@ copy), which keeps checkpoints and evaluation code working unchanged.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Callable
 
@@ -119,15 +120,20 @@ class DistributedStep:
         for b, new in zip(state.buffers, outputs[pos:]):
             if new is not b:
                 b.data = new
+        self.optimizer._opt_called = True  # what LR schedulers check to see that the optimizer stepped
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        """Model, optimizer and transpiler state, loadable by :meth:`load_state_dict`."""
-        return {
+        """A snapshot (deep copy) of model, optimizer and transpiler state, for :meth:`load_state_dict`.
+
+        A copy because ``optimizer.state_dict()`` shares its per-parameter dicts
+        with the live optimizer, which every step updates.
+        """
+        return copy.deepcopy({
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "transpiler": {"world_size": self.placement.world_size},
-        }
+        })
 
     def load_state_dict(self, state_dict: dict) -> None:
         missing = {"model", "optimizer"} - set(state_dict)

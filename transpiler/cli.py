@@ -1,0 +1,151 @@
+"""The ``transpiler`` command: dump and diff rewritten graphs, list passes and modes.
+
+No processes are launched: ``dump`` builds one rank's program for a given world
+size statically, from a FACTORY that returns (model, optimizer, loss_fn, batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from passes import PASSES
+
+from .api import transpile
+from .errors import FactoryError, TranspilerError
+from .modes import MODES
+from .program import StepProgram
+from .render import to_dot, to_json, to_svg, unified_diff
+
+
+def load_factory(spec: str) -> tuple:
+    """Import FILE.py:FACTORY and call it; any failure becomes a FactoryError with the cause."""
+    path_text, sep, name = spec.rpartition(":")
+    if not sep or not path_text or not name:
+        raise FactoryError(f"expected FILE.py:FACTORY, got '{spec}'.")
+    path = Path(path_text)
+    if not path.is_file():
+        raise FactoryError(f"no such file: {path}.")
+    module_spec = importlib.util.spec_from_file_location(f"_transpiler_factory_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.path.insert(0, str(path.parent.resolve()))
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        raise FactoryError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise FactoryError(f"{path} has no callable '{name}'.")
+    try:
+        made = factory()
+    except Exception as exc:
+        raise FactoryError(f"{name}() in {path} failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(made, tuple) or len(made) != 4:
+        raise FactoryError(f"{name}() must return (model, optimizer, loss_fn, example_batch); got {type(made).__name__}.")
+    return made
+
+
+def _parse_options(items: list[str]) -> dict[str, Any]:
+    options = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise FactoryError(f"option '{item}' needs the form key=value.")
+        try:
+            options[key.replace("-", "_")] = float(raw)
+        except ValueError:
+            options[key.replace("-", "_")] = raw
+    return options
+
+
+def _render(program: StepProgram, fmt: str, *, before: bool, diff: bool) -> str:
+    traced_code = program.history[0][1]
+    if diff:
+        return unified_diff(traced_code, program.graph_module.code, after_label=f"after {program.history[-1][0]}")
+    graph = program.graph
+    title = f"rank {program.rank} of {program.world_size}"
+    if fmt == "code":
+        return traced_code if before else program.graph_module.code
+    if before:
+        raise FactoryError("--before works with --format code; for pictures use --mode none.")
+    if fmt == "dot":
+        return to_dot(graph, title).to_string()
+    if fmt == "svg":
+        return to_svg(graph, title)
+    return to_json(program, graph)
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    model, optimizer, loss_fn, batch = load_factory(args.factory)
+
+    def show(label: str, program: StepProgram) -> None:
+        print(f"# ---- after {label} ----\n{program.graph_module.code}", file=sys.stderr)
+
+    step = transpile(
+        model, optimizer, mode=args.mode, loss_fn=loss_fn, example_inputs=tuple(batch),
+        world_size=args.world_size, rank=args.rank, verify=not args.no_verify,
+        on_pass=show if args.print_between_passes else None, **_parse_options(args.option),
+    )
+    text = _render(step.program, args.format, before=args.before, diff=args.diff)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output} ({len(text)} characters)", file=sys.stderr)
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
+
+
+def cmd_passes(args: argparse.Namespace) -> int:
+    for name, cls in PASSES.items():
+        opts = ", ".join(f"{f.name.replace('_', '-')}={f.default}" for f in dataclasses.fields(cls))
+        print(f"{name:22s} {cls.summary}" + (f"  [{opts}]" if opts else ""))
+    return 0
+
+
+def cmd_modes(args: argparse.Namespace) -> int:
+    for name, mode in MODES.items():
+        opts = ", ".join(f"{k}={v}" for k, v in mode.options.items())
+        spec = ",".join(p.spec() for p in mode.build()) or "(no passes)"
+        print(f"{name:16s} {mode.summary}" + (f"  [{opts}]" if opts else ""))
+        print(f"{'':16s}   = {spec}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="transpiler", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    dump = sub.add_parser("dump", help="build one rank's program and print it")
+    dump.add_argument("factory", metavar="FILE.py:FACTORY", help="returns (model, optimizer, loss_fn, example_batch)")
+    dump.add_argument("--mode", default="fused_allreduce", help="mode name or pipeline spec")
+    dump.add_argument("--world-size", type=int, default=2)
+    dump.add_argument("--rank", type=int, default=0)
+    dump.add_argument("--format", choices=("code", "dot", "svg", "json"), default="code")
+    which = dump.add_mutually_exclusive_group()
+    which.add_argument("--before", action="store_true", help="show the traced graph, before any pass")
+    which.add_argument("--diff", action="store_true", help="unified diff of the traced and rewritten code")
+    dump.add_argument("--print-between-passes", action="store_true", help="print the code after every pass (stderr)")
+    dump.add_argument("-O", "--option", action="append", default=[], metavar="KEY=VALUE", help="mode option")
+    dump.add_argument("--no-verify", action="store_true", help="skip the verifiers between passes")
+    dump.add_argument("-o", "--output", help="write here instead of stdout")
+    dump.set_defaults(func=cmd_dump)
+    sub.add_parser("passes", help="list the passes").set_defaults(func=cmd_passes)
+    sub.add_parser("modes", help="list the modes").set_defaults(func=cmd_modes)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except TranspilerError as exc:
+        print(f"transpiler: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
