@@ -63,21 +63,29 @@ def main() -> None:
     optimizer = make_opt(model.parameters(), lr=args.lr)
     loss_fn = torch.nn.CrossEntropyLoss()
     steps_per_epoch = len(x_train) // args.global_batch
-    step = transpile(model, optimizer, mode=args.mode, loss_fn=loss_fn,
-                     example_inputs=(x_train[:per_rank], y_train[:per_rank]))
+    step = transpile(
+        model, optimizer, mode=args.mode, loss_fn=loss_fn, example_inputs=(x_train[:per_rank], y_train[:per_rank])
+    )
     collectives = sum(1 for n in step.graph_module.graph.nodes if "collective" in n.meta)
     if rank == 0:
         print(f"mode={args.mode} world={world} per-rank batch={per_rank} collectives/step={collectives}")
     generator = torch.Generator().manual_seed(args.seed)  # the same shuffle on every rank
     start = time.perf_counter()
-    with Progress(TextColumn("[bold]epoch {task.completed}/{task.total}"), BarColumn(),
-                  TextColumn("loss {task.fields[loss]:.4f}"), TimeElapsedColumn(), disable=rank != 0) as progress:
+    with Progress(
+        TextColumn("[bold]epoch {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}"),
+        TimeElapsedColumn(),
+        disable=rank != 0,
+    ) as progress:
         task = progress.add_task("train", total=args.epochs, loss=float("nan"))
         for _ in range(args.epochs):
             order = torch.randperm(len(x_train), generator=generator)
             total = 0.0
             for i in range(steps_per_epoch):
-                idx = order[i * args.global_batch : (i + 1) * args.global_batch][rank * per_rank : (rank + 1) * per_rank]
+                idx = order[i * args.global_batch : (i + 1) * args.global_batch][
+                    rank * per_rank : (rank + 1) * per_rank
+                ]
                 total += step(x_train[idx], y_train[idx]).item()
             progress.update(task, advance=1, loss=total / steps_per_epoch)
     model.eval()

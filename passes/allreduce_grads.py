@@ -41,9 +41,11 @@ class AllReduceGrads(Pass):
             name = grad.meta["grad_of"]
             cursor = Cursor(graph, grad)
             info = {"kind": "all_reduce", "grads": (name,), "bytes": node_bytes(grad)}
-            reduced = cursor.emit(C10D.all_reduce.default, (grad, "sum", program.group_name), role="communication", collective=info)
+            reduced = cursor.emit(
+                C10D.all_reduce.default, (grad, "sum", program.group_name), role="communication", collective=info
+            )
             waited = cursor.emit(WAIT, (reduced,), role="communication")
-            grad.replace_all_uses_with(waited, delete_user_cb=lambda u: u is not reduced)
+            grad.replace_all_uses_with(waited, delete_user_cb=lambda u, r=reduced: u is not r)
             order = position(graph)
             move_before(waited, min(waited.users, key=order.__getitem__))
             changed = True

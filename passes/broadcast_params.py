@@ -31,18 +31,19 @@ class BroadcastParams(Pass):
         if program.startup is not None:
             return False
         graph = fx.Graph()
-        outputs, ports = [], []
+        sent, ports = [], []
         step_inputs = {n.meta["port"]: n for n in program.graph.nodes if n.op == "placeholder"}
         for port, source in step_inputs.items():
             if port.kind not in STARTUP_KINDS:
                 continue
             ph = graph.placeholder(source.name)
             ph.meta.update(val=source.meta.get("val"), port=port)
-            info = {"kind": "broadcast", "tensors": (port.name,)}
-            sent = emit(graph, C10D.broadcast.default, (ph, self.src, program.group_name), role="communication", collective=info)
-            outputs.append(emit(graph, WAIT, (sent,), role="communication"))
             ports.append(port)
-        graph.output(tuple(outputs))
+        for ph in list(graph.nodes):  # issue every broadcast first, then wait for them all
+            info = {"kind": "broadcast", "tensors": (ph.meta["port"].name,)}
+            args = (ph, self.src, program.group_name)
+            sent.append(emit(graph, C10D.broadcast.default, args, role="communication", collective=info))
+        graph.output(tuple(emit(graph, WAIT, (s,), role="communication") for s in sent))
         program.startup = fx.GraphModule(program.graph_module, graph)
         program.startup_ports = ports
         return True

@@ -67,7 +67,14 @@ def run_scenario(model_name: str, opt_name: str, mode: str, rank: int, world: in
     batches = [make_batch(model_name, PER_RANK * world, gen) for _ in range(STEPS)]
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     options = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.001} if mode == "fused_allreduce" else {}
-    step = transpile(ours, ours_opt, mode=mode, loss_fn=loss_fn, example_inputs=(batches[0][0][shard], batches[0][1][shard]), **options)
+    step = transpile(
+        ours,
+        ours_opt,
+        mode=mode,
+        loss_fn=loss_fn,
+        example_inputs=(batches[0][0][shard], batches[0][1][shard]),
+        **options,
+    )
     record = {"ours": [], "ddp": [], "single": [], "losses": []}
     for x, y in batches:
         loss = step(x[shard], y[shard])

@@ -22,10 +22,26 @@ def launch(script: Path, world: int, args: list[str], *, timeout: float) -> list
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(ROOT),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     results = []
     try:
         for p in procs:

@@ -9,7 +9,9 @@ from torch import nn
 class MLP(nn.Module):
     def __init__(self, d_in: int = 20, hidden: int = 32, classes: int = 5):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+        self.net = nn.Sequential(
+            nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes)
+        )
 
     def forward(self, x):
         return self.net(x)

@@ -59,8 +59,13 @@ def test_matches_ddp_and_single_process(runs, scenario):
         _compare(ours, ddp, bitwise=world == 2, what=f"{scenario} step {step} vs DDP (world {world})")
         _compare(ours, single, bitwise=False, what=f"{scenario} step {step} vs single process", keys=("params",))
         for other_rank in ranks[1:]:  # every rank ends each step with the same parameters
-            _compare(other_rank[scenario]["ours"][step], ours, bitwise=True, what=f"{scenario} step {step} across ranks",
-                     keys=("params", "state"))
+            _compare(
+                other_rank[scenario]["ours"][step],
+                ours,
+                bitwise=True,
+                what=f"{scenario} step {step} across ranks",
+                keys=("params", "state"),
+            )
     for ours_loss, ddp_loss in record["losses"]:
         assert ours_loss == pytest.approx(ddp_loss, rel=1e-6)
 

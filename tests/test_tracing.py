@@ -13,8 +13,9 @@ from transpiler import transpile
 OPTIMIZERS = {
     "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4),
     "sgd_nesterov_dampening": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.8, nesterov=True),
-    "sgd_dampening_maximize": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.5, dampening=0.3,
-                                                        maximize=True),
+    "sgd_dampening_maximize": lambda m: torch.optim.SGD(
+        m.parameters(), lr=0.05, momentum=0.5, dampening=0.3, maximize=True
+    ),
     "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
     "adam_amsgrad_wd": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=0.01, amsgrad=True),
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.05),
@@ -56,9 +57,14 @@ def test_param_groups_and_lr_scheduler():
     model = MLP()
 
     def make_opt(m):
-        return torch.optim.SGD([{"params": m.net[0].parameters(), "lr": 0.1},
-                                {"params": list(m.net[2].parameters()) + list(m.net[4].parameters())}],
-                               lr=0.01, momentum=0.9)
+        return torch.optim.SGD(
+            [
+                {"params": m.net[0].parameters(), "lr": 0.1},
+                {"params": list(m.net[2].parameters()) + list(m.net[4].parameters())},
+            ],
+            lr=0.01,
+            momentum=0.9,
+        )
 
     twin, twin_opt = eager_twin(model, make_opt)
     opt = make_opt(model)
@@ -77,8 +83,13 @@ def test_param_groups_and_lr_scheduler():
 def test_roles_and_gradient_tags():
     torch.manual_seed(0)
     model = TiedLM()
-    step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="none", loss_fn=nn.CrossEntropyLoss(),
-                     example_inputs=make_batch("tied", 4, torch.Generator().manual_seed(0)))
+    step = transpile(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        mode="none",
+        loss_fn=nn.CrossEntropyLoss(),
+        example_inputs=make_batch("tied", 4, torch.Generator().manual_seed(0)),
+    )
     graph = step.graph_module.graph
     roles = [n.meta.get("role") for n in graph.nodes if n.op == "call_function"]
     assert set(roles) == {"forward", "loss", "loss_grad", "backward", "optimizer"}

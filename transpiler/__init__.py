@@ -1,6 +1,12 @@
-"""Distributed-training transpiler for PyTorch: trace a training step, rewrite it with passes."""
+"""Distributed-training transpiler for PyTorch: trace a training step, rewrite it with passes.
 
-from .api import transpile
+``transpile`` and ``DistributedStep`` are loaded on first use, so that the
+pass modules (``passes/``) can import the pass infrastructure from this
+package without a circular import through the modes that list them.
+"""
+
+from typing import Any
+
 from .errors import (
     BatchMismatchError,
     ConfigurationError,
@@ -11,7 +17,6 @@ from .errors import (
     UnsupportedOptimizerError,
     VerificationError,
 )
-from .runtime import DistributedStep
 
 __all__ = [
     "BatchMismatchError",
@@ -25,3 +30,15 @@ __all__ = [
     "VerificationError",
     "transpile",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "transpile":
+        from .api import transpile
+
+        return transpile
+    if name == "DistributedStep":
+        from .runtime import DistributedStep
+
+        return DistributedStep
+    raise AttributeError(f"module 'transpiler' has no attribute {name!r}")

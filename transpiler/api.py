@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -64,6 +65,7 @@ def rewrite(
     traced: StepProgram, passes: list, placement: Placement, *, verify: bool = True, on_pass=None
 ) -> StepProgram:
     """Run the pipeline on a copy of ``traced`` for ``placement``'s rank, checking all ranks agree."""
+
     def for_rank(r: int, callback=None) -> StepProgram:
         program = traced.clone(rank=r)
         program.world_size, program.group_name = placement.world_size, placement.group_name
@@ -76,5 +78,7 @@ def rewrite(
         ranks = range(w) if w <= CROSS_RANK_LIMIT else sorted({0, 1, w - 1})
         others = [mine if r == placement.rank else for_rank(r) for r in ranks]
         check_cross_rank(others)
-    log.debug("pipeline %s built for rank %d of %d", ",".join(p.spec() for p in passes), placement.rank, placement.world_size)
+    log.debug(
+        "pipeline %s built for rank %d of %d", ",".join(p.spec() for p in passes), placement.rank, placement.world_size
+    )
     return mine

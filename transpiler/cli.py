@@ -45,7 +45,9 @@ def load_factory(spec: str) -> tuple:
     except Exception as exc:
         raise FactoryError(f"{name}() in {path} failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(made, tuple) or len(made) != 4:
-        raise FactoryError(f"{name}() must return (model, optimizer, loss_fn, example_batch); got {type(made).__name__}.")
+        raise FactoryError(
+            f"{name}() must return (model, optimizer, loss_fn, example_batch); got {type(made).__name__}."
+        )
     return made
 
 
@@ -86,9 +88,16 @@ def cmd_dump(args: argparse.Namespace) -> int:
         print(f"# ---- after {label} ----\n{program.graph_module.code}", file=sys.stderr)
 
     step = transpile(
-        model, optimizer, mode=args.mode, loss_fn=loss_fn, example_inputs=tuple(batch),
-        world_size=args.world_size, rank=args.rank, verify=not args.no_verify,
-        on_pass=show if args.print_between_passes else None, **_parse_options(args.option),
+        model,
+        optimizer,
+        mode=args.mode,
+        loss_fn=loss_fn,
+        example_inputs=tuple(batch),
+        world_size=args.world_size,
+        rank=args.rank,
+        verify=not args.no_verify,
+        on_pass=show if args.print_between_passes else None,
+        **_parse_options(args.option),
     )
     text = _render(step.program, args.format, before=args.before, diff=args.diff)
     if args.output:
@@ -116,8 +125,9 @@ def cmd_modes(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="transpiler", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="transpiler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     dump = sub.add_parser("dump", help="build one rank's program and print it")
     dump.add_argument("factory", metavar="FILE.py:FACTORY", help="returns (model, optimizer, loss_fn, example_batch)")

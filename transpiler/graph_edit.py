@@ -7,7 +7,8 @@ anything, and ``meta["role"]`` so every node keeps a role.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx

@@ -12,8 +12,8 @@ unique sentinel float that is swapped for a placeholder afterwards.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 from .errors import PipelineSpecError, TranspilerError, VerificationError
 from .program import StepProgram

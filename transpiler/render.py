@@ -82,7 +82,9 @@ def to_json(program: StepProgram, graph: fx.Graph) -> str:
         if "grad_of" in node.meta:
             entry["grad_of"] = node.meta["grad_of"]
         if "collective" in node.meta:
-            entry["collective"] = {k: list(v) if isinstance(v, tuple) else v for k, v in node.meta["collective"].items()}
+            entry["collective"] = {
+                k: list(v) if isinstance(v, tuple) else v for k, v in node.meta["collective"].items()
+            }
         if "port" in node.meta:
             entry["port"] = {"kind": node.meta["port"].kind, "name": node.meta["port"].name}
         nodes.append(entry)

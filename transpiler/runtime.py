@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -31,7 +31,9 @@ def batch_key(batch: tuple) -> tuple:
 class DistributedStep:
     """One training step per call on this rank's batch shard; returns this rank's loss."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn, placement: Placement, build: Builder):
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn, placement: Placement, build: Builder
+    ):
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -129,11 +131,13 @@ class DistributedStep:
         A copy because ``optimizer.state_dict()`` shares its per-parameter dicts
         with the live optimizer, which every step updates.
         """
-        return copy.deepcopy({
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "transpiler": {"world_size": self.placement.world_size},
-        })
+        return copy.deepcopy(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "transpiler": {"world_size": self.placement.world_size},
+            }
+        )
 
     def load_state_dict(self, state_dict: dict) -> None:
         missing = {"model", "optimizer"} - set(state_dict)

@@ -11,14 +11,15 @@ outputs are listed as :class:`~transpiler.program.Port` s.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call, functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from .errors import ConfigurationError, UnsupportedModelError
 from .optimizers import OptimizerPlan
@@ -77,7 +78,9 @@ def check_batch(batch: tuple, *, loss_fn: LossFn) -> None:
         )
     for i, t in enumerate(batch):
         if not isinstance(t, torch.Tensor):
-            raise ConfigurationError(f"batch element {i} is a {type(t).__name__}; every batch element must be a tensor.")
+            raise ConfigurationError(
+                f"batch element {i} is a {type(t).__name__}; every batch element must be a tensor."
+            )
 
 
 def trace_step(
@@ -171,14 +174,20 @@ def _explain_trace_failure(exc: Exception) -> Exception:
     return UnsupportedModelError(f"tracing the training step failed: {text.splitlines()[0][:500]}")
 
 
-def _finish(gm: fx.GraphModule, in_ports: list[Port], plan: OptimizerPlan, n_out: int, grads_of: list[str]) -> StepProgram:
+def _finish(
+    gm: fx.GraphModule, in_ports: list[Port], plan: OptimizerPlan, n_out: int, grads_of: list[str]
+) -> StepProgram:
     """Clean the functional trace, name its inputs, swap sentinels, tag roles."""
     graph = gm.graph
     graph._codegen = fx.graph.CodeGen()  # plain positional signature instead of pytree
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output = graph.output_node()
     for node in list(graph.nodes):  # functionalize's copy_ epilogue: we return new values instead
-        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default and node.args[0].op == "placeholder":
+        if (
+            node.op == "call_function"
+            and node.target is torch.ops.aten.copy_.default
+            and node.args[0].op == "placeholder"
+        ):
             node.replace_all_uses_with(node.args[1])
             graph.erase_node(node)
     for node in list(graph.nodes):  # detach is a no-op without autograd
@@ -247,9 +256,7 @@ def _tag_roles(graph: fx.Graph, loss: fx.Node, model_out: list[fx.Node], grads: 
     end_forward = max((order[n] for n in model_out if n.op != "placeholder"), default=-1)
     if not model_out:  # the model returns its own loss
         end_forward = order[loss]
-    seed = next(
-        (u for u in loss.users if u.target is torch.ops.aten.ones_like.default), None
-    )
+    seed = next((u for u in loss.users if u.target is torch.ops.aten.ones_like.default), None)
     end_backward = max((order[g] for g in grads), default=order[loss])
     for node in graph.nodes:
         if node.op in ("placeholder", "output"):

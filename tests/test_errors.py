@@ -1,0 +1,144 @@
+"""Bad input gets a typed error that says what was wrong and what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from transpiler import (
+    ConfigurationError,
+    PipelineSpecError,
+    UnsupportedModelError,
+    UnsupportedOptimizerError,
+    VerificationError,
+    transpile,
+)
+from transpiler.cli import main as cli_main
+
+BATCH = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+
+
+def test_unsupported_optimizer_names_the_supported_ones():
+    model = nn.Linear(3, 2)
+    with pytest.raises(UnsupportedOptimizerError, match="SGD.*Adam.*AdamW"):
+        transpile(model, torch.optim.RMSprop(model.parameters()), loss_fn=nn.CrossEntropyLoss(), example_inputs=BATCH)
+
+
+def test_data_dependent_control_flow():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.lin(x) if x.sum() > 0 else -self.lin(x)
+
+    model = Branchy()
+    with pytest.raises(UnsupportedModelError, match="data-dependent control flow"):
+        transpile(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.CrossEntropyLoss(), example_inputs=BATCH
+        )
+
+
+def test_no_trainable_parameters():
+    model = nn.Linear(3, 2).requires_grad_(False)
+    with pytest.raises(ConfigurationError, match="no trainable parameters"):
+        transpile(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=nn.CrossEntropyLoss(), example_inputs=BATCH
+        )
+
+
+def test_world_size_above_one_without_process_group_can_be_inspected_not_run():
+    model = nn.Linear(3, 2)
+    step = transpile(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=nn.CrossEntropyLoss(),
+        example_inputs=BATCH,
+        world_size=2,
+        rank=1,
+    )
+    assert "all_reduce" in step.graph_module.code
+    with pytest.raises(ConfigurationError, match="init_process_group"):
+        step(*BATCH)
+
+
+@pytest.mark.parametrize(
+    "mode, error, message",
+    [
+        ("allreduc", ConfigurationError, "unknown mode 'allreduc'"),
+        ("scale-loss-grad,no-such-pass", PipelineSpecError, "unknown pass 'no-such-pass'"),
+        ("fuse-allreduce{bucket-cap-mb=big}", PipelineSpecError, "wants a float"),
+        ("fuse-allreduce{size=3}", PipelineSpecError, "has no option 'size'"),
+    ],
+)
+def test_bad_mode_or_spec(mode, error, message):
+    model = nn.Linear(3, 2)
+    with pytest.raises(error, match=message):
+        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mode=mode, loss_fn=nn.CrossEntropyLoss())
+
+
+def test_unknown_mode_option():
+    model = nn.Linear(3, 2)
+    with pytest.raises(ConfigurationError, match="bucket_cap_mb"):
+        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="allreduce", bucket_cap_mb=4)
+
+
+def test_loss_must_be_a_scalar():
+    model = nn.Linear(3, 2)
+    with pytest.raises(UnsupportedModelError, match="one element"):
+        transpile(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=nn.CrossEntropyLoss(reduction="none"),
+            example_inputs=BATCH,
+        )
+
+
+def test_changed_hyper_parameter_asks_for_a_new_transpile():
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = transpile(model, opt, loss_fn=nn.CrossEntropyLoss(), example_inputs=BATCH)
+    opt.param_groups[0]["momentum"] = 0.5
+    with pytest.raises(UnsupportedOptimizerError, match="transpile\\(\\) again"):
+        step(*BATCH)
+
+
+def test_a_pass_that_breaks_an_invariant_is_named():
+    """allreduce-grads after fuse-allreduce finds nothing left; a second reduction is caught by the verifier."""
+    from passes.allreduce_grads import AllReduceGrads
+    from transpiler.api import rewrite
+    from transpiler.process_group import Placement
+    from transpiler.tracing import trace_step
+
+    class ReduceAgain(AllReduceGrads):
+        name = "reduce-again"
+
+        def run(self, program):
+            for node in program.graph.nodes:  # pretend every gradient is still unreduced
+                node.meta.pop("bucket", None)
+            changed = False
+            for grad in [n for n in program.graph.nodes if "grad_of" in n.meta]:
+                waited = next(u for u in grad.users if u.meta.get("role") == "communication")
+                waited.meta["grad_of"], grad.meta["grad_of"] = grad.meta.pop("grad_of"), None
+                changed = True
+            super().run(program)
+            return changed
+
+    model = nn.Linear(3, 2)
+    traced, *_ = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), BATCH)
+    from passes import PASSES
+
+    with pytest.raises(VerificationError, match="reduce-again.*allreduce-grads"):
+        rewrite(traced, [PASSES["allreduce-grads"](), ReduceAgain()], Placement(2, 0, "world", False))
+
+
+def test_cli_reports_a_failing_factory_plainly(tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def make():\n    raise RuntimeError('no data here')\n")
+    assert cli_main(["dump", f"{bad}:make"]) == 2
+    err = capsys.readouterr().err
+    assert "make() in" in err and "RuntimeError: no data here" in err and "Traceback" not in err
+    assert cli_main(["dump", f"{tmp_path}/missing.py:make"]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -1,0 +1,147 @@
+"""Invariants of the passes, checked with hypothesis."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from passes import PASSES
+from passes.fuse_allreduce import MB, assign_buckets
+from transpiler.api import rewrite
+from transpiler.collectives import collective_sequence, is_collective
+from transpiler.modes import build_passes
+from transpiler.process_group import LOCAL_GROUP, Placement, ensure_local_group
+from transpiler.tracing import trace_step
+
+sizes_and_keys = st.lists(
+    st.tuples(st.integers(1, 3000), st.sampled_from(["f32", "f64", "f16"])), min_size=1, max_size=40
+)
+
+
+@given(items=sizes_and_keys, cap=st.integers(0, 5000), first=st.integers(1, 5000))
+def test_buckets_partition_respect_cap_and_never_mix_keys(items, cap, first):
+    sizes, keys = [s for s, _ in items], [k for _, k in items]
+    buckets = assign_buckets(sizes, keys, cap, first)
+    flat = sorted(i for b in buckets for i in b)
+    assert flat == list(range(len(items)))  # a partition: every gradient in exactly one bucket
+    for bucket in buckets:
+        assert len({keys[i] for i in bucket}) == 1  # never mixes dtypes
+        assert bucket == sorted(bucket)  # production order kept inside a bucket
+        total = sum(sizes[i] for i in bucket)
+        if len(bucket) > 1:
+            assert total <= max(cap, first)  # over the cap only when one gradient alone exceeds it
+    if cap <= 0:
+        assert all(len(b) == 1 for b in buckets)
+
+
+class MixedDtypes(nn.Module):
+    """float32 and float64 layers: the fused pass must keep them in separate buckets."""
+
+    def __init__(self, widths):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+        self.head64 = nn.Linear(widths[-1], 3).double()
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head64(x.double()).float()
+
+
+def _traced(widths, batch=4):
+    torch.manual_seed(0)
+    model = MixedDtypes(widths)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = (torch.randn(batch, widths[0]), torch.randint(0, 3, (batch,)))
+    traced, state, plan = trace_step(model, opt, nn.CrossEntropyLoss(), data)
+    return model, opt, data, traced, state, plan
+
+
+widths_strategy = st.lists(st.integers(1, 24), min_size=2, max_size=5)
+cap_strategy = st.sampled_from([0.0, 0.0005, 0.002, 25.0])
+SLOW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SLOW
+@given(widths=widths_strategy, cap=cap_strategy, world=st.integers(2, 5))
+def test_fused_buckets_on_real_graphs(widths, cap, world):
+    *_, traced, _, _ = _traced(widths)
+    passes = build_passes("fused_allreduce", {"bucket_cap_mb": cap, "first_bucket_mb": cap})
+    program = rewrite(traced, passes, Placement(world, 0, "world", False))
+    grads = [n.meta["grad_of"] for n in traced.graph.nodes if "grad_of" in n.meta]
+    members = [g for n in program.graph.nodes if is_collective(n) for g in n.meta["collective"]["grads"]]
+    assert sorted(members) == sorted(grads)  # every gradient in exactly one bucket
+    for node in program.graph.nodes:
+        if is_collective(node):
+            dtypes = {str(i.meta["val"].dtype) for i in node.all_input_nodes}
+            names = node.meta["collective"]["grads"]
+            assert len(dtypes) == 1, f"bucket {names} mixes {dtypes}"
+            if len(names) > 1:
+                assert node.meta["collective"]["bytes"] <= cap * MB
+
+
+@SLOW
+@given(widths=widths_strategy, mode=st.sampled_from(["allreduce", "fused_allreduce"]), world=st.integers(1, 4))
+def test_pipeline_is_idempotent(widths, mode, world):
+    *_, traced, _, _ = _traced(widths)
+    passes = build_passes(mode, {})
+    program = rewrite(traced, passes, Placement(world, 0, "world", False))
+    code = program.graph_module.code
+    for p in passes:
+        assert p.run(program) is False, f"{p.name} changed an already rewritten graph"
+    program.recompile()
+    assert program.graph_module.code == code
+
+
+@SLOW
+@given(
+    widths=widths_strategy,
+    spec=st.sampled_from(
+        [
+            "allreduce",
+            "fused_allreduce",
+            "fuse-allreduce{bucket-cap-mb=0.0005}",
+            "scale-loss-grad,allreduce-grads",
+            "broadcast-params,scale-loss-grad,fuse-allreduce{bucket-cap-mb=0},schedule-collectives",
+        ]
+    ),
+)
+def test_rewritten_graph_computes_the_original_at_world_size_one(widths, spec):
+    model, opt, data, traced, state, plan = _traced(widths)
+    ensure_local_group()
+    program = rewrite(traced, build_passes(spec, {}), Placement(1, 0, LOCAL_GROUP, True))
+    inputs = [
+        *(p.detach() for p in state.params),
+        *(b for b in state.buffers),
+        *(t for i in range(len(state.params)) for t in plan.state_tensors(i)),
+        *data,
+        *plan.scalar_values(),
+    ]
+    with torch.no_grad():
+        expected = traced.graph_module(*copy.deepcopy(inputs))
+        got = program.graph_module(*copy.deepcopy(inputs))
+    assert len(expected) == len(got)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+@SLOW
+@given(widths=widths_strategy, world=st.integers(2, 6), mode=st.sampled_from(["allreduce", "fused_allreduce"]))
+def test_all_ranks_issue_the_same_collectives(widths, world, mode):
+    *_, traced, _, _ = _traced(widths)
+    sequences = {
+        r: collective_sequence(rewrite(traced, build_passes(mode, {}), Placement(world, r, "world", False)).graph)
+        for r in range(world)
+    }
+    assert all(seq == sequences[0] for seq in sequences.values())
+
+
+def test_every_pass_reports_no_change_when_it_has_nothing_to_do():
+    *_, traced, _, _ = _traced([4, 4])
+    program = traced.clone()
+    assert PASSES["schedule-collectives"]().run(program) is False  # no collectives yet
+    assert PASSES["scale-loss-grad"]().run(program) is True
+    assert PASSES["scale-loss-grad"]().run(program) is False
