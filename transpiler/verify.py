@@ -92,5 +92,6 @@ def check_cross_rank(programs: list[StepProgram]) -> None:
                 )
         if len(reference) != len(sequence):
             raise VerificationError(
-                f"rank {program.rank} issues {len(sequence)} collectives, rank {programs[0].rank} issues {len(reference)}."
+                f"rank {program.rank} issues {len(sequence)} collectives, "
+                f"rank {programs[0].rank} issues {len(reference)}."
             )
