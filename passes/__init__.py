@@ -5,11 +5,28 @@ from transpiler.pipeline import Pass
 from .allreduce_grads import AllReduceGrads
 from .broadcast_params import BroadcastParams
 from .fuse_allreduce import FuseAllReduce
+from .reinplace_optimizer import ReinplaceOptimizer
 from .scale_loss_grad import ScaleLossGrad
 from .schedule_collectives import ScheduleCollectives
 
 PASSES: dict[str, type[Pass]] = {
-    cls.name: cls for cls in (BroadcastParams, ScaleLossGrad, AllReduceGrads, FuseAllReduce, ScheduleCollectives)
+    cls.name: cls
+    for cls in (
+        BroadcastParams,
+        ScaleLossGrad,
+        AllReduceGrads,
+        FuseAllReduce,
+        ScheduleCollectives,
+        ReinplaceOptimizer,
+    )
 }
 
-__all__ = ["PASSES", "AllReduceGrads", "BroadcastParams", "FuseAllReduce", "ScaleLossGrad", "ScheduleCollectives"]
+__all__ = [
+    "PASSES",
+    "AllReduceGrads",
+    "BroadcastParams",
+    "FuseAllReduce",
+    "ReinplaceOptimizer",
+    "ScaleLossGrad",
+    "ScheduleCollectives",
+]

@@ -34,11 +34,13 @@ class AllReduceGrads(Pass):
 
     def run(self, program: StepProgram) -> bool:
         graph = program.graph
+        order = position(graph)  # original nodes keep their order; computed once for linear time
         changed = False
         for grad in gradient_nodes(program):
             if is_reduced(grad):
                 continue
             name = grad.meta["grad_of"]
+            first_reader = min(grad.users, key=order.__getitem__)
             cursor = Cursor(graph, grad)
             info = {"kind": "all_reduce", "grads": (name,), "bytes": node_bytes(grad)}
             reduced = cursor.emit(
@@ -46,7 +48,6 @@ class AllReduceGrads(Pass):
             )
             waited = cursor.emit(WAIT, (reduced,), role="communication")
             grad.replace_all_uses_with(waited, delete_user_cb=lambda u, r=reduced: u is not r)
-            order = position(graph)
-            move_before(waited, min(waited.users, key=order.__getitem__))
+            move_before(waited, first_reader)
             changed = True
         return changed

@@ -79,14 +79,15 @@ class FuseAllReduce(Pass):
             int(self.bucket_cap_mb * MB),
             int(self.first_bucket_mb * MB),
         )
+        order = position(program.graph)  # gradients keep their order; computed once for linear time
         for index, members in enumerate(buckets):
-            self._reduce_bucket(program, [grads[i] for i in members], index)
+            last = max((grads[i] for i in members), key=order.__getitem__)
+            self._reduce_bucket(program, [grads[i] for i in members], index, last)
         return True
 
-    def _reduce_bucket(self, program: StepProgram, members: list[fx.Node], index: int) -> None:
+    def _reduce_bucket(self, program: StepProgram, members: list[fx.Node], index: int, last: fx.Node) -> None:
         graph = program.graph
-        order = position(graph)
-        cursor = Cursor(graph, max(members, key=order.__getitem__))
+        cursor = Cursor(graph, last)
         info = {
             "kind": "all_reduce",
             "bucket": index,
@@ -99,7 +100,9 @@ class FuseAllReduce(Pass):
         else:
             pieces = [cursor.emit(aten.reshape.default, (g, [-1]), **comm) for g in members]
             flat = cursor.emit(aten.cat.default, (pieces,), **comm)
-        reduced = cursor.emit(C10D.all_reduce.default, (flat, "sum", program.group_name), collective=info, **comm)
+        # a fused buffer is ours alone, so it is reduced in place (no clone); a lone gradient is not
+        op = C10D.all_reduce.default if len(members) == 1 else C10D.all_reduce_.default
+        reduced = cursor.emit(op, (flat, "sum", program.group_name), collective=info, **comm)
         waited = cursor.emit(WAIT, (reduced,), **comm)
         if len(members) == 1:
             members[0].replace_all_uses_with(waited, delete_user_cb=lambda u: u is not reduced)

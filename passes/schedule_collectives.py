@@ -38,18 +38,19 @@ class ScheduleCollectives(Pass):
         comm = [n for n in graph.nodes if n.meta.get("role") == "communication"]
         completion = _completion_side(comm)
         before = list(graph.nodes)
+        order: dict[fx.Node, float] = dict(position(graph))  # kept up to date with fractional positions
         for node in comm:  # issuing side, forwards: hoist right after the latest input
             if node in completion:
                 continue
-            order = position(graph)
             latest = max(node.all_input_nodes, key=order.__getitem__)
             if latest.next is not node:
+                order[node] = (order[latest] + order[latest.next]) / 2
                 latest.append(node)
         for node in reversed(comm):  # completion side, backwards: sink right before the first reader
             if node not in completion or not node.users:
                 continue
-            order = position(graph)
             first = min(node.users, key=order.__getitem__)
             if node.next is not first:
+                order[node] = (order[first.prev] + order[first]) / 2
                 first.prepend(node)
         return list(graph.nodes) != before

@@ -17,6 +17,7 @@ WAIT = C10D.wait_tensor.default
 COLLECTIVES = frozenset(
     {
         C10D.all_reduce.default,
+        C10D.all_reduce_.default,
         C10D.broadcast.default,
         C10D.all_gather_into_tensor.default,
         C10D.reduce_scatter_tensor.default,

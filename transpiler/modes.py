@@ -10,6 +10,7 @@ from passes import PASSES
 from passes.allreduce_grads import AllReduceGrads
 from passes.broadcast_params import BroadcastParams
 from passes.fuse_allreduce import FuseAllReduce
+from passes.reinplace_optimizer import ReinplaceOptimizer
 from passes.scale_loss_grad import ScaleLossGrad
 from passes.schedule_collectives import ScheduleCollectives
 
@@ -26,7 +27,7 @@ class Mode:
 
 
 def _allreduce() -> list[Pass]:
-    return [BroadcastParams(), ScaleLossGrad(), AllReduceGrads(), ScheduleCollectives()]
+    return [BroadcastParams(), ScaleLossGrad(), AllReduceGrads(), ScheduleCollectives(), ReinplaceOptimizer()]
 
 
 def _fused(bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> list[Pass]:
@@ -35,6 +36,7 @@ def _fused(bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> list[Pa
         ScaleLossGrad(),
         FuseAllReduce(bucket_cap_mb=float(bucket_cap_mb), first_bucket_mb=float(first_bucket_mb)),
         ScheduleCollectives(),
+        ReinplaceOptimizer(),
     ]
 
 

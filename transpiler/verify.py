@@ -40,16 +40,45 @@ def check_gradient_reductions(program: StepProgram, final: bool) -> None:
     """Along every path from a gradient to the optimizer, count the all-reduces.
 
     Between passes a gradient may be reduced at most once; once the pipeline
-    has finished with a reducing pass, exactly once on every path.
+    has finished with a reducing pass, exactly once on every path. One sweep
+    in graph order gives, for each communication node, the set of reduction
+    counts over all paths reaching it; only on failure is the guilty gradient
+    traced path by path, for the message.
     """
+    counts: dict[fx.Node, set[int]] = {}
+    for node in program.graph.nodes:
+        if "grad_of" in node.meta:
+            counts[node] = {0}
+        elif node.meta.get("role") == "communication":
+            reaching = [counts[i] for i in node.all_input_nodes if i in counts]
+            if reaching:
+                step = 1 if _is_all_reduce(node) else 0
+                counts[node] = {c + step for s in reaching for c in s}
+    bad = any(
+        max(c) > 1 or (final and c != {1})
+        for node, c in counts.items()
+        if any(u.meta.get("role") == "optimizer" for u in node.users)
+    )
+    if final and not bad:  # every gradient must reach the optimizer: one sweep backwards
+        reaches: set[fx.Node] = set()
+        for node in reversed(program.graph.nodes):
+            if node in counts and any(u.meta.get("role") == "optimizer" or u in reaches for u in node.users):
+                reaches.add(node)
+        bad = any(g not in reaches for g in counts if "grad_of" in g.meta)
+    if not bad:
+        return
     for grad in (n for n in program.graph.nodes if "grad_of" in n.meta):
-        counts = _reductions_to_optimizer(grad)
+        found = _reductions_to_optimizer(grad)
         name = grad.meta["grad_of"]
-        if any(c > 1 for c in counts):
-            raise VerificationError(f"gradient of '{name}' is all-reduced {max(counts)} times before the optimizer.")
-        if final and counts != {1}:
-            missing = "never reaches the optimizer" if not counts else "reaches the optimizer un-reduced"
+        if any(c > 1 for c in found):
+            raise VerificationError(f"gradient of '{name}' is all-reduced {max(found)} times before the optimizer.")
+        if final and found != {1}:
+            missing = "never reaches the optimizer" if not found else "reaches the optimizer un-reduced"
             raise VerificationError(f"gradient of '{name}' {missing}; it must be all-reduced exactly once.")
+
+
+def _is_all_reduce(node: fx.Node) -> bool:
+    return is_collective(node) and node.target.__name__.startswith("all_reduce")
 
 
 def _reductions_to_optimizer(grad: fx.Node) -> set[int]:
@@ -66,8 +95,7 @@ def _reductions_to_optimizer(grad: fx.Node) -> set[int]:
                 continue
             if role != "communication":
                 continue
-            step = 1 if is_collective(user) and user.target.__name__.startswith("all_reduce") else 0
-            new = {c + step for c in seen[node]} - seen.get(user, set())
+            new = {c + _is_all_reduce(user) for c in seen[node]} - seen.get(user, set())
             if new:
                 seen.setdefault(user, set()).update(new)
                 queue.append(user)
