@@ -13,8 +13,8 @@ from torch import nn
 
 from transpiler.modes import build_passes
 from transpiler.pipeline import Pipeline
-from transpiler.verify import DEFAULT_VERIFIERS
 from transpiler.tracing import trace_step
+from transpiler.verify import DEFAULT_VERIFIERS
 
 LAYERS = (45, 225, 450, 1100, 2250)  # about 1k, 5k, 10k, 25k and 50k nodes
 
