@@ -7,12 +7,13 @@ anything, and ``meta["role"]`` so every node keeps a role.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 def fake_value(node: fx.Node) -> Any:
@@ -20,9 +21,11 @@ def fake_value(node: fx.Node) -> Any:
 
 
 def _fake_call(target: Callable, args: tuple, kwargs: dict) -> Any:
+    """The node's value on fake tensors: no real computation, just shapes, dtypes and devices."""
     vals = fx.node.map_arg((args, kwargs), lambda n: n.meta.get("val"))
-    fakes = [v for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)]
-    mode = detect_fake_mode(fakes)
+    if target is operator.getitem:  # one item of a multi-output value: index it, do not rescan it
+        return vals[0][0][vals[0][1]]
+    mode = next((v.fake_mode for v in torch.utils._pytree.tree_iter(vals) if isinstance(v, FakeTensor)), None)
     if mode is None:
         return None
     with mode:
