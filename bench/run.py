@@ -49,18 +49,22 @@ def render(steps: dict, passes: list[dict]) -> str:
         "",
         f"Produced by `{COMMAND}` on {platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}, "
         "gloo over loopback, 2 processes with one thread each, SGD with momentum. Step times are medians over "
-        "rounds that interleave the variants; the ratio is to DDP in the same run (below 1 is faster).",
+        "rounds that interleave the variants (each round: 3 warm-up steps, then 10 timed steps); the ratio is to "
+        "DDP in the same run (below 1 is faster). Two single-threaded ranks share two cores, so rounds vary by "
+        "about ±10%: read ratios within 0.9–1.1 as parity.",
         "",
         "## Step time against DDP",
         "",
-        "| model | params | variant | median step (ms) | ratio to DDP | collectives / step | bytes reduced / step |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| model | params | variant | median step (ms) | rounds min–max (ms) | ratio to DDP | collectives / step "
+        "| bytes reduced / step |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for name, data in steps.items():
         ddp = data["variants"]["ddp"]["median_s"]
         for variant, v in data["variants"].items():
             lines.append(
                 f"| {name} | {data['params'] / 1e6:.2f}M | {variant} | {v['median_s'] * 1e3:.2f} | "
+                f"{min(v['rounds_s']) * 1e3:.1f}–{max(v['rounds_s']) * 1e3:.1f} | "
                 f"{v['median_s'] / ddp:.3f} | {v['collectives']} | {data['grad_bytes'] / 2**20:.1f} MiB |"
             )
     lines += [

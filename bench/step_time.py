@@ -25,7 +25,7 @@ from bench.models import batch_for, build  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 PER_RANK = {"mlp_5m": 64, "transformer": 32}
-WARMUP, STEPS, ROUNDS = 3, 10, 7
+WARMUP, STEPS, ROUNDS = 3, 10, 15
 VARIANTS = ("ddp", "allreduce", "fused_allreduce")
 
 

@@ -41,6 +41,8 @@ def test_diff_shows_inserted_collectives(capsys):
 def test_before_and_print_between_passes(capsys):
     assert main(["dump", FACTORY, "--before"]) == 0
     assert "all_reduce" not in capsys.readouterr().out
+    assert main(["dump", FACTORY, "--before", "--format", "json"]) == 0
+    assert '"role": "loss_grad"' in capsys.readouterr().out
     assert main(["dump", FACTORY, "--print-between-passes", "-O", "bucket_cap_mb=0"]) == 0
     err = capsys.readouterr().err
     for name in ("broadcast-params", "scale-loss-grad", "fuse-allreduce", "schedule-collectives"):

@@ -64,16 +64,15 @@ def _parse_options(items: list[str]) -> dict[str, Any]:
     return options
 
 
-def _render(program: StepProgram, fmt: str, *, before: bool, diff: bool) -> str:
-    traced_code = program.history[0][1]
+def _render(program: StepProgram, fmt: str, *, diff: bool) -> str:
     if diff:
-        return unified_diff(traced_code, program.graph_module.code, after_label=f"after {program.history[-1][0]}")
+        return unified_diff(
+            program.history[0][1], program.graph_module.code, after_label=f"after {program.history[-1][0]}"
+        )
     graph = program.graph
     title = f"rank {program.rank} of {program.world_size}"
     if fmt == "code":
-        return traced_code if before else program.graph_module.code
-    if before:
-        raise FactoryError("--before works with --format code; for pictures use --mode none.")
+        return program.graph_module.code
     if fmt == "dot":
         return to_dot(graph, title).to_string()
     if fmt == "svg":
@@ -90,16 +89,16 @@ def cmd_dump(args: argparse.Namespace) -> int:
     step = transpile(
         model,
         optimizer,
-        mode=args.mode,
+        mode="none" if args.before else args.mode,  # --before: the traced graph, in any format
         loss_fn=loss_fn,
         example_inputs=tuple(batch),
         world_size=args.world_size,
         rank=args.rank,
         verify=not args.no_verify,
         on_pass=show if args.print_between_passes else None,
-        **_parse_options(args.option),
+        **({} if args.before else _parse_options(args.option)),
     )
-    text = _render(step.program, args.format, before=args.before, diff=args.diff)
+    text = _render(step.program, args.format, diff=args.diff)
     if args.output:
         Path(args.output).write_text(text)
         print(f"wrote {args.output} ({len(text)} characters)", file=sys.stderr)

@@ -133,14 +133,12 @@ class OptimizerPlan:
         out = []
         for key in self.state_keys(position):
             value = state.get(key)
-            if value is None:
+            if value is None:  # created exactly as eager creates it on the first step
                 if key == "step":
                     value = torch.tensor(0.0, dtype=torch.float32)
-                    state[key] = value
-                elif key == "momentum_buffer":
-                    value = torch.zeros_like(p, memory_format=torch.preserve_format)
                 else:
                     value = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if key != "momentum_buffer":  # eager stores the momentum buffer only after the first step
                     state[key] = value
             out.append(value.detach())
         return out

@@ -123,8 +123,6 @@ class Pipeline:
             start = time.perf_counter()
             try:
                 modified = bool(p.run(program))
-            except VerificationError:
-                raise
             except TranspilerError:
                 raise
             except Exception as exc:

@@ -46,9 +46,11 @@ def resolve_placement(world_size: int | None, rank: int | None) -> Placement:
     """Combine explicit ``world_size``/``rank`` with torch.distributed's state."""
     if world_size is not None and world_size < 1:
         raise ConfigurationError(f"world_size must be >= 1, got {world_size}.")
-    if rank is not None and not 0 <= rank < (world_size or 1 if not dist.is_initialized() else dist.get_world_size()):
-        raise ConfigurationError(f"rank {rank} is outside the world of size {world_size}.")
-    if dist.is_available() and dist.is_initialized():
+    live = dist.is_available() and dist.is_initialized()
+    size = dist.get_world_size() if live else (world_size or 1)
+    if rank is not None and not 0 <= rank < size:
+        raise ConfigurationError(f"rank {rank} is outside the world of size {size}.")
+    if live:
         actual_w, actual_r = dist.get_world_size(), dist.get_rank()
         if world_size not in (None, actual_w) or rank not in (None, actual_r):
             raise ConfigurationError(

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from .errors import BatchMismatchError, ConfigurationError
+from .errors import ConfigurationError
 from .optimizers import OptimizerPlan
 from .process_group import LOCAL_GROUP, Placement, ensure_local_group
 from .program import StepProgram
@@ -142,6 +142,6 @@ class DistributedStep:
     def load_state_dict(self, state_dict: dict) -> None:
         missing = {"model", "optimizer"} - set(state_dict)
         if missing:
-            raise BatchMismatchError(f"state_dict lacks {sorted(missing)}; pass what step.state_dict() returned.")
+            raise ConfigurationError(f"state_dict lacks {sorted(missing)}; pass what step.state_dict() returned.")
         self.model.load_state_dict(state_dict["model"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
