@@ -38,7 +38,8 @@ ATOL, RTOL = 1e-6, 1e-5
 def runs(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"parity{world}")
-    launch(ROOT / "tests" / "dist_worker.py", world, [str(out), ";".join(SCENARIOS)], timeout=420)
+    # below pytest-timeout, so a hang is reported by the launcher, which kills every rank
+    launch(ROOT / "tests" / "dist_worker.py", world, [str(out), ";".join(SCENARIOS)], timeout=240)
     return world, [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
