@@ -9,11 +9,11 @@ from typing import Any
 import torch
 
 from .errors import ConfigurationError
-from .modes import build_passes
+from .modes import build_strategy
 from .pipeline import Pipeline
 from .process_group import Placement, resolve_placement
 from .program import StepProgram
-from .runtime import DistributedStep
+from .runtime import Built, DistributedStep
 from .tracing import LossFn, trace_step
 from .verify import DEFAULT_VERIFIERS, check_cross_rank
 
@@ -47,15 +47,18 @@ def transpile(
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigurationError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-    passes = build_passes(mode, options)
+    strategy = build_strategy(mode, options)
     placement = resolve_placement(world_size, rank)
 
-    def build(batch: tuple):
+    def build(batch: tuple) -> Built:
         traced, state, plan = trace_step(model, optimizer, loss_fn, batch)
-        program = rewrite(traced, passes, placement, verify=verify, on_pass=on_pass)
-        return program, state, plan
+        programs = {
+            variant: rewrite(traced, passes, placement, verify=verify, on_pass=on_pass)
+            for variant, passes in strategy.variants.items()
+        }
+        return Built(programs, state, plan)
 
-    step = DistributedStep(model, optimizer, loss_fn, placement, build)
+    step = DistributedStep(model, optimizer, loss_fn, placement, build, strategy.schedule())
     if example_inputs is not None:
         step.prepare(tuple(example_inputs))
     return step

@@ -117,9 +117,11 @@ def cmd_passes(args: argparse.Namespace) -> int:
 def cmd_modes(args: argparse.Namespace) -> int:
     for name, mode in MODES.items():
         opts = ", ".join(f"{k}={v}" for k, v in mode.options.items())
-        spec = ",".join(p.spec() for p in mode.build()) or "(no passes)"
         print(f"{name:16s} {mode.summary}" + (f"  [{opts}]" if opts else ""))
-        print(f"{'':16s}   = {spec}")
+        for variant, passes in mode.strategy().variants.items():
+            spec = ",".join(p.spec() for p in passes) or "(no passes)"
+            label = "" if variant == "step" else f"{variant}: "
+            print(f"{'':16s}   = {label}{spec}")
     return 0
 
 

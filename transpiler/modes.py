@@ -16,14 +16,27 @@ from passes.schedule_collectives import ScheduleCollectives
 
 from .errors import ConfigurationError
 from .pipeline import Pass, parse_spec
+from .schedules import EveryStep
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What a mode builds: a pass list per program variant, and the schedule choosing between them."""
+
+    variants: dict[str, list[Pass]]
+    schedule: Callable[[], Any] = EveryStep
 
 
 @dataclass(frozen=True)
 class Mode:
     name: str
     summary: str
-    build: Callable[..., list[Pass]]
+    build: Callable[..., list[Pass] | Strategy]
     options: dict[str, Any]
+
+    def strategy(self, **options: Any) -> Strategy:
+        built = self.build(**options)
+        return built if isinstance(built, Strategy) else Strategy({"step": built})
 
 
 def _allreduce() -> list[Pass]:
@@ -56,14 +69,22 @@ MODES: dict[str, Mode] = {
 
 
 def build_passes(mode: str, options: dict[str, Any]) -> list[Pass]:
-    """Passes for a mode name with its options, or for an explicit pipeline spec."""
+    """Passes for a single-variant mode name with its options, or for an explicit pipeline spec."""
+    variants = build_strategy(mode, options).variants
+    if list(variants) != ["step"]:
+        raise ConfigurationError(f"mode '{mode}' has several program variants ({', '.join(variants)}).")
+    return variants["step"]
+
+
+def build_strategy(mode: str, options: dict[str, Any]) -> Strategy:
+    """The strategy for a mode name with its options, or for an explicit pipeline spec."""
     if mode in MODES:
         known = MODES[mode].options
         unknown = sorted(set(options) - set(known))
         if unknown:
             allowed = ", ".join(known) or "none"
             raise ConfigurationError(f"mode '{mode}' takes no option(s) {unknown}; its options: {allowed}.")
-        return MODES[mode].build(**options)
+        return MODES[mode].strategy(**options)
     if options:
         raise ConfigurationError(
             f"options {sorted(options)} only apply to named modes; put pass options in the spec, "
@@ -74,4 +95,4 @@ def build_passes(mode: str, options: dict[str, Any]) -> list[Pass]:
             f"unknown mode '{mode}'. Modes: {', '.join(MODES)}; or give a pipeline spec of passes "
             f"({', '.join(PASSES)}), e.g. 'scale-loss-grad,allreduce-grads'."
         )
-    return parse_spec(mode, PASSES)
+    return Strategy({"step": parse_spec(mode, PASSES)})

@@ -19,7 +19,8 @@ ROLES = ("forward", "loss", "loss_grad", "backward", "communication", "optimizer
 class Port:
     """One graph input or output: what it carries and the name it refers to."""
 
-    kind: str  # inputs: param, frozen, buffer, state, batch, scalar; outputs: loss, param, state, buffer
+    kind: str  # inputs: param, frozen, buffer, state, batch, scalar, extra; outputs: loss, param, state, buffer,
+    # extra (state a pass added), metric (a float the schedule reads)
     name: str
 
 
@@ -36,6 +37,7 @@ class StepProgram:
     startup: fx.GraphModule | None = None
     startup_ports: list[Port] = field(default_factory=list)
     history: list[tuple[str, str]] = field(default_factory=list)
+    extra_init: dict[str, tuple[str, str]] = field(default_factory=dict)  # extra input -> (rule, source)
 
     @property
     def graph(self) -> fx.Graph:
@@ -64,4 +66,5 @@ class StepProgram:
             startup,
             list(self.startup_ports),
             list(self.history),
+            dict(self.extra_init),
         )

@@ -1,9 +1,12 @@
-"""Runs a rank's step program and keeps the model and optimizer up to date.
+"""Runs a rank's step programs and keeps the model and optimizer up to date.
 
-The runtime owns no training state of its own: parameters and buffers live in
-the user's model, optimizer state in ``optimizer.state``. Each call feeds them
-to the graph and writes the graph's results back (re-binding ``.data``, so no
-copy), which keeps checkpoints and evaluation code working unchanged.
+The runtime owns no training state of the model's: parameters and buffers live
+in the user's model, optimizer state in ``optimizer.state``. Each call feeds
+them to the graph and writes the graph's results back (re-binding ``.data``;
+after ``reinplace-optimizer`` the results are the same storage, updated in
+place). State that passes add (LocalSGD snapshots, say) lives here, in
+``extra``, and travels in :meth:`state_dict`. Inputs and outputs are matched
+by their ports, so a pass can add either.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,10 +23,23 @@ from .errors import ConfigurationError
 from .optimizers import OptimizerPlan
 from .process_group import LOCAL_GROUP, Placement, ensure_local_group
 from .program import StepProgram
+from .schedules import EveryStep
 from .tracing import ModelState, check_batch
 
 log = logging.getLogger("transpiler")
-Builder = Callable[[tuple], tuple[StepProgram, ModelState, OptimizerPlan]]
+
+
+@dataclass
+class Built:
+    """Everything traced for one batch shape: a program per variant, and the model/optimizer layout."""
+
+    programs: dict[str, StepProgram]
+    state: ModelState
+    plan: OptimizerPlan
+    state_names: list[str] = field(default_factory=list)
+
+
+Builder = Callable[[tuple], Built]
 
 
 def batch_key(batch: tuple) -> tuple:
@@ -31,60 +49,108 @@ def batch_key(batch: tuple) -> tuple:
 class DistributedStep:
     """One training step per call on this rank's batch shard; returns this rank's loss."""
 
-    def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn, placement: Placement, build: Builder
-    ):
+    def __init__(self, model, optimizer, loss_fn, placement: Placement, build: Builder, schedule: Any = None):
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.placement = placement
+        self.schedule = schedule if schedule is not None else EveryStep()
+        self.extra: dict[str, torch.Tensor] = {}
+        self.last_variant: str | None = None
+        self.last_metrics: dict[str, float] = {}
         self._build = build
-        self._programs: dict[tuple, tuple[StepProgram, ModelState, OptimizerPlan]] = {}
-        self._last: StepProgram | None = None
+        self._built: dict[tuple, Built] = {}
+        self._last: Built | None = None
         self._started = False
 
     # ------------------------------------------------------------ inspection
     @property
-    def program(self) -> StepProgram:
+    def programs(self) -> dict[str, StepProgram]:
+        """The rank's program per variant (``"step"``, or LocalSGD's ``"local"`` and ``"sync"``)."""
         if self._last is None:
             raise ConfigurationError("nothing traced yet: pass example_inputs to transpile() or run one step first.")
-        return self._last
+        return self._last.programs
+
+    @property
+    def program(self) -> StepProgram:
+        """The program of the variant that runs most often (the last one listed)."""
+        return self.programs[next(reversed(self.programs))] if "step" not in self.programs else self.programs["step"]
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
-        """The rewritten torch.fx.GraphModule this rank runs."""
+        """The rewritten torch.fx.GraphModule this rank runs (see ``programs`` for multi-variant modes)."""
         return self.program.graph_module
 
-    def prepare(self, batch: tuple) -> StepProgram:
+    def prepare(self, batch: tuple) -> Built:
         """Trace and rewrite the step for this batch's shapes (cached)."""
         check_batch(tuple(batch), loss_fn=self.loss_fn)
         key = batch_key(batch)
-        if key not in self._programs:
-            if self._programs:
+        if key not in self._built:
+            if self._built:
                 log.info("batch shapes %s are new: tracing the step again", [k[0] for k in key])
-            self._programs[key] = self._build(tuple(batch))
-        self._last = self._programs[key][0]
+            self._built[key] = self._build(tuple(batch))
+        self._last = self._built[key]
         return self._last
 
     # ------------------------------------------------------------- execution
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
-        program = self.prepare(batch)
-        _, state, plan = self._programs[batch_key(batch)]
+        built = self.prepare(batch)
         self._require_live()
         if not self._started:
-            self._run_startup(program, state)
-        inputs = [
-            *(p.detach() for p in state.params),
-            *(p.detach() for p in state.frozen),
-            *state.buffers,
-            *(t for i in range(len(state.params)) for t in plan.state_tensors(i)),
-            *batch,
-            *plan.scalar_values(),
-        ]
+            self._run_startup(built)
+        variant = self.schedule.variant()
+        program = built.programs[variant]
+        self._init_extra(program, built.state)
         with torch.no_grad():
-            outputs = program.graph_module(*inputs)
-        self._write_back(outputs, state, plan)
+            outputs = program.graph_module(*self._inputs(program, built, batch))
+        metrics = self._write_back(program, built, outputs)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.schedule.observe(variant, metrics, lr)
+        self.last_variant, self.last_metrics = variant, metrics
         return outputs[0]
+
+    def _inputs(self, program: StepProgram, built: Built, batch: tuple) -> list:
+        state, plan = built.state, built.plan
+        params = dict(zip(state.names, state.params))
+        tensors = {
+            "param": {n: p.detach() for n, p in params.items()},
+            "frozen": {n: p.detach() for n, p in zip(state.frozen_names, state.frozen)},
+            "buffer": dict(zip(state.buffer_names, state.buffers)),
+            "state": {
+                f"{state.names[i]}.{k}": t
+                for i in range(len(state.params))
+                for k, t in zip(plan.state_keys(i), plan.state_tensors(i))
+            },
+            "batch": {f"batch{i}": t for i, t in enumerate(batch)},
+            "scalar": {s.name: v for s, v in zip(plan.scalar_slots(), plan.scalar_values())},
+            "extra": self.extra,
+        }
+        return [tensors[port.kind][port.name] for port in program.inputs]
+
+    def _write_back(self, program: StepProgram, built: Built, outputs: tuple) -> dict[str, float]:
+        state, plan = built.state, built.plan
+        params = dict(zip(state.names, state.params))
+        buffers = dict(zip(state.buffer_names, state.buffers))
+        positions = {n: i for i, n in enumerate(state.names)}
+        new_states: dict[int, dict[str, torch.Tensor]] = {}
+        metrics: dict[str, float] = {}
+        for port, value in zip(program.outputs, outputs):
+            if port.kind == "param":
+                params[port.name].data = value
+            elif port.kind == "buffer":
+                if value is not buffers[port.name]:
+                    buffers[port.name].data = value
+            elif port.kind == "state":
+                name, key = port.name.rsplit(".", 1)
+                new_states.setdefault(positions[name], {})[key] = value
+            elif port.kind == "extra":
+                self.extra[port.name] = value
+            elif port.kind == "metric":
+                metrics[port.name] = float(value)
+        for position, values in new_states.items():
+            plan.write_back(position, [values[k] for k in plan.state_keys(position)])
+        self.optimizer._opt_called = True  # what LR schedulers check to see that the optimizer stepped
+        return metrics
 
     def _require_live(self) -> None:
         if not self.placement.live:
@@ -96,10 +162,12 @@ class DistributedStep:
         if self.placement.group_name == LOCAL_GROUP:
             ensure_local_group()
 
-    def _run_startup(self, program: StepProgram, state: ModelState) -> None:
+    def _run_startup(self, built: Built) -> None:
         self._started = True
-        if program.startup is None:
+        program = next((p for p in built.programs.values() if p.startup is not None), None)
+        if program is None:
             return
+        state = built.state
         tensors = {("param", n): p for n, p in zip(state.names, state.params)}
         tensors.update({("frozen", n): p for n, p in zip(state.frozen_names, state.frozen)})
         tensors.update({("buffer", n): b for n, b in zip(state.buffer_names, state.buffers)})
@@ -109,20 +177,15 @@ class DistributedStep:
             for target, value in zip(targets, results):
                 target.copy_(value)
 
-    def _write_back(self, outputs: tuple, state: ModelState, plan: OptimizerPlan) -> None:
-        n_p = len(state.params)
-        new_params = outputs[1 : 1 + n_p]
-        pos = 1 + n_p
-        for p, new in zip(state.params, new_params):
-            p.data = new
-        for i in range(n_p):
-            count = len(plan.state_keys(i))
-            plan.write_back(i, list(outputs[pos : pos + count]))
-            pos += count
-        for b, new in zip(state.buffers, outputs[pos:]):
-            if new is not b:
-                b.data = new
-        self.optimizer._opt_called = True  # what LR schedulers check to see that the optimizer stepped
+    def _init_extra(self, program: StepProgram, state: ModelState) -> None:
+        """Create pass-added state on first use, by the rule its pass declared (after the startup broadcast)."""
+        params = dict(zip(state.names, state.params))
+        for name, (rule, source) in program.extra_init.items():
+            if name in self.extra:
+                continue
+            if rule != "copy_param":
+                raise ConfigurationError(f"unknown initialisation rule '{rule}' for extra state '{name}'.")
+            self.extra[name] = params[source].detach().clone()
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
@@ -135,7 +198,11 @@ class DistributedStep:
             {
                 "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
-                "transpiler": {"world_size": self.placement.world_size},
+                "transpiler": {
+                    "world_size": self.placement.world_size,
+                    "extra": self.extra,
+                    "schedule": self.schedule.state_dict(),
+                },
             }
         )
 
@@ -145,3 +212,7 @@ class DistributedStep:
             raise ConfigurationError(f"state_dict lacks {sorted(missing)}; pass what step.state_dict() returned.")
         self.model.load_state_dict(state_dict["model"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        saved = state_dict.get("transpiler", {})
+        self.extra = {k: v.clone() for k, v in saved.get("extra", {}).items()}
+        self.schedule.load_state_dict(saved.get("schedule", {}))
+        self._started = self._started or bool(self.extra)
