@@ -5,6 +5,7 @@ from transpiler.pipeline import Pass
 from .allreduce_grads import AllReduceGrads
 from .broadcast_params import BroadcastParams
 from .fuse_allreduce import FuseAllReduce
+from .local_sgd import LocalSGDAverage
 from .reinplace_optimizer import ReinplaceOptimizer
 from .scale_loss_grad import ScaleLossGrad
 from .schedule_collectives import ScheduleCollectives
@@ -16,6 +17,7 @@ PASSES: dict[str, type[Pass]] = {
         ScaleLossGrad,
         AllReduceGrads,
         FuseAllReduce,
+        LocalSGDAverage,
         ScheduleCollectives,
         ReinplaceOptimizer,
     )
@@ -26,6 +28,7 @@ __all__ = [
     "AllReduceGrads",
     "BroadcastParams",
     "FuseAllReduce",
+    "LocalSGDAverage",
     "ReinplaceOptimizer",
     "ScaleLossGrad",
     "ScheduleCollectives",

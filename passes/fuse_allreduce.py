@@ -61,6 +61,53 @@ def assign_buckets(sizes: list[int], keys: list[tuple], cap_bytes: int, first_ca
     return sorted(done, key=lambda b: b[-1])
 
 
+def reduce_in_buckets(
+    program: StepProgram, items: list[tuple[str, fx.Node]], cap_bytes: int, first_cap_bytes: int, *, tag: str
+) -> list[fx.Node]:
+    """Sum all-reduce the named values in dtype/size buckets, each bucket right after its last member.
+
+    Returns, in the order of ``items``, the node that holds each reduced value;
+    replacing readers is the caller's business. ``tag`` names what is reduced
+    (``grads``, ``deltas``...) in ``meta["collective"]``.
+    """
+    nodes = [node for _, node in items]
+    buckets = assign_buckets([node_bytes(n) for n in nodes], [bucket_key(n) for n in nodes], cap_bytes, first_cap_bytes)
+    order = position(program.graph)  # members keep their order; computed once for linear time
+    reduced: dict[fx.Node, fx.Node] = {}
+    for index, members in enumerate(buckets):
+        last = max((nodes[i] for i in members), key=order.__getitem__)
+        reduced.update(_reduce_bucket(program, [items[i] for i in members], index, last, tag))
+    return [reduced[n] for n in nodes]
+
+
+def _reduce_bucket(
+    program: StepProgram, members: list[tuple[str, fx.Node]], index: int, last: fx.Node, tag: str
+) -> dict[fx.Node, fx.Node]:
+    cursor = Cursor(program.graph, last)
+    nodes = [node for _, node in members]
+    info = {
+        "kind": "all_reduce",
+        "bucket": index,
+        tag: tuple(n for n, _ in members),
+        "bytes": sum(map(node_bytes, nodes)),
+    }
+    comm = {"role": "communication", "bucket": (tag, index)}
+    if len(nodes) == 1:
+        reduced = cursor.emit(C10D.all_reduce.default, (nodes[0], "sum", program.group_name), collective=info, **comm)
+        return {nodes[0]: cursor.emit(WAIT, (reduced,), **comm)}
+    pieces = [cursor.emit(aten.reshape.default, (n, [-1]), **comm) for n in nodes]
+    flat = cursor.emit(aten.cat.default, (pieces,), **comm)
+    # a fused buffer is ours alone, so it is reduced in place (no clone); a lone value is not
+    reduced = cursor.emit(C10D.all_reduce_.default, (flat, "sum", program.group_name), collective=info, **comm)
+    waited = cursor.emit(WAIT, (reduced,), **comm)
+    chunks = cursor.emit(aten.split_with_sizes.default, (waited, [n.meta["val"].numel() for n in nodes]), **comm)
+    views = {}
+    for i, n in enumerate(nodes):
+        piece = cursor.emit(operator.getitem, (chunks, i), **comm)
+        views[n] = cursor.emit(aten.view.default, (piece, list(n.meta["val"].shape)), **comm)
+    return views
+
+
 @dataclass(frozen=True)
 class FuseAllReduce(Pass):
     name = "fuse-allreduce"
@@ -73,43 +120,8 @@ class FuseAllReduce(Pass):
         grads = [g for g in gradient_nodes(program) if not is_reduced(g)]
         if not grads:
             return False
-        buckets = assign_buckets(
-            [node_bytes(g) for g in grads],
-            [bucket_key(g) for g in grads],
-            int(self.bucket_cap_mb * MB),
-            int(self.first_bucket_mb * MB),
-        )
-        order = position(program.graph)  # gradients keep their order; computed once for linear time
-        for index, members in enumerate(buckets):
-            last = max((grads[i] for i in members), key=order.__getitem__)
-            self._reduce_bucket(program, [grads[i] for i in members], index, last)
+        items = [(g.meta["grad_of"], g) for g in grads]
+        cap, first = int(self.bucket_cap_mb * MB), int(self.first_bucket_mb * MB)
+        for grad, reduced in zip(grads, reduce_in_buckets(program, items, cap, first, tag="grads")):
+            grad.replace_all_uses_with(reduced, delete_user_cb=lambda u: u.meta.get("role") != "communication")
         return True
-
-    def _reduce_bucket(self, program: StepProgram, members: list[fx.Node], index: int, last: fx.Node) -> None:
-        graph = program.graph
-        cursor = Cursor(graph, last)
-        info = {
-            "kind": "all_reduce",
-            "bucket": index,
-            "grads": tuple(g.meta["grad_of"] for g in members),
-            "bytes": sum(node_bytes(g) for g in members),
-        }
-        comm = {"role": "communication", "bucket": index}
-        if len(members) == 1:
-            flat = members[0]
-        else:
-            pieces = [cursor.emit(aten.reshape.default, (g, [-1]), **comm) for g in members]
-            flat = cursor.emit(aten.cat.default, (pieces,), **comm)
-        # a fused buffer is ours alone, so it is reduced in place (no clone); a lone gradient is not
-        op = C10D.all_reduce.default if len(members) == 1 else C10D.all_reduce_.default
-        reduced = cursor.emit(op, (flat, "sum", program.group_name), collective=info, **comm)
-        waited = cursor.emit(WAIT, (reduced,), **comm)
-        if len(members) == 1:
-            members[0].replace_all_uses_with(waited, delete_user_cb=lambda u: u is not reduced)
-            return
-        sizes = [g.meta["val"].numel() for g in members]
-        chunks = cursor.emit(aten.split_with_sizes.default, (waited, sizes), **comm)
-        for i, g in enumerate(members):
-            piece = cursor.emit(operator.getitem, (chunks, i), **comm)
-            shaped = cursor.emit(aten.view.default, (piece, list(g.meta["val"].shape)), **comm)
-            g.replace_all_uses_with(shaped, delete_user_cb=lambda u: u.meta.get("bucket") != index)

@@ -10,13 +10,14 @@ from passes import PASSES
 from passes.allreduce_grads import AllReduceGrads
 from passes.broadcast_params import BroadcastParams
 from passes.fuse_allreduce import FuseAllReduce
+from passes.local_sgd import LocalSGDAverage
 from passes.reinplace_optimizer import ReinplaceOptimizer
 from passes.scale_loss_grad import ScaleLossGrad
 from passes.schedule_collectives import ScheduleCollectives
 
 from .errors import ConfigurationError
 from .pipeline import Pass, parse_spec
-from .schedules import EveryStep
+from .schedules import EveryStep, LocalSGDSchedule
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,31 @@ def _fused(bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> list[Pa
     ]
 
 
+def _local_sgd(adaptive: bool, k: int, begin_step: int, average_state: bool, cap: float, first: float) -> Strategy:
+    if int(k) < 1 or int(begin_step) < 0:
+        raise ConfigurationError(f"LocalSGD needs k_steps >= 1 and begin_step >= 0; got {k} and {begin_step}.")
+    average = LocalSGDAverage(
+        average_state=bool(average_state), report_loss=adaptive, bucket_cap_mb=float(cap), first_bucket_mb=float(first)
+    )
+    return Strategy(
+        {
+            "local": [BroadcastParams(), ReinplaceOptimizer()],
+            "sync": [BroadcastParams(), average, ScheduleCollectives(), ReinplaceOptimizer()],
+        },
+        lambda: LocalSGDSchedule(k_steps=int(k), begin_step=int(begin_step), adaptive=adaptive),
+    )
+
+
+def _plain_local_sgd(k_steps=1, begin_step=1, average_state=False, bucket_cap_mb=25.0, first_bucket_mb=1.0):
+    return _local_sgd(False, k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb)
+
+
+def _adaptive_local_sgd(init_k_steps=1, begin_step=1, average_state=False, bucket_cap_mb=25.0, first_bucket_mb=1.0):
+    return _local_sgd(True, init_k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb)
+
+
+LOCAL_SGD_OPTIONS = {"begin_step": 1, "average_state": False, "bucket_cap_mb": 25.0, "first_bucket_mb": 1.0}
+
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
@@ -63,6 +89,18 @@ MODES: dict[str, Mode] = {
             "like allreduce, with gradients coalesced into dtype/size buckets (DDP-style caps)",
             _fused,
             {"bucket_cap_mb": 25.0, "first_bucket_mb": 1.0},
+        ),
+        Mode(
+            "local_sgd",
+            "Paddle LocalSGD: local steps, parameters averaged through snapshot deltas every k_steps",
+            _plain_local_sgd,
+            {"k_steps": 1, **LOCAL_SGD_OPTIONS},
+        ),
+        Mode(
+            "adaptive_local_sgd",
+            "LocalSGD whose k follows Paddle's rule sqrt(lr_0*loss/(lr*loss_0)*init_k), clipped to [1, 16]",
+            _adaptive_local_sgd,
+            {"init_k_steps": 1, **LOCAL_SGD_OPTIONS},
         ),
     )
 }

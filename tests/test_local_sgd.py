@@ -1,0 +1,69 @@
+"""LocalSGD on real processes (gloo over loopback), world sizes 2 and 4."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.distributed import ROOT, launch
+from tests.test_schedules import documented_syncs
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def runs(request, tmp_path_factory):
+    world = request.param
+    out = tmp_path_factory.mktemp(f"localsgd{world}")
+    launch(ROOT / "tests" / "localsgd_worker.py", world, [str(out)], timeout=240)
+    return world, [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+def test_k1_plain_sgd_matches_allreduce(runs):
+    """Tolerance, not bitwise: mean(p - lr*g_r) is rounded differently from p - lr*mean(g_r)."""
+    _, ranks = runs
+    for ours, reference in zip(ranks[0]["k1"]["local_sgd"], ranks[0]["k1"]["allreduce"]):
+        for name in ours:
+            torch.testing.assert_close(ours[name], reference[name], atol=1e-6, rtol=1e-5)
+
+
+def test_after_each_sync_all_ranks_hold_the_mean_of_their_pre_sync_parameters(runs):
+    world, ranks = runs
+    record = ranks[0]["means"]
+    for t, variant in enumerate(record["variants"]):
+        if variant != "sync":
+            continue
+        for name, post in record["post"][t].items():
+            for other in ranks[1:]:  # identical on every rank, bitwise
+                assert torch.equal(other["means"]["post"][t][name], post), f"step {t + 1}: {name} differs across ranks"
+            mean = record["pre"][t][name].double().mean(0).float()
+            torch.testing.assert_close(post, mean, atol=1e-6, rtol=1e-5)
+    local_steps = [t for t, v in enumerate(record["variants"]) if v == "local"]
+    assert local_steps, "the run must include local steps"
+    t = local_steps[-1]
+    differs = any(not torch.equal(ranks[1]["means"]["post"][t][n], p) for n, p in record["post"][t].items())
+    assert differs, "between syncs, ranks train on their own data and drift apart"
+
+
+def test_schedule_and_collective_count(runs):
+    _, ranks = runs
+    record = ranks[0]["means"]
+    syncs = [t + 1 for t, v in enumerate(record["variants"]) if v == "sync"]
+    assert syncs == documented_syncs(3, 2, 12) == [1, 2, 5, 8, 11]
+    assert record["per_variant"]["local"] == 0
+    assert record["per_variant"]["sync"] >= 2  # tiny bucket caps: several buckets
+    assert record["collectives"] == len(syncs) * record["per_variant"]["sync"]
+    assert record["snapshot_in_state_dict"] == sorted(f"snapshot.{n}" for n in record["post"][0])
+
+
+def test_adaptive_k_and_rank_averaged_loss(runs):
+    world, ranks = runs
+    syncs = ranks[0]["adaptive"]["syncs"]
+    assert syncs and syncs[0][0] == 1
+    loss_0, lr = None, 0.05
+    for _, avg_loss, losses, k in syncs:
+        assert avg_loss == pytest.approx(sum(losses) / world, rel=1e-6)
+        loss_0 = loss_0 if loss_0 is not None else avg_loss
+        assert k == min(max(math.ceil(math.sqrt(lr * avg_loss / (lr * loss_0) * 2)), 1), 16)
+    for other in ranks[1:]:
+        assert [s[3] for s in other["adaptive"]["syncs"]] == [s[3] for s in syncs]
