@@ -2,6 +2,7 @@
 
 from transpiler.pipeline import Pass
 
+from .adasum import AdaSum
 from .allreduce_grads import AllReduceGrads
 from .broadcast_params import BroadcastParams
 from .fuse_allreduce import FuseAllReduce
@@ -15,6 +16,7 @@ PASSES: dict[str, type[Pass]] = {
     for cls in (
         BroadcastParams,
         ScaleLossGrad,
+        AdaSum,
         AllReduceGrads,
         FuseAllReduce,
         LocalSGDAverage,
@@ -25,6 +27,7 @@ PASSES: dict[str, type[Pass]] = {
 
 __all__ = [
     "PASSES",
+    "AdaSum",
     "AllReduceGrads",
     "BroadcastParams",
     "FuseAllReduce",

@@ -11,11 +11,11 @@ import torch
 from .errors import ConfigurationError
 from .modes import build_strategy
 from .pipeline import Pipeline
-from .process_group import Placement, resolve_placement
+from .process_group import Placement, resolve_placement, subgroup_names
 from .program import StepProgram
 from .runtime import Built, DistributedStep
 from .tracing import LossFn, trace_step
-from .verify import DEFAULT_VERIFIERS, check_cross_rank
+from .verify import DEFAULT_VERIFIERS, check_communication, check_cross_rank
 
 log = logging.getLogger("transpiler")
 CROSS_RANK_LIMIT = 16  # beyond this many ranks, the static check compares ranks 0, 1 and W-1
@@ -49,11 +49,12 @@ def transpile(
         raise ConfigurationError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
     strategy = build_strategy(mode, options)
     placement = resolve_placement(world_size, rank)
+    subgroups = subgroup_names(placement, strategy.groups(placement.world_size))
 
     def build(batch: tuple) -> Built:
         traced, state, plan = trace_step(model, optimizer, loss_fn, batch)
         programs = {
-            variant: rewrite(traced, passes, placement, verify=verify, on_pass=on_pass)
+            variant: rewrite(traced, passes, placement, verify=verify, on_pass=on_pass, subgroups=subgroups)
             for variant, passes in strategy.variants.items()
         }
         return Built(programs, state, plan)
@@ -65,13 +66,20 @@ def transpile(
 
 
 def rewrite(
-    traced: StepProgram, passes: list, placement: Placement, *, verify: bool = True, on_pass=None
+    traced: StepProgram,
+    passes: list,
+    placement: Placement,
+    *,
+    verify: bool = True,
+    on_pass=None,
+    subgroups: dict[tuple[int, ...], str] | None = None,
 ) -> StepProgram:
     """Run the pipeline on a copy of ``traced`` for ``placement``'s rank, checking all ranks agree."""
 
     def for_rank(r: int, callback=None) -> StepProgram:
         program = traced.clone(rank=r)
         program.world_size, program.group_name = placement.world_size, placement.group_name
+        program.subgroups = dict(subgroups or {})
         Pipeline(passes, list(DEFAULT_VERIFIERS), verify=verify, on_pass=callback).run(program)
         return program
 
@@ -80,7 +88,12 @@ def rewrite(
         w = placement.world_size
         ranks = range(w) if w <= CROSS_RANK_LIMIT else sorted({0, 1, w - 1})
         others = [mine if r == placement.rank else for_rank(r) for r in ranks]
-        check_cross_rank(others)
+        if subgroups and w <= CROSS_RANK_LIMIT:  # subgroups or point-to-point: simulate every rank's sequence
+            check_communication(
+                others, {name: ranks for ranks, name in subgroups.items()} | {placement.group_name: tuple(range(w))}
+            )
+        else:
+            check_cross_rank(others)
     log.debug(
         "pipeline %s built for rank %d of %d", ",".join(p.spec() for p in passes), placement.rank, placement.world_size
     )

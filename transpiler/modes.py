@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from passes import PASSES
+from passes.adasum import AdaSum, AdaSumGeometry
 from passes.allreduce_grads import AllReduceGrads
 from passes.broadcast_params import BroadcastParams
 from passes.fuse_allreduce import FuseAllReduce
@@ -26,6 +27,7 @@ class Strategy:
 
     variants: dict[str, list[Pass]]
     schedule: Callable[[], Any] = EveryStep
+    groups: Callable[[int], list[tuple[int, ...]]] = lambda world: []  # rank subsets to create as process groups
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,16 @@ def _adaptive_local_sgd(init_k_steps=1, begin_step=1, average_state=False, bucke
     return _local_sgd(True, init_k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb)
 
 
+def _adasum(target: str) -> Callable[..., Strategy]:
+    def build(local_size: int = 1) -> Strategy:
+        return Strategy(
+            {"step": [BroadcastParams(), AdaSum(target=target, local_size=int(local_size)), ReinplaceOptimizer()]},
+            groups=lambda world: AdaSumGeometry(world, int(local_size)).groups(),
+        )
+
+    return build
+
+
 LOCAL_SGD_OPTIONS = {"begin_step": 1, "average_state": False, "bucket_cap_mb": 25.0, "first_bucket_mb": 1.0}
 
 MODES: dict[str, Mode] = {
@@ -101,6 +113,18 @@ MODES: dict[str, Mode] = {
             "LocalSGD whose k follows Paddle's rule sqrt(lr_0*loss/(lr*loss_0)*init_k), clipped to [1, 16]",
             _adaptive_local_sgd,
             {"init_k_steps": 1, **LOCAL_SGD_OPTIONS},
+        ),
+        Mode(
+            "adasum",
+            "AdaSum of gradients (recursive halving, point-to-point exchanges), then the optimizer",
+            _adasum("grads"),
+            {"local_size": 1},
+        ),
+        Mode(
+            "adasum_delta",
+            "local optimizer step, then AdaSum of the weight deltas (MindSpore AdaSumByDeltaWeight)",
+            _adasum("deltas"),
+            {"local_size": 1},
         ),
     )
 }

@@ -9,6 +9,7 @@ identity, so the same rewritten graph runs everywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -61,3 +62,25 @@ def resolve_placement(world_size: int | None, rank: int | None) -> Placement:
     if world_size in (None, 1):
         return Placement(1, 0, LOCAL_GROUP, True)
     return Placement(world_size, rank or 0, STATIC_GROUP, False)
+
+
+SUBGROUP_TIMEOUT = timedelta(minutes=10)
+_subgroups: dict[tuple[int, ...], str] = {}
+
+
+def subgroup_names(placement: Placement, groups: list[tuple[int, ...]]) -> dict[tuple[int, ...], str]:
+    """Process-group names for the rank subsets a strategy needs.
+
+    With a live process group every rank creates every subgroup, in the given
+    order, as ``new_group`` requires (cached per process, each with a timeout);
+    without one, the names only label the static graphs.
+    """
+    labels = {ranks: "ranks:" + ",".join(map(str, ranks)) for ranks in groups}
+    if not placement.live or placement.world_size == 1:
+        return labels
+    for ranks in groups:
+        if ranks not in _subgroups:
+            group = dist.new_group(list(ranks), timeout=SUBGROUP_TIMEOUT)
+            # a rank outside the group gets a sentinel, not a group: its graphs never name that group
+            _subgroups[ranks] = group.group_name if isinstance(group, dist.ProcessGroup) else labels[ranks]
+    return {ranks: _subgroups[ranks] for ranks in groups}

@@ -38,6 +38,7 @@ class StepProgram:
     startup_ports: list[Port] = field(default_factory=list)
     history: list[tuple[str, str]] = field(default_factory=list)
     extra_init: dict[str, tuple[str, str]] = field(default_factory=dict)  # extra input -> (rule, source)
+    subgroups: dict[tuple[int, ...], str] = field(default_factory=dict)  # ranks -> process-group name
 
     @property
     def graph(self) -> fx.Graph:
@@ -67,4 +68,5 @@ class StepProgram:
             list(self.startup_ports),
             list(self.history),
             dict(self.extra_init),
+            dict(self.subgroups),
         )

@@ -10,8 +10,9 @@ from collections import deque
 
 import torch.fx as fx
 
-from .collectives import collective_sequence, is_collective, is_wait
+from .collectives import collective_sequence, is_collective, is_wait, signature
 from .errors import VerificationError
+from .p2p import is_exchange
 from .program import ROLES, StepProgram
 
 
@@ -78,7 +79,12 @@ def check_gradient_reductions(program: StepProgram, final: bool) -> None:
 
 
 def _is_all_reduce(node: fx.Node) -> bool:
-    return is_collective(node) and node.target.__name__.startswith("all_reduce")
+    """An all-reduce of gradient values (AdaSum's all-reduces of dot products and norms are not)."""
+    return (
+        is_collective(node)
+        and node.target.__name__.startswith("all_reduce")
+        and "grads" in node.meta.get("collective", {})
+    )
 
 
 def _reductions_to_optimizer(grad: fx.Node) -> set[int]:
@@ -123,3 +129,66 @@ def check_cross_rank(programs: list[StepProgram]) -> None:
                 f"rank {program.rank} issues {len(sequence)} collectives, "
                 f"rank {programs[0].rank} issues {len(reference)}."
             )
+
+
+def check_communication(programs: list[StepProgram], members: dict[str, tuple[int, ...]]) -> None:
+    """Simulate every rank's communication in order: exchanges must pair up, collectives must gather their group.
+
+    An exchange of rank r with peer p completes when p's next operation is an
+    exchange with r whose send size is r's receive size and vice versa (same
+    dtype); a collective completes when every member of its group has the same
+    collective (op, shape, dtype) next. If no rank can move while some still
+    have operations left, the ranks would deadlock, and the error says where.
+    """
+    by_rank = {p.rank: [n for n in p.graph.nodes if is_collective(n) or is_exchange(n)] for p in programs}
+    heads = dict.fromkeys(by_rank, 0)
+
+    def head(rank: int) -> fx.Node | None:
+        ops = by_rank.get(rank)
+        return ops[heads[rank]] if ops is not None and heads[rank] < len(ops) else None
+
+    def describe(rank: int) -> str:
+        node = head(rank)
+        if node is None:
+            return f"rank {rank}: done"
+        if is_exchange(node):
+            return f"rank {rank}: exchange with {node.args[1]} (send {_numel(node.args[0])}, receive {node.args[2]})"
+        return f"rank {rank}: {signature(node)}"
+
+    while any(head(r) is not None for r in by_rank):
+        moved = False
+        for rank in by_rank:
+            node = head(rank)
+            if node is None:
+                continue
+            if is_exchange(node):
+                peer = node.args[1]
+                other = head(peer)
+                if other is None or not is_exchange(other) or other.args[1] != rank:
+                    continue
+                if (
+                    _numel(node.args[0]) != other.args[2]
+                    or _numel(other.args[0]) != node.args[2]
+                    or (node.args[0].meta["val"].dtype != other.args[0].meta["val"].dtype)
+                ):
+                    raise VerificationError(f"mismatched exchange: {describe(rank)}; {describe(peer)}.")
+                heads[rank] += 1
+                heads[peer] += 1
+                moved = True
+                continue
+            group = members.get(str(node.args[-1]))
+            if group is None:
+                raise VerificationError(f"rank {rank} uses unknown process group '{node.args[-1]}'.")
+            present = [r for r in group if r in by_rank]
+            nexts = [head(r) for r in present]
+            if all(n is not None and is_collective(n) and signature(n) == signature(node) for n in nexts):
+                for r in present:
+                    heads[r] += 1
+                moved = True
+        if not moved:
+            stuck = "; ".join(describe(r) for r in sorted(by_rank) if head(r) is not None)
+            raise VerificationError(f"the ranks' communication would deadlock or mismatch: {stuck}.")
+
+
+def _numel(node: fx.Node) -> int:
+    return node.meta["val"].numel()

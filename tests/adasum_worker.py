@@ -1,0 +1,110 @@
+"""One rank of the AdaSum runs (launched by tests/test_adasum.py).
+
+Each case gives every rank its own tensors (from a seed and the rank), runs
+the AdaSum graph that the pass builds for this rank, and saves inputs and
+outputs; the test compares them with an independent numpy reference. A second
+part trains with modes adasum and adasum_delta on the same data on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from passes.adasum import AdaSumGeometry, adasum_vector  # noqa: E402
+from tests.models import MLP, make_batch  # noqa: E402
+from transpiler import transpile  # noqa: E402
+from transpiler.process_group import resolve_placement, subgroup_names  # noqa: E402
+from transpiler.program import Port, StepProgram  # noqa: E402
+
+
+def case_inputs(case: str, rank: int, world: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + rank)
+    if case == "odd_long":
+        return [torch.randn(20 * world - 17, generator=gen)]
+    if case == "odd_short":
+        return [torch.randn(world + 2, generator=gen)]
+    if case == "several":
+        return [torch.randn(s, generator=gen) for s in (5, 13, 1)] + [torch.randn(4, 7, generator=gen)]
+    if case == "orthogonal":  # one-hot directions, different per rank
+        out = torch.zeros(2 * world)
+        out[2 * rank] = 1.0 + rank
+        return [out]
+    if case == "collinear":
+        return [torch.linspace(-1, 2, 9) * (0.5 + rank)]
+    if case == "identical":
+        return [torch.linspace(-3, 1, 11)]
+    if case == "zero_on_odd_ranks":
+        return [torch.zeros(10) if rank % 2 else torch.randn(10, generator=gen)]
+    raise ValueError(case)
+
+
+CASES = ("odd_long", "odd_short", "several", "orthogonal", "collinear", "identical", "zero_on_odd_ranks")
+
+
+def run_adasum(inputs: list[torch.Tensor], rank: int, world: int, local_size: int) -> list[torch.Tensor]:
+    geometry = AdaSumGeometry(world, local_size)
+    placement = resolve_placement(None, None)
+    graph = fx.Graph()
+    mode = FakeTensorMode()
+    nodes = []
+    for i, t in enumerate(inputs):
+        node = graph.placeholder(f"x{i}")
+        node.meta.update(val=mode.from_tensor(t), port=Port("batch", f"x{i}"))
+        nodes.append(node)
+    output = graph.output(())
+    program = StepProgram(fx.GraphModule(torch.nn.Module(), graph), [], [], world, rank, placement.group_name)
+    program.subgroups = subgroup_names(placement, geometry.groups())
+    output.args = (tuple(adasum_vector(program, nodes, geometry)),)
+    program.recompile()
+    return list(program.graph_module(*inputs))
+
+
+def train(mode: str, rank: int, steps: int = 4) -> dict:
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    step = transpile(model, opt, mode=mode, loss_fn=torch.nn.CrossEntropyLoss())
+    gen = torch.Generator().manual_seed(7)  # the same data on every rank
+    for _ in range(steps):
+        x, y = make_batch("mlp", 8, gen)
+        step(x, y)
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+    return {
+        "ours": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "eager": {n: p.detach().clone() for n, p in reference.named_parameters()},
+    }
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+    result = {"cases": {}, "hierarchical": {}, "train": {}}
+    for case in CASES:
+        inputs = case_inputs(case, rank, world)
+        result["cases"][case] = {"inputs": inputs, "outputs": run_adasum(inputs, rank, world, 1)}
+    if world >= 4:
+        inputs = case_inputs("several", rank, world)
+        result["hierarchical"] = {"inputs": inputs, "outputs": run_adasum(inputs, rank, world, 2)}
+    if world <= 4:
+        result["train"] = {mode: train(mode, rank) for mode in ("adasum", "adasum_delta")}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
