@@ -34,7 +34,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--option",
+        "-O",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="mode option, e.g. -O k_steps=4 (local_sgd) or -O local_size=2 (adasum)",
+    )
     return parser.parse_args()
+
+
+def parse_options(items: list[str]) -> dict:
+    options = {}
+    for item in items:
+        key, _, raw = item.partition("=")
+        options[key.replace("-", "_")] = int(raw) if raw.isdigit() else float(raw) if raw else True
+    return options
 
 
 def load_data(seed: int):
@@ -64,11 +80,19 @@ def main() -> None:
     loss_fn = torch.nn.CrossEntropyLoss()
     steps_per_epoch = len(x_train) // args.global_batch
     step = transpile(
-        model, optimizer, mode=args.mode, loss_fn=loss_fn, example_inputs=(x_train[:per_rank], y_train[:per_rank])
+        model,
+        optimizer,
+        mode=args.mode,
+        loss_fn=loss_fn,
+        example_inputs=(x_train[:per_rank], y_train[:per_rank]),
+        **parse_options(args.option),
     )
-    collectives = sum(1 for n in step.graph_module.graph.nodes if "collective" in n.meta)
     if rank == 0:
-        print(f"mode={args.mode} world={world} per-rank batch={per_rank} collectives/step={collectives}")
+        counts = {
+            variant: sum(1 for n in program.graph.nodes if "collective" in n.meta or "p2p" in n.meta)
+            for variant, program in step.programs.items()
+        }
+        print(f"mode={args.mode} world={world} per-rank batch={per_rank} communication ops per variant: {counts}")
     generator = torch.Generator().manual_seed(args.seed)  # the same shuffle on every rank
     start = time.perf_counter()
     with Progress(
