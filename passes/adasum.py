@@ -111,7 +111,9 @@ def adasum_vector(program: StepProgram, items: list[fx.Node], geometry: AdaSumGe
         peer = geometry.partner(level, rank)
         outgoing = cursor.emit(aten.slice.Tensor, (vec, 0, send[0] - lo, send[1] - lo), **comm)
         mine = cursor.emit(aten.slice.Tensor, (vec, 0, keep[0] - lo, keep[1] - lo), **comm)
-        theirs = cursor.emit(EXCHANGE, (outgoing, peer, keep[1] - keep[0]), p2p={"peer": peer, "level": level}, **comm)
+        theirs = cursor.emit(
+            EXCHANGE, (outgoing, peer, keep[1] - keep[0]), p2p={"peer": peer, "level": level, "phase": "reduce"}, **comm
+        )
         group = program.subgroups[geometry.level_group(level, rank)]
         # both partners must orient the statistics alike: a is the lower partner's data, b the upper's
         first, second = (mine, theirs) if lower else (theirs, mine)

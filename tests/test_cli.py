@@ -55,3 +55,27 @@ def test_lists(capsys):
     assert all(name in listed for name in ("scale-loss-grad", "allreduce-grads", "fuse-allreduce", "broadcast-params"))
     assert main(["modes"]) == 0
     assert "fused_allreduce" in capsys.readouterr().out
+
+
+def test_adasum_dump_shows_exchanges_with_their_partners(capsys):
+    assert main(["dump", FACTORY, "--mode", "adasum", "--world-size", "8", "--rank", "5", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    exchanges = [(n["p2p"]["peer"], n["p2p"]["level"], n["p2p"]["phase"]) for n in doc["nodes"] if "p2p" in n]
+    assert exchanges == [
+        (4, 1, "reduce"),
+        (7, 2, "reduce"),
+        (1, 4, "reduce"),
+        (1, 4, "rollback"),
+        (7, 2, "rollback"),
+        (4, 1, "rollback"),
+    ]
+    assert main(["dump", FACTORY, "--mode", "adasum", "--world-size", "8", "--rank", "5"]) == 0
+    assert "transpiler.exchange.default(" in capsys.readouterr().out
+
+
+def test_local_sgd_variants(capsys):
+    assert main(["dump", FACTORY, "--mode", "local_sgd", "--variant", "local"]) == 0
+    assert "all_reduce" not in capsys.readouterr().out
+    assert main(["dump", FACTORY, "--mode", "local_sgd", "--variant", "sync", "-O", "k_steps=4"]) == 0
+    assert "x_snapshot_" in capsys.readouterr().out
+    assert main(["dump", FACTORY, "--mode", "local_sgd", "--variant", "nope"]) == 2

@@ -47,3 +47,47 @@ def test_ranks_that_disagree_are_caught_before_anything_runs():
     _, b = _program(widths=(3, 5, 2), rank=1)
     with pytest.raises(VerificationError, match=r"rank 1 issues collective #1 as .*float32\[2, 5\]"):
         check_cross_rank([a, b])
+
+
+def _adasum_programs(world=4):
+    from transpiler.modes import build_strategy
+    from transpiler.process_group import subgroup_names
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    traced, *_ = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), BATCH)
+    strategy = build_strategy("adasum", {})
+    placement = Placement(world, 0, "world", False)
+    groups = subgroup_names(placement, strategy.groups(world))
+    programs = []
+    for r in range(world):
+        p = traced.clone(rank=r)
+        p.world_size, p.group_name, p.subgroups = world, "world", dict(groups)
+        for each in strategy.variants["step"]:
+            each.run(p)
+        programs.append(p)
+    members = {name: ranks for ranks, name in groups.items()} | {"world": tuple(range(world))}
+    return programs, members
+
+
+def test_send_receive_simulation_accepts_adasum_and_catches_a_wrong_partner():
+    from transpiler.p2p import is_exchange
+    from transpiler.verify import check_communication
+
+    programs, members = _adasum_programs()
+    check_communication(programs, members)  # every exchange pairs up, no deadlock
+    first = next(n for n in programs[1].graph.nodes if is_exchange(n))
+    first.args = (first.args[0], 3, first.args[2])  # rank 1 now waits for rank 3, which waits for rank 2
+    with pytest.raises(VerificationError, match=r"(mismatched exchange|deadlock).*rank 1: exchange with 3"):
+        check_communication(programs, members)
+
+
+def test_send_receive_simulation_catches_a_size_mismatch():
+    from transpiler.p2p import is_exchange
+    from transpiler.verify import check_communication
+
+    programs, members = _adasum_programs(world=2)
+    node = next(n for n in programs[1].graph.nodes if is_exchange(n))
+    node.args = (node.args[0], node.args[1], node.args[2] + 1)
+    with pytest.raises(VerificationError, match="mismatched exchange"):
+        check_communication(programs, members)

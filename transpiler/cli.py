@@ -98,7 +98,13 @@ def cmd_dump(args: argparse.Namespace) -> int:
         on_pass=show if args.print_between_passes else None,
         **({} if args.before else _parse_options(args.option)),
     )
-    text = _render(step.program, args.format, diff=args.diff)
+    variants = step.programs
+    variant = args.variant or (next(reversed(variants)) if "step" not in variants else "step")
+    if variant not in variants:
+        raise FactoryError(f"mode '{args.mode}' has variants {', '.join(variants)}; --variant {variant} is not one.")
+    if len(variants) > 1:
+        print(f"# variant '{variant}' of {', '.join(variants)} (choose with --variant)", file=sys.stderr)
+    text = _render(variants[variant], args.format, diff=args.diff)
     if args.output:
         Path(args.output).write_text(text)
         print(f"wrote {args.output} ({len(text)} characters)", file=sys.stderr)
@@ -139,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     which = dump.add_mutually_exclusive_group()
     which.add_argument("--before", action="store_true", help="show the traced graph, before any pass")
     which.add_argument("--diff", action="store_true", help="unified diff of the traced and rewritten code")
+    dump.add_argument("--variant", help="for modes with several programs (local_sgd: local, sync)")
     dump.add_argument("--print-between-passes", action="store_true", help="print the code after every pass (stderr)")
     dump.add_argument("-O", "--option", action="append", default=[], metavar="KEY=VALUE", help="mode option")
     dump.add_argument("--no-verify", action="store_true", help="skip the verifiers between passes")

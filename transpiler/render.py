@@ -51,6 +51,10 @@ def to_dot(graph: fx.Graph, title: str) -> pydot.Dot:
             attrs.update(color="#dc2626", penwidth="2.5", fontcolor="#991b1b")
         if "grad_of" in node.meta:
             label += f"\\ngrad of {node.meta['grad_of']}"
+        if "p2p" in node.meta:
+            p2p = node.meta["p2p"]
+            label += f"\\nexchange with rank {p2p['peer']} (level {p2p['level']}, {p2p['phase']})"
+            attrs.update(color="#7c3aed", penwidth="2.5", fontcolor="#5b21b6")
         dot.add_node(pydot.Node(f'"{node.name}"', label=f'"{label}"', **attrs))
     for node in graph.nodes:
         for inp in node.all_input_nodes:
@@ -85,6 +89,8 @@ def to_json(program: StepProgram, graph: fx.Graph) -> str:
             entry["collective"] = {
                 k: list(v) if isinstance(v, tuple) else v for k, v in node.meta["collective"].items()
             }
+        if "p2p" in node.meta:
+            entry["p2p"] = dict(node.meta["p2p"])
         if "port" in node.meta:
             entry["port"] = {"kind": node.meta["port"].kind, "name": node.meta["port"].name}
         nodes.append(entry)
