@@ -55,8 +55,8 @@ def render(steps: dict, passes: list[dict]) -> str:
         "",
         "## Step time against DDP",
         "",
-        "| model | params | variant | median step (ms) | rounds min–max (ms) | ratio to DDP | collectives / step "
-        "| bytes reduced / step |",
+        "| model | params | variant | median step (ms) | rounds min–max (ms) | ratio to DDP | comm. ops / step "
+        "| bytes sent / step |",
         "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for name, data in steps.items():
@@ -65,12 +65,16 @@ def render(steps: dict, passes: list[dict]) -> str:
             lines.append(
                 f"| {name} | {data['params'] / 1e6:.2f}M | {variant} | {v['median_s'] * 1e3:.2f} | "
                 f"{min(v['rounds_s']) * 1e3:.1f}–{max(v['rounds_s']) * 1e3:.1f} | "
-                f"{v['median_s'] / ddp:.3f} | {v['collectives']} | {data['grad_bytes'] / 2**20:.1f} MiB |"
+                f"{v['median_s'] / ddp:.3f} | {v['ops_per_step']:.2f} | {v['bytes_per_step'] / 2**20:.2f} MiB |"
             )
     lines += [
         "",
-        "Collectives per step for DDP is its bucket count after the first iteration; for the transpiled modes it is",
-        "the number of all-reduce nodes in the rank's graph (one per gradient, or one per bucket).",
+        "Communication operations and bytes per step are averaged over the steps each variant ran (LocalSGD's local",
+        "steps send nothing). For DDP: its bucket count after the first iteration (as its logging data reports it)",
+        "and the gradient bytes. For the transpiled modes they are read off the rank's graph: all-reduce payloads",
+        "(what this rank contributes to each), broadcast-free steady state, and for AdaSum the bytes each",
+        "point-to-point exchange sends plus its small all-reduces of dot products and norms.",
+        "A ring all-reduce moves about 2(W-1)/W times its payload over the wire.",
         "",
         "## Pipeline time against graph size",
         "",

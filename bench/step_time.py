@@ -25,29 +25,64 @@ from bench.models import batch_for, build  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 PER_RANK = {"mlp_5m": 64, "transformer": 32}
-WARMUP, STEPS, ROUNDS = 3, 10, 15
-VARIANTS = ("ddp", "allreduce", "fused_allreduce")
+WARMUP, STEPS, ROUNDS = 3, 10, 12
+VARIANTS = {  # label: (mode, options)
+    "ddp": ("ddp", {}),
+    "allreduce": ("allreduce", {}),
+    "fused_allreduce": ("fused_allreduce", {}),
+    "local_sgd k=1": ("local_sgd", {"k_steps": 1}),
+    "local_sgd k=4": ("local_sgd", {"k_steps": 4}),
+    "local_sgd k=16": ("local_sgd", {"k_steps": 16}),
+    "adaptive_local_sgd": ("adaptive_local_sgd", {"init_k_steps": 2}),
+    "adasum": ("adasum", {}),
+    "adasum_delta": ("adasum_delta", {}),
+}
 
 
-def make_runner(variant: str, base: torch.nn.Module, batch):
-    model = copy.deepcopy(base)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    if variant == "ddp":
-        ddp = DDP(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+def payload(program) -> tuple[int, int]:
+    """Communication operations in a program, and the bytes this rank hands to them."""
+    ops, sent = 0, 0
+    for node in program.graph.nodes:
+        if "collective" in node.meta:
+            ops += 1
+            sent += node.meta["collective"].get("bytes", 0)
+        elif "p2p" in node.meta:
+            ops += 1
+            val = node.args[0].meta["val"]
+            sent += val.numel() * val.element_size()
+    return ops, sent
 
-        def run(x, y):
-            opt.zero_grad()
-            loss_fn(ddp(x), y).backward()
-            opt.step()
 
-        run(*batch)  # buckets are rebuilt after the first iteration
-        sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
-        return run, len([s for s in str(sizes).split(",") if s])
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    step = transpile(model, opt, mode=variant, loss_fn=loss_fn, example_inputs=batch)
-    collectives = sum(1 for n in step.graph_module.graph.nodes if "collective" in n.meta)
-    return step, collectives
+class Runner:
+    """One variant: a step function, and what it communicated over the steps it ran."""
+
+    def __init__(self, label: str, base: torch.nn.Module, batch):
+        mode, options = VARIANTS[label]
+        model = copy.deepcopy(base)
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.ops = self.bytes = self.steps = 0
+        if mode == "ddp":
+            self.ddp = DDP(model)
+            self.opt = torch.optim.SGD(self.ddp.parameters(), lr=0.01, momentum=0.9)
+            self.step, self.per_step = None, (0, 0)
+            self(*batch)  # buckets are rebuilt after the first iteration
+            sizes = [int(s) for s in str(self.ddp._get_ddp_logging_data().get("bucket_sizes", "")).split(",") if s]
+            self.per_step = (len(sizes), sum(p.numel() * p.element_size() for p in model.parameters()))
+            return
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        self.step = transpile(model, opt, mode=mode, loss_fn=self.loss_fn, example_inputs=batch, **options)
+        self.payloads = {v: payload(p) for v, p in self.step.programs.items()}
+
+    def __call__(self, x, y) -> None:
+        if self.step is None:
+            self.opt.zero_grad()
+            self.loss_fn(self.ddp(x), y).backward()
+            self.opt.step()
+            ops, sent = self.per_step
+        else:
+            self.step(x, y)
+            ops, sent = self.payloads[self.step.last_variant]
+        self.ops, self.bytes, self.steps = self.ops + ops, self.bytes + sent, self.steps + 1
 
 
 def main() -> None:
@@ -62,10 +97,12 @@ def main() -> None:
         params = sum(p.numel() for p in base.parameters())
         gen = torch.Generator().manual_seed(rank)
         batch = batch_for(name, PER_RANK[name], gen)
-        runners = {v: make_runner(v, base, batch) for v in VARIANTS}
+        runners = {v: Runner(v, base, batch) for v in VARIANTS}
+        for run in runners.values():
+            run.ops = run.bytes = run.steps = 0
         times = {v: [] for v in VARIANTS}
         for _ in range(ROUNDS):
-            for variant, (run, _) in runners.items():
+            for variant, run in runners.items():
                 for _ in range(WARMUP):
                     run(*batch)
                 dist.barrier()
@@ -79,7 +116,12 @@ def main() -> None:
             "grad_bytes": params * 4,
             "per_rank_batch": PER_RANK[name],
             "variants": {
-                v: {"median_s": statistics.median(times[v]), "rounds_s": times[v], "collectives": runners[v][1]}
+                v: {
+                    "median_s": statistics.median(times[v]),
+                    "rounds_s": times[v],
+                    "ops_per_step": runners[v].ops / runners[v].steps,
+                    "bytes_per_step": runners[v].bytes / runners[v].steps,
+                }
                 for v in VARIANTS
             },
         }
