@@ -107,6 +107,21 @@ def adaptive(rank: int, world: int) -> dict:
     return record
 
 
+def averaged_state(rank: int, world: int) -> dict:
+    """average_state=True: momentum buffers are averaged on sync steps too (k=2: syncs at 1, 3)."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = transpile(model, opt, mode="local_sgd", loss_fn=torch.nn.CrossEntropyLoss(), k_steps=2, average_state=True)
+    record = []
+    for x, y in batches(world, 4, rank):
+        step(x, y)
+        record.append(
+            (step.last_variant, {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()})
+        )
+    return record
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -116,6 +131,7 @@ def main() -> None:
         "k1": k1_against_allreduce(rank, world),
         "means": sync_means(rank, world),
         "adaptive": adaptive(rank, world),
+        "averaged_state": averaged_state(rank, world),
     }
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()

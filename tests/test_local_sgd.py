@@ -67,3 +67,10 @@ def test_adaptive_k_and_rank_averaged_loss(runs):
         assert k == min(max(math.ceil(math.sqrt(lr * avg_loss / (lr * loss_0) * 2)), 1), 16)
     for other in ranks[1:]:
         assert [s[3] for s in other["adaptive"]["syncs"]] == [s[3] for s in syncs]
+
+
+def test_average_state_averages_optimizer_state_on_sync_steps_only(runs):
+    _, ranks = runs
+    for t, (variant, buffers) in enumerate(ranks[0]["averaged_state"]):
+        same = all(torch.equal(r["averaged_state"][t][1][n], b) for r in ranks[1:] for n, b in buffers.items())
+        assert same == (variant == "sync"), f"step {t + 1} ({variant}): momentum identical across ranks = {same}"
