@@ -121,6 +121,36 @@ def test_unused_parameter_is_left_alone_like_eager():
     assert all("unused" not in n.meta.get("grad_of", "") for n in step.graph_module.graph.nodes)
 
 
+@pytest.mark.parametrize("mode", ["local_sgd", "adasum_delta", "fused_allreduce"])
+def test_unused_parameter_in_every_family(mode):
+    """An unused parameter's new value is its input: passes must insert after all inputs, not among them."""
+
+    class WithUnused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    model = WithUnused()
+    before = model.unused.weight.detach().clone()
+    batch = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mode=mode, loss_fn=nn.CrossEntropyLoss())
+    for _ in range(2):
+        step(*batch)
+    assert torch.equal(model.unused.weight, before)
+    transpile(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        mode=mode,
+        loss_fn=nn.CrossEntropyLoss(),
+        example_inputs=batch,
+        world_size=4,
+    )  # the static multi-rank build verifies too
+
+
 def test_model_returning_its_own_loss_and_new_batch_shapes():
     class SelfLoss(nn.Module):
         def __init__(self):

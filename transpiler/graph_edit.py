@@ -50,6 +50,8 @@ class Cursor:
 
     def __init__(self, graph: fx.Graph, after: fx.Node):
         self.graph = graph
+        if after.op == "placeholder":  # ops go after every input, even those a pass added later
+            after = [n for n in graph.nodes if n.op == "placeholder"][-1]
         self.anchor = after
 
     def emit(self, target: Callable, args: tuple, kwargs: dict | None = None, **meta: Any) -> fx.Node:
