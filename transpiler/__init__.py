@@ -8,7 +8,6 @@ package without a circular import through the modes that list them.
 from typing import Any
 
 from .errors import (
-    BatchMismatchError,
     ConfigurationError,
     FactoryError,
     PipelineSpecError,
@@ -19,7 +18,6 @@ from .errors import (
 )
 
 __all__ = [
-    "BatchMismatchError",
     "ConfigurationError",
     "DistributedStep",
     "FactoryError",

@@ -36,7 +36,3 @@ class VerificationError(TranspilerError):
 
 class FactoryError(TranspilerError):
     """A user FACTORY given to the CLI could not be loaded or failed."""
-
-
-class BatchMismatchError(TranspilerError):
-    """A batch given to a step does not fit the traced step."""

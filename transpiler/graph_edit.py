@@ -8,7 +8,7 @@ anything, and ``meta["role"]`` so every node keeps a role.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,25 +66,10 @@ def node_bytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def move_after(node: fx.Node, anchor: fx.Node) -> None:
-    """Place ``node`` directly after ``anchor``."""
-    if anchor.next is not node:
-        anchor.append(node)
-
-
 def move_before(node: fx.Node, anchor: fx.Node) -> None:
     if node.next is not anchor:
         anchor.prepend(node)
 
 
-def users_in_order(node: fx.Node, order: dict[fx.Node, int]) -> list[fx.Node]:
-    return sorted(node.users, key=order.__getitem__)
-
-
 def position(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
-
-
-def call_nodes(graph: fx.Graph, targets: Iterable[Callable]) -> list[fx.Node]:
-    wanted = set(targets)
-    return [n for n in graph.nodes if n.op == "call_function" and n.target in wanted]

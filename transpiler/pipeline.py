@@ -38,10 +38,6 @@ class Pass:
         ]
         return self.name + ("{" + ",".join(opts) + "}" if opts else "")
 
-    @classmethod
-    def options(cls) -> list[dataclasses.Field]:
-        return list(dataclasses.fields(cls))
-
 
 def _format(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
