@@ -100,15 +100,18 @@ def test_roles_and_gradient_tags():
     assert grads == ["embed.weight", "proj.bias"]  # tied weight once, frozen parameter none
 
 
+class WithUnused(nn.Module):
+    """One layer never used in forward: its parameters get no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
 def test_unused_parameter_is_left_alone_like_eager():
-    class WithUnused(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.used, self.unused = nn.Linear(4, 3), nn.Linear(4, 3)
-
-        def forward(self, x):
-            return self.used(x)
-
     torch.manual_seed(0)
     model = WithUnused()
     twin, twin_opt = eager_twin(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.1))
@@ -124,14 +127,6 @@ def test_unused_parameter_is_left_alone_like_eager():
 @pytest.mark.parametrize("mode", ["local_sgd", "adasum_delta", "fused_allreduce"])
 def test_unused_parameter_in_every_family(mode):
     """An unused parameter's new value is its input: passes must insert after all inputs, not among them."""
-
-    class WithUnused(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.used, self.unused = nn.Linear(4, 3), nn.Linear(4, 3)
-
-        def forward(self, x):
-            return self.used(x)
 
     torch.manual_seed(0)
     model = WithUnused()
