@@ -33,7 +33,7 @@ from transpiler.p2p import EXCHANGE
 from transpiler.pipeline import Pass
 from transpiler.program import StepProgram
 
-from .allreduce_grads import gradient_nodes, is_reduced
+from .bucketing import replace_gradient, unreduced_gradients
 
 aten = torch.ops.aten
 TINY = 1e-300  # guards |a|^2 in float64: a zero norm means a zero vector and a zero dot product
@@ -200,10 +200,10 @@ class AdaSum(Pass):
         if geometry.participants == 1 and self.local_size == 1:
             return False  # world size 1: the plain optimizer
         if self.target == "grads":
-            grads = [g for g in gradient_nodes(program) if not is_reduced(g)]
+            grads = unreduced_gradients(program)
             _one_dtype(grads)
             for grad, combined in zip(grads, adasum_vector(program, grads, geometry)):
-                grad.replace_all_uses_with(combined, delete_user_cb=lambda u: u.meta.get("role") != "communication")
+                replace_gradient(grad, combined)
             return bool(grads)
         return self._deltas(program, geometry)
 

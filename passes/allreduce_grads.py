@@ -11,19 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transpiler.collectives import C10D, WAIT
-from transpiler.graph_edit import Cursor, move_before, node_bytes, position
+from transpiler.graph_edit import move_before, position
 from transpiler.pipeline import Pass
 from transpiler.program import StepProgram
 
-
-def gradient_nodes(program: StepProgram) -> list:
-    """Gradients in the order the backward pass produces them."""
-    return [n for n in program.graph.nodes if "grad_of" in n.meta]
-
-
-def is_reduced(grad) -> bool:
-    return any(u.meta.get("role") == "communication" for u in grad.users)
+from .bucketing import reduce_in_buckets, replace_gradient, unreduced_gradients
 
 
 @dataclass(frozen=True)
@@ -33,21 +25,11 @@ class AllReduceGrads(Pass):
     reduces_gradients = True
 
     def run(self, program: StepProgram) -> bool:
-        graph = program.graph
-        order = position(graph)  # original nodes keep their order; computed once for linear time
-        changed = False
-        for grad in gradient_nodes(program):
-            if is_reduced(grad):
-                continue
-            name = grad.meta["grad_of"]
-            first_reader = min(grad.users, key=order.__getitem__)
-            cursor = Cursor(graph, grad)
-            info = {"kind": "all_reduce", "grads": (name,), "bytes": node_bytes(grad)}
-            reduced = cursor.emit(
-                C10D.all_reduce.default, (grad, "sum", program.group_name), role="communication", collective=info
-            )
-            waited = cursor.emit(WAIT, (reduced,), role="communication")
-            grad.replace_all_uses_with(waited, delete_user_cb=lambda u, r=reduced: u is not r)
-            move_before(waited, first_reader)
-            changed = True
-        return changed
+        grads = unreduced_gradients(program)
+        order = position(program.graph)  # computed once: the readers are original nodes
+        first_readers = [min(g.users, key=order.__getitem__) for g in grads]
+        items = [(g.meta["grad_of"], g) for g in grads]
+        for grad, reader, reduced in zip(grads, first_readers, reduce_in_buckets(program, items, 0, 0, tag="grads")):
+            replace_gradient(grad, reduced)
+            move_before(reduced, reader)
+        return bool(grads)

@@ -12,100 +12,12 @@ gradient. Each all-reduce carries ``meta["collective"]`` with its members.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
-import torch
-import torch.fx as fx
-
-from transpiler.collectives import C10D, WAIT
-from transpiler.graph_edit import Cursor, node_bytes, position
 from transpiler.pipeline import Pass
 from transpiler.program import StepProgram
 
-from .allreduce_grads import gradient_nodes, is_reduced
-
-MB = 1024 * 1024
-aten = torch.ops.aten
-
-
-def bucket_key(node: fx.Node) -> tuple[str, str]:
-    val = node.meta["val"]
-    return str(val.dtype), str(val.device)
-
-
-def assign_buckets(sizes: list[int], keys: list[tuple], cap_bytes: int, first_cap_bytes: int) -> list[list[int]]:
-    """Partition item indices into buckets, in order, one open bucket per key.
-
-    An item joins its key's open bucket unless that would exceed the cap; the
-    first bucket of each key has ``first_cap_bytes``. ``cap_bytes <= 0`` puts
-    every item alone. Buckets come back ordered by their last item.
-    """
-    open_bucket: dict[tuple, list[int]] = {}
-    open_bytes: dict[tuple, int] = {}
-    closed: dict[tuple, int] = {}
-    done: list[list[int]] = []
-    for i, (size, key) in enumerate(zip(sizes, keys)):
-        if cap_bytes <= 0:
-            done.append([i])
-            continue
-        cap = first_cap_bytes if closed.get(key, 0) == 0 else cap_bytes
-        if key in open_bucket and open_bytes[key] + size > cap:
-            done.append(open_bucket.pop(key))
-            closed[key] = closed.get(key, 0) + 1
-        if key not in open_bucket:
-            open_bucket[key], open_bytes[key] = [], 0
-        open_bucket[key].append(i)
-        open_bytes[key] += size
-    done.extend(open_bucket.values())
-    return sorted(done, key=lambda b: b[-1])
-
-
-def reduce_in_buckets(
-    program: StepProgram, items: list[tuple[str, fx.Node]], cap_bytes: int, first_cap_bytes: int, *, tag: str
-) -> list[fx.Node]:
-    """Sum all-reduce the named values in dtype/size buckets, each bucket right after its last member.
-
-    Returns, in the order of ``items``, the node that holds each reduced value;
-    replacing readers is the caller's business. ``tag`` names what is reduced
-    (``grads``, ``deltas``...) in ``meta["collective"]``.
-    """
-    nodes = [node for _, node in items]
-    buckets = assign_buckets([node_bytes(n) for n in nodes], [bucket_key(n) for n in nodes], cap_bytes, first_cap_bytes)
-    order = position(program.graph)  # members keep their order; computed once for linear time
-    reduced: dict[fx.Node, fx.Node] = {}
-    for index, members in enumerate(buckets):
-        last = max((nodes[i] for i in members), key=order.__getitem__)
-        reduced.update(_reduce_bucket(program, [items[i] for i in members], index, last, tag))
-    return [reduced[n] for n in nodes]
-
-
-def _reduce_bucket(
-    program: StepProgram, members: list[tuple[str, fx.Node]], index: int, last: fx.Node, tag: str
-) -> dict[fx.Node, fx.Node]:
-    cursor = Cursor(program.graph, last)
-    nodes = [node for _, node in members]
-    info = {
-        "kind": "all_reduce",
-        "bucket": index,
-        tag: tuple(n for n, _ in members),
-        "bytes": sum(map(node_bytes, nodes)),
-    }
-    comm = {"role": "communication", "bucket": (tag, index)}
-    if len(nodes) == 1:
-        reduced = cursor.emit(C10D.all_reduce.default, (nodes[0], "sum", program.group_name), collective=info, **comm)
-        return {nodes[0]: cursor.emit(WAIT, (reduced,), **comm)}
-    pieces = [cursor.emit(aten.reshape.default, (n, [-1]), **comm) for n in nodes]
-    flat = cursor.emit(aten.cat.default, (pieces,), **comm)
-    # a fused buffer is ours alone, so it is reduced in place (no clone); a lone value is not
-    reduced = cursor.emit(C10D.all_reduce_.default, (flat, "sum", program.group_name), collective=info, **comm)
-    waited = cursor.emit(WAIT, (reduced,), **comm)
-    chunks = cursor.emit(aten.split_with_sizes.default, (waited, [n.meta["val"].numel() for n in nodes]), **comm)
-    views = {}
-    for i, n in enumerate(nodes):
-        piece = cursor.emit(operator.getitem, (chunks, i), **comm)
-        views[n] = cursor.emit(aten.view.default, (piece, list(n.meta["val"].shape)), **comm)
-    return views
+from .bucketing import MB, reduce_in_buckets, replace_gradient, unreduced_gradients
 
 
 @dataclass(frozen=True)
@@ -117,11 +29,11 @@ class FuseAllReduce(Pass):
     first_bucket_mb: float = 1.0
 
     def run(self, program: StepProgram) -> bool:
-        grads = [g for g in gradient_nodes(program) if not is_reduced(g)]
+        grads = unreduced_gradients(program)
         if not grads:
             return False
         items = [(g.meta["grad_of"], g) for g in grads]
         cap, first = int(self.bucket_cap_mb * MB), int(self.first_bucket_mb * MB)
         for grad, reduced in zip(grads, reduce_in_buckets(program, items, cap, first, tag="grads")):
-            grad.replace_all_uses_with(reduced, delete_user_cb=lambda u: u.meta.get("role") != "communication")
+            replace_gradient(grad, reduced)
         return True

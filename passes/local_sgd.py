@@ -25,7 +25,7 @@ from transpiler.graph_edit import Cursor
 from transpiler.pipeline import Pass
 from transpiler.program import Port, StepProgram
 
-from .fuse_allreduce import MB, reduce_in_buckets
+from .bucketing import MB, reduce_in_buckets
 
 aten = torch.ops.aten
 

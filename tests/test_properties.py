@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from passes import PASSES
-from passes.fuse_allreduce import MB, assign_buckets
+from passes.bucketing import MB, assign_buckets
 from transpiler.api import rewrite
 from transpiler.collectives import collective_sequence, is_collective
 from transpiler.modes import build_passes

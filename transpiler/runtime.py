@@ -36,7 +36,16 @@ class Built:
     programs: dict[str, StepProgram]
     state: ModelState
     plan: OptimizerPlan
-    state_names: list[str] = field(default_factory=list)
+    params: dict[str, torch.nn.Parameter] = field(init=False)  # name maps, made once, read every step
+    frozen: dict[str, torch.nn.Parameter] = field(init=False)
+    buffers: dict[str, torch.Tensor] = field(init=False)
+    positions: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.params = dict(zip(self.state.names, self.state.params))
+        self.frozen = dict(zip(self.state.frozen_names, self.state.frozen))
+        self.buffers = dict(zip(self.state.buffer_names, self.state.buffers))
+        self.positions = {n: i for i, n in enumerate(self.state.names)}
 
 
 Builder = Callable[[tuple], Built]
@@ -74,7 +83,8 @@ class DistributedStep:
     @property
     def program(self) -> StepProgram:
         """The program of the variant that runs most often (the last one listed)."""
-        return self.programs[next(reversed(self.programs))] if "step" not in self.programs else self.programs["step"]
+        programs = self.programs
+        return programs.get("step") or programs[next(reversed(programs))]
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
@@ -100,7 +110,7 @@ class DistributedStep:
             self._run_startup(built)
         variant = self.schedule.variant()
         program = built.programs[variant]
-        self._init_extra(program, built.state)
+        self._init_extra(program, built)
         with torch.no_grad():
             outputs = program.graph_module(*self._inputs(program, built, batch))
         metrics = self._write_back(program, built, outputs)
@@ -111,11 +121,10 @@ class DistributedStep:
 
     def _inputs(self, program: StepProgram, built: Built, batch: tuple) -> list:
         state, plan = built.state, built.plan
-        params = dict(zip(state.names, state.params))
         tensors = {
-            "param": {n: p.detach() for n, p in params.items()},
-            "frozen": {n: p.detach() for n, p in zip(state.frozen_names, state.frozen)},
-            "buffer": dict(zip(state.buffer_names, state.buffers)),
+            "param": {n: p.detach() for n, p in built.params.items()},
+            "frozen": {n: p.detach() for n, p in built.frozen.items()},
+            "buffer": built.buffers,
             "state": {
                 f"{state.names[i]}.{k}": t
                 for i in range(len(state.params))
@@ -128,21 +137,18 @@ class DistributedStep:
         return [tensors[port.kind][port.name] for port in program.inputs]
 
     def _write_back(self, program: StepProgram, built: Built, outputs: tuple) -> dict[str, float]:
-        state, plan = built.state, built.plan
-        params = dict(zip(state.names, state.params))
-        buffers = dict(zip(state.buffer_names, state.buffers))
-        positions = {n: i for i, n in enumerate(state.names)}
+        plan = built.plan
         new_states: dict[int, dict[str, torch.Tensor]] = {}
         metrics: dict[str, float] = {}
         for port, value in zip(program.outputs, outputs):
             if port.kind == "param":
-                params[port.name].data = value
+                built.params[port.name].data = value
             elif port.kind == "buffer":
-                if value is not buffers[port.name]:
-                    buffers[port.name].data = value
+                if value is not built.buffers[port.name]:
+                    built.buffers[port.name].data = value
             elif port.kind == "state":
                 name, key = port.name.rsplit(".", 1)
-                new_states.setdefault(positions[name], {})[key] = value
+                new_states.setdefault(built.positions[name], {})[key] = value
             elif port.kind == "extra":
                 self.extra[port.name] = value
             elif port.kind == "metric":
@@ -167,25 +173,21 @@ class DistributedStep:
         program = next((p for p in built.programs.values() if p.startup is not None), None)
         if program is None:
             return
-        state = built.state
-        tensors = {("param", n): p for n, p in zip(state.names, state.params)}
-        tensors.update({("frozen", n): p for n, p in zip(state.frozen_names, state.frozen)})
-        tensors.update({("buffer", n): b for n, b in zip(state.buffer_names, state.buffers)})
-        targets = [tensors[(port.kind, port.name)] for port in program.startup_ports]
+        tensors = {"param": built.params, "frozen": built.frozen, "buffer": built.buffers}
+        targets = [tensors[port.kind][port.name] for port in program.startup_ports]
         with torch.no_grad():
             results = program.startup(*(t.detach() for t in targets))
             for target, value in zip(targets, results):
                 target.copy_(value)
 
-    def _init_extra(self, program: StepProgram, state: ModelState) -> None:
+    def _init_extra(self, program: StepProgram, built: Built) -> None:
         """Create pass-added state on first use, by the rule its pass declared (after the startup broadcast)."""
-        params = dict(zip(state.names, state.params))
         for name, (rule, source) in program.extra_init.items():
             if name in self.extra:
                 continue
             if rule != "copy_param":
                 raise ConfigurationError(f"unknown initialisation rule '{rule}' for extra state '{name}'.")
-            self.extra[name] = params[source].detach().clone()
+            self.extra[name] = built.params[source].detach().clone()
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
