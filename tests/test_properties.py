@@ -145,3 +145,34 @@ def test_every_pass_reports_no_change_when_it_has_nothing_to_do():
     assert PASSES["schedule-collectives"]().run(program) is False  # no collectives yet
     assert PASSES["scale-loss-grad"]().run(program) is True
     assert PASSES["scale-loss-grad"]().run(program) is False
+
+
+@SLOW
+@given(
+    widths=widths_strategy,
+    log_participants=st.integers(1, 3),
+    local_size=st.sampled_from([1, 2]),
+    target=st.sampled_from(["adasum", "adasum_delta"]),
+)
+def test_adasum_sends_pair_with_receives_across_ranks(widths, log_participants, local_size, target):
+    """Every rank's exchanges meet their partner's with swapped sizes, and the whole world cannot deadlock."""
+    from transpiler.modes import build_strategy
+    from transpiler.process_group import subgroup_names
+    from transpiler.verify import check_communication
+
+    world = (1 << log_participants) * local_size
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])  # one dtype, as AdaSum needs
+    batch = (torch.randn(4, widths[0]), torch.randn(4, widths[-1]))
+    traced, *_ = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), batch)
+    strategy = build_strategy(target, {"local_size": local_size})
+    placement = Placement(world, 0, "world", False)
+    groups = subgroup_names(placement, strategy.groups(world))
+    programs = [
+        rewrite(traced, strategy.variants["step"], Placement(world, r, "world", False), verify=False, subgroups=groups)
+        for r in range(world)
+    ]
+    members = {name: ranks for ranks, name in groups.items()} | {"world": tuple(range(world))}
+    check_communication(programs, members)
+    exchanges = [sum("p2p" in n.meta for n in p.graph.nodes) for p in programs]
+    assert exchanges == [2 * log_participants] * world  # one per level down, one per level back
