@@ -24,6 +24,7 @@ from sklearn.model_selection import train_test_split
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transpiler import transpile  # noqa: E402
 from transpiler.modes import MODES  # noqa: E402
+from transpiler.options import key_values  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -43,14 +44,6 @@ def parse_args() -> argparse.Namespace:
         help="mode option, e.g. -O k_steps=4 (local_sgd) or -O local_size=2 (adasum)",
     )
     return parser.parse_args()
-
-
-def parse_options(items: list[str]) -> dict:
-    options = {}
-    for item in items:
-        key, _, raw = item.partition("=")
-        options[key.replace("-", "_")] = int(raw) if raw.isdigit() else float(raw) if raw else True
-    return options
 
 
 def load_data(seed: int):
@@ -85,7 +78,7 @@ def main() -> None:
         mode=args.mode,
         loss_fn=loss_fn,
         example_inputs=(x_train[:per_rank], y_train[:per_rank]),
-        **parse_options(args.option),
+        **key_values(args.option),
     )
     if rank == 0:
         counts = {

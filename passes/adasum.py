@@ -29,6 +29,7 @@ import torch.fx as fx
 from transpiler.collectives import C10D, WAIT
 from transpiler.errors import ConfigurationError
 from transpiler.graph_edit import Cursor, position
+from transpiler.options import option
 from transpiler.p2p import EXCHANGE
 from transpiler.pipeline import Pass
 from transpiler.program import StepProgram
@@ -188,12 +189,10 @@ def _combine(cursor: Cursor, a: fx.Node, b: fx.Node, keep, offsets, sizes, group
 class AdaSum(Pass):
     name = "adasum"
     summary = "AdaSum of gradients (or weight deltas) by recursive halving with point-to-point exchanges"
-    target: str = "grads"
-    local_size: int = 1
+    target: str = option("grads", choices=("grads", "deltas"), help="what AdaSum combines")
+    local_size: int = option(1, minimum=1, help="ranks per group averaged before AdaSum across groups")
 
     def run(self, program: StepProgram) -> bool:
-        if self.target not in ("grads", "deltas"):
-            raise ConfigurationError(f"adasum target must be 'grads' or 'deltas', got '{self.target}'.")
         if any(n.meta.get("p2p") or n.meta.get("collective", {}).get("adasum") for n in program.graph.nodes):
             return False
         geometry = AdaSumGeometry(program.world_size, self.local_size)

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from transpiler.collectives import C10D, WAIT
 from transpiler.graph_edit import emit
+from transpiler.options import option
 from transpiler.pipeline import Pass
 from transpiler.program import StepProgram
 
@@ -25,7 +26,7 @@ STARTUP_KINDS = ("param", "frozen", "buffer")
 class BroadcastParams(Pass):
     name = "broadcast-params"
     summary = "startup program: broadcast parameters and buffers from rank 0"
-    src: int = 0
+    src: int = option(0, minimum=0, help="the rank whose values every rank starts from")
 
     def run(self, program: StepProgram) -> bool:
         if program.startup is not None:

@@ -14,7 +14,18 @@ import torch.fx as fx
 
 from transpiler.collectives import C10D, WAIT
 from transpiler.graph_edit import Cursor, node_bytes, position
+from transpiler.options import option
 from transpiler.program import StepProgram
+
+
+def bucket_cap_option() -> float:
+    """The ``bucket-cap-mb`` field of a bucketing pass (DDP's default cap)."""
+    return option(25.0, minimum=0, help="bucket size cap in MiB; 0 puts each gradient in its own bucket")
+
+
+def first_bucket_option() -> float:
+    """The ``first-bucket-mb`` field of a bucketing pass (DDP's smaller first bucket)."""
+    return option(1.0, minimum=0, help="cap in MiB of the first bucket, issued earliest")
 
 
 def gradient_nodes(program: StepProgram) -> list[fx.Node]:

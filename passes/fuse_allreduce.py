@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from transpiler.pipeline import Pass
 from transpiler.program import StepProgram
 
-from .bucketing import MB, reduce_in_buckets, replace_gradient, unreduced_gradients
+from .bucketing import (
+    MB,
+    bucket_cap_option,
+    first_bucket_option,
+    reduce_in_buckets,
+    replace_gradient,
+    unreduced_gradients,
+)
 
 
 @dataclass(frozen=True)
@@ -25,8 +32,8 @@ class FuseAllReduce(Pass):
     name = "fuse-allreduce"
     summary = "coalesce gradients into dtype/size buckets, one all-reduce per bucket"
     reduces_gradients = True
-    bucket_cap_mb: float = 25.0
-    first_bucket_mb: float = 1.0
+    bucket_cap_mb: float = bucket_cap_option()
+    first_bucket_mb: float = first_bucket_option()
 
     def run(self, program: StepProgram) -> bool:
         grads = unreduced_gradients(program)

@@ -22,10 +22,11 @@ import torch.fx as fx
 
 from transpiler.collectives import C10D, WAIT
 from transpiler.graph_edit import Cursor
+from transpiler.options import option
 from transpiler.pipeline import Pass
 from transpiler.program import Port, StepProgram
 
-from .bucketing import MB, reduce_in_buckets
+from .bucketing import MB, bucket_cap_option, first_bucket_option, reduce_in_buckets
 
 aten = torch.ops.aten
 
@@ -44,10 +45,10 @@ def add_input(program: StepProgram, port: Port, like: fx.Node) -> fx.Node:
 class LocalSGDAverage(Pass):
     name = "local-sgd-average"
     summary = "LocalSGD sync: average parameters through snapshot deltas (Paddle LocalSGD)"
-    average_state: bool = False
-    report_loss: bool = False
-    bucket_cap_mb: float = 25.0
-    first_bucket_mb: float = 1.0
+    average_state: bool = option(False, help="also average optimizer state and floating-point buffers")
+    report_loss: bool = option(False, help="also all-reduce the loss, for adaptive LocalSGD")
+    bucket_cap_mb: float = bucket_cap_option()
+    first_bucket_mb: float = first_bucket_option()
 
     def run(self, program: StepProgram) -> bool:
         if any(p.kind == "extra" and p.name.startswith("snapshot.") for p in program.inputs):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -44,17 +45,79 @@ class TiedLM(nn.Module):
         return self.proj(torch.tanh(self.embed(tokens).mean(1) * self.frozen_scale))
 
 
+class Recurrent(nn.Module):
+    """nn.LSTM or nn.GRU over a sequence, classify the last state (CPU mkldnn RNN kernels)."""
+
+    def __init__(self, cell: str = "lstm", d_in: int = 20, hidden: int = 16, classes: int = 5):
+        super().__init__()
+        self.rnn = {"lstm": nn.LSTM, "gru": nn.GRU}[cell](d_in // 4, hidden, batch_first=True, num_layers=2)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.head(self.rnn(x.reshape(x.shape[0], 4, -1))[0][:, -1])
+
+
+class Checkpointed(nn.Module):
+    """Activation checkpointing (non-reentrant) around a block with dropout."""
+
+    def __init__(self, d_in: int = 20, hidden: int = 32, classes: int = 5, reentrant: bool = False):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(d_in, hidden), nn.Dropout(0.3), nn.GELU(), nn.Linear(hidden, hidden))
+        self.head = nn.Sequential(nn.Dropout(0.2), nn.Linear(hidden, classes))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+class MaxNormEmbedding(nn.Module):
+    """Embedding(max_norm=...) renormalises looked-up rows in place; optionally a frozen second table."""
+
+    def __init__(self, vocab: int = 50, dim: int = 16, classes: int = 5, frozen_table: bool = True):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, max_norm=1.0)
+        self.fixed = nn.Embedding(vocab, dim, max_norm=0.5).requires_grad_(not frozen_table)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, tokens):
+        return self.head((self.embed(tokens) + self.fixed(tokens)).mean(1))
+
+
+class DropoutBN(nn.Module):
+    """Dropout and BatchNorm: what train() and eval() change."""
+
+    def __init__(self, d_in: int = 20, hidden: int = 32, classes: int = 5):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(0.5))
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+MODELS = {
+    "mlp": MLP,
+    "cnn": SmallCNN,
+    "tied": TiedLM,
+    "lstm": lambda: Recurrent("lstm"),
+    "gru": lambda: Recurrent("gru"),
+    "checkpoint": Checkpointed,
+    "maxnorm": MaxNormEmbedding,
+    "dropout_bn": DropoutBN,
+}
+
+
 def make_model(name: str) -> nn.Module:
-    return {"mlp": MLP, "cnn": SmallCNN, "tied": TiedLM}[name]()
+    return MODELS[name]()
 
 
 def make_batch(name: str, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    if name == "mlp":
-        x = torch.randn(n, 20, generator=generator)
-    elif name == "cnn":
+    if name == "cnn":
         x = torch.randn(n, 1, 8, 8, generator=generator)
-    else:
+    elif name in ("tied", "maxnorm"):
         x = torch.randint(0, 50, (n, 6), generator=generator)
+    else:
+        x = torch.randn(n, 20, generator=generator)
     classes = 50 if name == "tied" else 5
     return x, torch.randint(0, classes, (n,), generator=generator)
 

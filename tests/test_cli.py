@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,44 @@ def test_local_sgd_variants(capsys):
     assert main(["dump", FACTORY, "--mode", "local_sgd", "--variant", "sync", "-O", "k_steps=4"]) == 0
     assert "x_snapshot_" in capsys.readouterr().out
     assert main(["dump", FACTORY, "--mode", "local_sgd", "--variant", "nope"]) == 2
+
+
+def test_help_is_plain_and_shows_defaults(capsys):
+    for argv in (["--help"], ["dump", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = capsys.readouterr().out
+        assert "``" not in text
+    assert "(default: 2)" in text and "(default: fused_allreduce)" in text and "Graphviz" in text
+
+
+def test_dump_details_a_new_user_sees(tmp_path, capsys):
+    assert main(["dump", FACTORY, "--diff", "--format", "svg", "-o", str(tmp_path / "x.svg")]) == 2
+    assert "--diff" in capsys.readouterr().err and not (tmp_path / "x.svg").exists()
+    assert main(["dump", FACTORY]) == 0
+    assert not capsys.readouterr().out.startswith("\n")
+    target = tmp_path / "new" / "folder" / "step.py"
+    assert main(["dump", FACTORY, "-o", str(target)]) == 0 and target.read_text().startswith("def forward")
+    assert main(["modes"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]
+    columns = {len(line) - len(line[len(line.split()[0]) :].lstrip()) for line in rows}
+    assert len(columns) == 1  # every summary starts in one column
+
+
+def test_factory_files_that_used_to_end_in_a_traceback_or_silence(tmp_path, capsys):
+    txt = tmp_path / "factory.txt"
+    txt.write_text("def make(): pass\n")
+    assert main(["dump", f"{txt}:make"]) == 2
+    assert ".py" in capsys.readouterr().err
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\ndef make():\n    sys.exit(3)\n")
+    assert main(["dump", f"{exits}:make"]) == 2
+    assert "sys.exit(3)" in capsys.readouterr().err
+    dc = tmp_path / "with_dataclass.py"
+    dc.write_text(
+        "from __future__ import annotations\nimport dataclasses\nimport sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})\n"
+        "from tests.models import tiny_factory\n\n@dataclasses.dataclass\nclass Config:\n    width: int = 8\n\n"
+        "def make():\n    Config()\n    return tiny_factory()\n"
+    )
+    assert main(["dump", f"{dc}:make"]) == 0

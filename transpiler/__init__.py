@@ -8,9 +8,13 @@ package without a circular import through the modes that list them.
 from typing import Any
 
 from .errors import (
+    CheckpointError,
+    CommunicationError,
     ConfigurationError,
     FactoryError,
     PipelineSpecError,
+    RankMismatchError,
+    RetraceWarning,
     TranspilerError,
     UnsupportedModelError,
     UnsupportedOptimizerError,
@@ -18,10 +22,14 @@ from .errors import (
 )
 
 __all__ = [
+    "CheckpointError",
+    "CommunicationError",
     "ConfigurationError",
     "DistributedStep",
     "FactoryError",
     "PipelineSpecError",
+    "RankMismatchError",
+    "RetraceWarning",
     "TranspilerError",
     "UnsupportedModelError",
     "UnsupportedOptimizerError",

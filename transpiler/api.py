@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 
+from .collectives import communication_plan
 from .errors import ConfigurationError
+from .handshake import Setup, describe_model, describe_optimizer
 from .modes import build_strategy
 from .pipeline import Pipeline
-from .process_group import Placement, resolve_placement, subgroup_names
+from .process_group import Placement, as_timeout, resolve_placement, subgroup_names
 from .program import StepProgram
 from .runtime import Built, DistributedStep
 from .tracing import LossFn, trace_step
@@ -32,6 +35,8 @@ def transpile(
     rank: int | None = None,
     verify: bool = True,
     on_pass: Callable[[str, StepProgram], None] | None = None,
+    timeout: timedelta | float | None = None,
+    max_cached_programs: int = 8,
     **options: Any,
 ) -> DistributedStep:
     """Trace one training step and rewrite it into this rank's distributed program.
@@ -42,14 +47,22 @@ def transpile(
     ``step`` will get it, ``(*model_inputs, target)``; without it the step is
     traced on its first call. ``world_size``/``rank`` build a rank's program
     without a process group, for inspection; under torchrun leave them out.
+    ``timeout`` (seconds or a timedelta) bounds every collective of the step
+    and the startup handshake; by default the default group's timeout (torch's
+    default is 30 minutes). ``max_cached_programs`` bounds the programs kept
+    for different batch shapes and model modes.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigurationError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    if isinstance(max_cached_programs, bool) or not isinstance(max_cached_programs, int) or max_cached_programs < 1:
+        raise ConfigurationError(f"max_cached_programs must be an int >= 1, got {max_cached_programs!r}.")
     strategy = build_strategy(mode, options)
-    placement = resolve_placement(world_size, rank)
+    placement = resolve_placement(world_size, rank, as_timeout(timeout))
     subgroups = subgroup_names(placement, strategy.groups(placement.world_size))
+    specs = {variant: ",".join(p.spec() for p in passes) for variant, passes in strategy.variants.items()}
+    schedule = strategy.schedule()
 
     def build(batch: tuple) -> Built:
         traced, state, plan = trace_step(model, optimizer, loss_fn, batch)
@@ -57,9 +70,30 @@ def transpile(
             variant: rewrite(traced, passes, placement, verify=verify, on_pass=on_pass, subgroups=subgroups)
             for variant, passes in strategy.variants.items()
         }
-        return Built(programs, state, plan)
+        setup = Setup(
+            world_size=placement.world_size,
+            mode=specs,
+            schedule=schedule.settings(),
+            timeout_s=placement.timeout.total_seconds(),
+            **describe_model(model),
+            optimizer=describe_optimizer(optimizer),
+            batch=tuple(str(t.dtype).removeprefix("torch.") for t in batch),
+            communication={v: communication_plan(p.graph) for v, p in programs.items()},
+            groups={name: ranks for ranks, name in subgroups.items()}
+            | {placement.group_name: tuple(range(placement.world_size))},
+        )
+        return Built(programs, state, plan, setup)
 
-    step = DistributedStep(model, optimizer, loss_fn, placement, build, strategy.schedule())
+    step = DistributedStep(
+        model,
+        optimizer,
+        loss_fn,
+        placement,
+        build,
+        schedule,
+        mode_specs=specs,
+        max_cached_programs=max_cached_programs,
+    )
     if example_inputs is not None:
         step.prepare(tuple(example_inputs))
     return step

@@ -1,8 +1,4 @@
-"""The ``transpiler`` command: dump and diff rewritten graphs, list passes and modes.
-
-No processes are launched: ``dump`` builds one rank's program for a given world
-size statically, from a FACTORY that returns (model, optimizer, loss_fn, batch).
-"""
+"""The ``transpiler`` command: dump and diff rewritten graphs, list passes and modes."""
 
 from __future__ import annotations
 
@@ -11,13 +7,13 @@ import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
 
 from passes import PASSES
 
 from .api import transpile
 from .errors import FactoryError, TranspilerError
 from .modes import MODES
+from .options import key_values
 from .program import StepProgram
 from .render import to_dot, to_json, to_svg, unified_diff
 
@@ -30,20 +26,24 @@ def load_factory(spec: str) -> tuple:
     path = Path(path_text)
     if not path.is_file():
         raise FactoryError(f"no such file: {path}.")
-    module_spec = importlib.util.spec_from_file_location(f"_transpiler_factory_{path.stem}", path)
+    if path.suffix != ".py":
+        raise FactoryError(f"FACTORY must be in a Python file ending in .py; got {path}.")
+    module_name = f"_transpiler_factory_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look their module up here
     sys.path.insert(0, str(path.parent.resolve()))
     try:
         module_spec.loader.exec_module(module)
-    except Exception as exc:
-        raise FactoryError(f"importing {path} failed: {type(exc).__name__}: {exc}") from exc
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt too: never a silent exit
+        raise FactoryError(f"importing {path} failed: {_describe(exc)}") from exc
     factory = getattr(module, name, None)
     if not callable(factory):
         raise FactoryError(f"{path} has no callable '{name}'.")
     try:
         made = factory()
-    except Exception as exc:
-        raise FactoryError(f"{name}() in {path} failed: {type(exc).__name__}: {exc}") from exc
+    except BaseException as exc:
+        raise FactoryError(f"{name}() in {path} failed: {_describe(exc)}") from exc
     if not isinstance(made, tuple) or len(made) != 4:
         raise FactoryError(
             f"{name}() must return (model, optimizer, loss_fn, example_batch); got {type(made).__name__}."
@@ -51,17 +51,10 @@ def load_factory(spec: str) -> tuple:
     return made
 
 
-def _parse_options(items: list[str]) -> dict[str, Any]:
-    options = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise FactoryError(f"option '{item}' needs the form key=value.")
-        try:
-            options[key.replace("-", "_")] = float(raw)
-        except ValueError:
-            options[key.replace("-", "_")] = raw
-    return options
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r}); a FACTORY must return (model, optimizer, loss_fn, batch)"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _render(program: StepProgram, fmt: str, *, diff: bool) -> str:
@@ -72,7 +65,7 @@ def _render(program: StepProgram, fmt: str, *, diff: bool) -> str:
     graph = program.graph
     title = f"rank {program.rank} of {program.world_size}"
     if fmt == "code":
-        return program.graph_module.code
+        return program.graph_module.code.lstrip("\n")
     if fmt == "dot":
         return to_dot(graph, title).to_string()
     if fmt == "svg":
@@ -81,6 +74,8 @@ def _render(program: StepProgram, fmt: str, *, diff: bool) -> str:
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
+    if args.diff and args.format != "code":
+        raise FactoryError(f"--diff prints a unified diff of the code; it cannot be drawn as {args.format}.")
     model, optimizer, loss_fn, batch = load_factory(args.factory)
 
     def show(label: str, program: StepProgram) -> None:
@@ -96,7 +91,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
         rank=args.rank,
         verify=not args.no_verify,
         on_pass=show if args.print_between_passes else None,
-        **({} if args.before else _parse_options(args.option)),
+        **({} if args.before else key_values(args.option)),
     )
     variants = step.programs
     variant = args.variant or (next(reversed(variants)) if "step" not in variants else "step")
@@ -106,6 +101,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
         print(f"# variant '{variant}' of {', '.join(variants)} (choose with --variant)", file=sys.stderr)
     text = _render(variants[variant], args.format, diff=args.diff)
     if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text)
         print(f"wrote {args.output} ({len(text)} characters)", file=sys.stderr)
     else:
@@ -114,34 +110,53 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def cmd_passes(args: argparse.Namespace) -> int:
+    width = max(map(len, PASSES))
     for name, cls in PASSES.items():
-        opts = ", ".join(f"{f.name.replace('_', '-')}={f.default}" for f in dataclasses.fields(cls))
-        print(f"{name:22s} {cls.summary}" + (f"  [{opts}]" if opts else ""))
+        opts = ", ".join(f"{f.name.replace('_', '-')}={_format_default(f.default)}" for f in dataclasses.fields(cls))
+        print(f"{name:{width}s}  {cls.summary}" + (f"  [{opts}]" if opts else ""))
     return 0
 
 
 def cmd_modes(args: argparse.Namespace) -> int:
+    width = max(map(len, MODES))
     for name, mode in MODES.items():
-        opts = ", ".join(f"{k}={v}" for k, v in mode.options.items())
-        print(f"{name:16s} {mode.summary}" + (f"  [{opts}]" if opts else ""))
+        opts = ", ".join(f"{k}={_format_default(spec.default)}" for k, spec in mode.options.items())
+        print(f"{name:{width}s}  {mode.summary}" + (f"  [{opts}]" if opts else ""))
         for variant, passes in mode.strategy().variants.items():
             spec = ",".join(p.spec() for p in passes) or "(no passes)"
             label = "" if variant == "step" else f"{variant}: "
-            print(f"{'':16s}   = {label}{spec}")
+            print(f"{'':{width}s}    = {label}{spec}")
     return 0
+
+
+def _format_default(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="transpiler", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="transpiler",
+        description="Dump and diff the rewritten training-step graphs, list passes and modes. "
+        "No processes are launched: 'dump' builds one rank's program for a world size statically.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    dump = sub.add_parser("dump", help="build one rank's program and print it")
+    dump = sub.add_parser(
+        "dump",
+        help="build one rank's program and print it",
+        description="Build one rank's program from FACTORY, a function in a .py file that returns "
+        "(model, optimizer, loss_fn, example_batch), and print it.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     dump.add_argument("factory", metavar="FILE.py:FACTORY", help="returns (model, optimizer, loss_fn, example_batch)")
-    dump.add_argument("--mode", default="fused_allreduce", help="mode name or pipeline spec")
-    dump.add_argument("--world-size", type=int, default=2)
-    dump.add_argument("--rank", type=int, default=0)
-    dump.add_argument("--format", choices=("code", "dot", "svg", "json"), default="code")
+    dump.add_argument("--mode", default="fused_allreduce", help="mode name ('transpiler modes') or pipeline spec")
+    dump.add_argument("--world-size", type=int, default=2, help="number of ranks to build the program for")
+    dump.add_argument("--rank", type=int, default=0, help="which rank's program to show")
+    dump.add_argument(
+        "--format",
+        choices=("code", "dot", "svg", "json"),
+        default="code",
+        help="code: Python; dot: Graphviz source; svg: a picture (needs Graphviz's 'dot' on PATH); json: nodes",
+    )
     which = dump.add_mutually_exclusive_group()
     which.add_argument("--before", action="store_true", help="show the traced graph, before any pass")
     which.add_argument("--diff", action="store_true", help="unified diff of the traced and rewritten code")

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .p2p import is_exchange
+
 C10D = torch.ops._c10d_functional
 WAIT = C10D.wait_tensor.default
 COLLECTIVES = frozenset(
@@ -59,3 +61,35 @@ def signature(node: fx.Node) -> CollectiveSignature:
 
 def collective_sequence(graph: fx.Graph) -> list[CollectiveSignature]:
     return [signature(n) for n in graph.nodes if is_collective(n)]
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One communication step of a rank, as the cross-rank checks see it (static and at startup).
+
+    A collective has its signature; an exchange (point-to-point send and
+    receive with ``peer``) has its send and receive sizes and dtype.
+    """
+
+    collective: CollectiveSignature | None = None
+    peer: int = -1
+    send: int = 0
+    recv: int = 0
+    dtype: str = ""
+
+    def __str__(self) -> str:
+        if self.collective is not None:
+            return str(self.collective)
+        return f"exchange with {self.peer} (send {self.send}, receive {self.recv} {self.dtype})"
+
+
+def communication_plan(graph: fx.Graph) -> list[CommOp]:
+    """The collectives and exchanges of a graph, in the order it issues them."""
+    plan = []
+    for node in graph.nodes:
+        if is_collective(node):
+            plan.append(CommOp(signature(node)))
+        elif is_exchange(node):
+            send = node.args[0].meta["val"]
+            plan.append(CommOp(None, node.args[1], send.numel(), node.args[2], str(send.dtype).removeprefix("torch.")))
+    return plan

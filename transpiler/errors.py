@@ -17,7 +17,7 @@ class ConfigurationError(TranspilerError):
     """Options, world size, rank or process group do not fit together."""
 
 
-class PipelineSpecError(TranspilerError):
+class PipelineSpecError(ConfigurationError):
     """A pass-pipeline spec or mode name could not be parsed."""
 
 
@@ -36,3 +36,19 @@ class VerificationError(TranspilerError):
 
 class FactoryError(TranspilerError):
     """A user FACTORY given to the CLI could not be loaded or failed."""
+
+
+class RankMismatchError(ConfigurationError):
+    """The ranks are about to run different programs (found by the startup handshake)."""
+
+
+class CheckpointError(ConfigurationError):
+    """A checkpoint does not fit the step it is loaded into."""
+
+
+class CommunicationError(TranspilerError):
+    """A collective failed: a peer rank stalled past the timeout, died, or never arrived."""
+
+
+class RetraceWarning(UserWarning):
+    """The step keeps being traced again (new batch shapes or model modes); each trace costs seconds."""

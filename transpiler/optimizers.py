@@ -69,7 +69,8 @@ class OptimizerPlan:
                     if p.requires_grad:
                         raise UnsupportedOptimizerError(
                             f"param group {gi} holds a tensor of shape {tuple(p.shape)} that is not a parameter "
-                            "of the model; give the optimizer model.parameters()."
+                            "of the model (was a submodule replaced after the optimizer was made?). Give the "
+                            "optimizer model.parameters(): build a new optimizer and transpile() again."
                         )
                     continue
                 if id(p) in seen:
@@ -84,8 +85,10 @@ class OptimizerPlan:
         missing = [names[i] for i in range(len(params)) if id(params[i]) not in seen]
         if missing:
             raise UnsupportedOptimizerError(
-                f"trainable parameters {missing[:5]} are in no param group of the optimizer; "
-                "add them or set requires_grad=False."
+                f"trainable parameters {missing[:5]} are in no param group of the optimizer (a submodule "
+                "replaced after the optimizer was made, or a layer unfrozen without its group?). Add them with "
+                "optimizer.add_param_group(...), build a new optimizer and transpile() again, or set "
+                "requires_grad=False."
             )
         self.group_of = {pos: g for g in self.groups for pos in g.param_positions}
         self.params = params

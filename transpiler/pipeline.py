@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .errors import PipelineSpecError, TranspilerError, VerificationError
+from .errors import ConfigurationError, PipelineSpecError, TranspilerError, VerificationError
+from .options import field_options, parse_options
 from .program import StepProgram
 
 
@@ -30,6 +31,11 @@ class Pass:
     def run(self, program: StepProgram) -> bool:
         raise NotImplementedError
 
+    def __post_init__(self) -> None:
+        """Options are parsed strictly, whether the pass is built from Python or from a spec."""
+        for name, spec in field_options(type(self)).items():
+            object.__setattr__(self, name, spec.parse(name, getattr(self, name), f"pass '{self.name}'"))
+
     def spec(self) -> str:
         opts = [
             f"{f.name.replace('_', '-')}={_format(getattr(self, f.name))}"
@@ -41,24 +47,6 @@ class Pass:
 
 def _format(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def _convert(cls: type[Pass], key: str, raw: str) -> object:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    attr = key.replace("-", "_")
-    if attr not in fields:
-        known = ", ".join(f.replace("_", "-") for f in fields) or "none"
-        raise PipelineSpecError(f"pass '{cls.name}' has no option '{key}' (its options: {known}).")
-    kind = fields[attr].type
-    kind = {"int": int, "float": float, "bool": bool, "str": str}.get(kind, kind) if isinstance(kind, str) else kind
-    try:
-        if kind is bool:
-            if raw.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(raw)
-            return raw.lower() in ("true", "1")
-        return kind(raw)
-    except (TypeError, ValueError):
-        raise PipelineSpecError(f"option '{key}' of pass '{cls.name}' wants a {kind.__name__}, got '{raw}'.") from None
 
 
 _ITEM = re.compile(r"\s*([a-z0-9-]+)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
@@ -76,12 +64,18 @@ def parse_spec(spec: str, registry: dict[str, type[Pass]]) -> list[Pass]:
         name, body = m.group(1), m.group(2)
         if name not in registry:
             raise PipelineSpecError(f"unknown pass '{name}'; known passes: {', '.join(sorted(registry))}.")
-        kwargs = {}
+        raw: dict[str, str] = {}
         for item in filter(None, (s.strip() for s in (body or "").split(","))):
             if "=" not in item:
                 raise PipelineSpecError(f"option '{item}' of pass '{name}' needs the form key=value.")
-            key, raw = (s.strip() for s in item.split("=", 1))
-            kwargs[key.replace("-", "_")] = _convert(registry[name], key, raw)
+            key, value = (s.strip() for s in item.split("=", 1))
+            raw[key] = value
+        cls = registry[name]
+        specs = {f.replace("_", "-"): spec for f, spec in field_options(cls).items()}
+        try:
+            kwargs = {k.replace("-", "_"): v for k, v in parse_options(specs, raw, f"pass '{name}'").items()}
+        except ConfigurationError as exc:
+            raise PipelineSpecError(str(exc)) from None
         passes.append(registry[name](**kwargs))
         pos = m.end()
     if not passes:

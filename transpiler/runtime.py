@@ -7,45 +7,62 @@ after ``reinplace-optimizer`` the results are the same storage, updated in
 place). State that passes add (LocalSGD snapshots, say) lives here, in
 ``extra``, and travels in :meth:`state_dict`. Inputs and outputs are matched
 by their ports, so a pass can add either.
+
+What a program depends on is its cache key: the batch's shapes, which modules
+are in training mode, which parameters require grad, the model's parameter
+and buffer objects and the optimizer's param groups. A call whose key is new
+traces again (bounded cache, warning when it keeps happening); before a
+program with a new setup first runs, the ranks compare setups (handshake.py).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import pickle
+import time
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .errors import ConfigurationError
+from .errors import CheckpointError, ConfigurationError, RetraceWarning
+from .failures import communication_error, is_communication_failure
+from .handshake import Handshake, Setup
 from .optimizers import OptimizerPlan
 from .process_group import LOCAL_GROUP, Placement, ensure_local_group
 from .program import StepProgram
 from .schedules import EveryStep
+from .trace_env import running_environment
 from .tracing import ModelState, check_batch
 
 log = logging.getLogger("transpiler")
+CHECKPOINT_FORMAT = 2
 
 
 @dataclass
 class Built:
-    """Everything traced for one batch shape: a program per variant, and the model/optimizer layout."""
+    """Everything traced for one cache key: a program per variant, the model/optimizer layout, the setup."""
 
     programs: dict[str, StepProgram]
     state: ModelState
     plan: OptimizerPlan
+    setup: Setup | None = None  # what the ranks compare before this program first runs
     params: dict[str, torch.nn.Parameter] = field(init=False)  # name maps, made once, read every step
     frozen: dict[str, torch.nn.Parameter] = field(init=False)
     buffers: dict[str, torch.Tensor] = field(init=False)
     positions: dict[str, int] = field(init=False)
+    digest: bytes = field(init=False)
 
     def __post_init__(self) -> None:
         self.params = dict(zip(self.state.names, self.state.params))
         self.frozen = dict(zip(self.state.frozen_names, self.state.frozen))
         self.buffers = dict(zip(self.state.buffer_names, self.state.buffers))
         self.positions = {n: i for i, n in enumerate(self.state.names)}
+        self.digest = pickle.dumps(self.setup)
 
 
 Builder = Callable[[tuple], Built]
@@ -55,22 +72,50 @@ def batch_key(batch: tuple) -> tuple:
     return tuple((tuple(t.shape), t.dtype, t.device.type) for t in batch)
 
 
+def structure_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
+    """What a traced program assumes about the model and optimizer besides the batch."""
+    return (
+        tuple(m.training for m in model.modules()),
+        tuple((id(p), p.requires_grad) for p in model.parameters()),
+        tuple(id(b) for b in model.buffers()),
+        tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups),
+    )
+
+
 class DistributedStep:
     """One training step per call on this rank's batch shard; returns this rank's loss."""
 
-    def __init__(self, model, optimizer, loss_fn, placement: Placement, build: Builder, schedule: Any = None):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        loss_fn,
+        placement: Placement,
+        build: Builder,
+        schedule: Any = None,
+        *,
+        mode_specs: dict[str, str] | None = None,
+        max_cached_programs: int = 8,
+    ):
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.placement = placement
         self.schedule = schedule if schedule is not None else EveryStep()
+        self.mode_specs = dict(mode_specs or {})
+        self.max_cached_programs = max_cached_programs
         self.extra: dict[str, torch.Tensor] = {}
         self.last_variant: str | None = None
         self.last_metrics: dict[str, float] = {}
+        self.traces = 0
         self._build = build
-        self._built: dict[tuple, Built] = {}
+        self._built: OrderedDict[tuple, Built] = OrderedDict()
         self._last: Built | None = None
         self._started = False
+        self._batch_types: tuple | None = None
+        self._agreed: bytes | None = None
+        multi = placement.live and placement.world_size > 1
+        self._handshake = Handshake(placement.rank, placement.world_size, placement.timeout) if multi else None
 
     # ------------------------------------------------------------ inspection
     @property
@@ -92,32 +137,99 @@ class DistributedStep:
         return self.program.graph_module
 
     def prepare(self, batch: tuple) -> Built:
-        """Trace and rewrite the step for this batch's shapes (cached)."""
-        check_batch(tuple(batch), loss_fn=self.loss_fn)
-        key = batch_key(batch)
-        if key not in self._built:
-            if self._built:
-                log.info("batch shapes %s are new: tracing the step again", [k[0] for k in key])
-            self._built[key] = self._build(tuple(batch))
-        self._last = self._built[key]
-        return self._last
+        """The programs for this batch and the model's current modes and structure (traced once, cached)."""
+        batch = tuple(batch)
+        check_batch(batch, loss_fn=self.loss_fn)
+        self._check_batch_types(batch)
+        key = (batch_key(batch), structure_key(self.model, self.optimizer))
+        built = self._built.get(key)
+        if built is None:
+            built = self._trace(key, batch)
+        self._built.move_to_end(key)
+        self._last = built
+        return built
+
+    def _check_batch_types(self, batch: tuple) -> None:
+        types = tuple((t.dtype, t.device.type) for t in batch)
+        if self._batch_types is None:
+            self._batch_types = types
+            return
+        if types == self._batch_types:
+            return
+        if len(types) != len(self._batch_types):
+            raise ConfigurationError(
+                f"this batch has {len(types)} tensors; the step was traced for {len(self._batch_types)} "
+                "(*model_inputs, target). Pass the same structure every step, or call transpile() again."
+            )
+        i = next(i for i, (a, b) in enumerate(zip(types, self._batch_types)) if a != b)
+        (dtype, device), (was_dtype, was_device) = types[i], self._batch_types[i]
+        raise ConfigurationError(
+            f"batch element {i} is {dtype} on {device}; the step was traced for {was_dtype} on {was_device}. "
+            "Convert it (e.g. x.to(dtype)) before the step, or call transpile() again for the new types."
+        )
+
+    def _trace(self, key: tuple, batch: tuple) -> Built:
+        if self._built:
+            changed = "batch shapes" if any(k[1] == key[1] for k in self._built) else "model modes or structure"
+            log.info("%s changed: tracing the step again", changed)
+        start = time.perf_counter()
+        built = self._build(batch)
+        seconds = time.perf_counter() - start
+        self.traces += 1
+        if self.traces >= 4 and self.traces & (self.traces - 1) == 0:  # 4, 8, 16...: say it, without flooding
+            warnings.warn(
+                f"the step has been traced {self.traces} times (the last took {seconds:.1f} s): every new batch "
+                "shape, set of module modes (train/eval) or set of frozen parameters costs a full trace. Keep "
+                "batch shapes fixed (drop_last=True, padding) or trace them ahead with step.prepare(batch); "
+                f"at most {self.max_cached_programs} programs are kept (max_cached_programs=).",
+                RetraceWarning,
+                stacklevel=4,
+            )
+        self._built[key] = built
+        while len(self._built) > self.max_cached_programs:
+            self._built.popitem(last=False)
+        return built
 
     # ------------------------------------------------------------- execution
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        # grad mode as traced, and no inference tensors in the state the step creates or writes back
+        with running_environment():
+            return self._step(batch)
+
+    def _step(self, batch: tuple) -> torch.Tensor:
         built = self.prepare(batch)
         self._require_live()
+        if self._handshake is not None and built.digest != self._agreed:
+            self._handshake.agree(built.setup)
+            self._agreed = built.digest
         if not self._started:
             self._run_startup(built)
         variant = self.schedule.variant()
         program = built.programs[variant]
-        self._init_extra(program, built)
-        with torch.no_grad():
-            outputs = program.graph_module(*self._inputs(program, built, batch))
+        self._init_extra(built)
+        outputs = self._run(program.graph_module, self._inputs(program, built, batch), variant)
         metrics = self._write_back(program, built, outputs)
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.schedule.observe(variant, metrics, lr)
         self.last_variant, self.last_metrics = variant, metrics
         return outputs[0]
+
+    def _run(self, gm: torch.fx.GraphModule, inputs: list, label: str) -> tuple:
+        """Run a graph; a failed collective becomes a CommunicationError that names it."""
+        start = time.perf_counter()
+        try:
+            return gm(*inputs)
+        except Exception as exc:
+            if self.placement.world_size > 1 and is_communication_failure(exc):
+                raise communication_error(
+                    exc,
+                    gm,
+                    rank=self.placement.rank,
+                    elapsed=time.perf_counter() - start,
+                    timeout=self.placement.timeout,
+                    program=label,
+                ) from exc
+            raise
 
     def _inputs(self, program: StepProgram, built: Built, batch: tuple) -> list:
         state, plan = built.state, built.plan
@@ -143,6 +255,8 @@ class DistributedStep:
         for port, value in zip(program.outputs, outputs):
             if port.kind == "param":
                 built.params[port.name].data = value
+            elif port.kind == "frozen":
+                built.frozen[port.name].data = value
             elif port.kind == "buffer":
                 if value is not built.buffers[port.name]:
                     built.buffers[port.name].data = value
@@ -176,13 +290,23 @@ class DistributedStep:
         tensors = {"param": built.params, "frozen": built.frozen, "buffer": built.buffers}
         targets = [tensors[port.kind][port.name] for port in program.startup_ports]
         with torch.no_grad():
-            results = program.startup(*(t.detach() for t in targets))
+            results = self._run(program.startup, [t.detach() for t in targets], "startup")
             for target, value in zip(targets, results):
                 target.copy_(value)
 
-    def _init_extra(self, program: StepProgram, built: Built) -> None:
+    def _declared_extra(self, built: Built) -> dict[str, tuple[str, str]]:
+        return {name: rule for p in built.programs.values() for name, rule in p.extra_init.items()}
+
+    def _init_extra(self, built: Built) -> None:
         """Create pass-added state on first use, by the rule its pass declared (after the startup broadcast)."""
-        for name, (rule, source) in program.extra_init.items():
+        declared = self._declared_extra(built)
+        unknown = sorted(set(self.extra) - set(declared))
+        if unknown:
+            raise CheckpointError(
+                f"the loaded checkpoint holds state {unknown[:4]} that this step does not declare "
+                f"(it declares {sorted(declared)[:4] or 'none'}): it comes from another mode or model."
+            )
+        for name, (rule, source) in declared.items():
             if name in self.extra:
                 continue
             if rule != "copy_param":
@@ -190,18 +314,29 @@ class DistributedStep:
             self.extra[name] = built.params[source].detach().clone()
 
     # ----------------------------------------------------------- checkpoints
+    def checkpoint_setup(self) -> dict[str, Any]:
+        """What a checkpoint must share with the step it is loaded into."""
+        return {
+            "mode": self.mode_specs,
+            "world size": self.placement.world_size,
+            "schedule": self.schedule.settings(),
+            "optimizer": type(self.optimizer).__qualname__,
+        }
+
     def state_dict(self) -> dict:
         """A snapshot (deep copy) of model, optimizer and transpiler state, for :meth:`load_state_dict`.
 
         A copy because ``optimizer.state_dict()`` shares its per-parameter dicts
-        with the live optimizer, which every step updates.
+        with the live optimizer, which every step updates. The LR scheduler is
+        not included: save ``scheduler.state_dict()`` beside it.
         """
         return copy.deepcopy(
             {
                 "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "transpiler": {
-                    "world_size": self.placement.world_size,
+                    "format": CHECKPOINT_FORMAT,
+                    "setup": self.checkpoint_setup(),
                     "extra": self.extra,
                     "schedule": self.schedule.state_dict(),
                 },
@@ -209,12 +344,55 @@ class DistributedStep:
         )
 
     def load_state_dict(self, state_dict: dict) -> None:
-        missing = {"model", "optimizer"} - set(state_dict)
-        if missing:
-            raise ConfigurationError(f"state_dict lacks {sorted(missing)}; pass what step.state_dict() returned.")
+        """Restore a :meth:`state_dict` exactly, on this rank, after checking it fits this step.
+
+        Every rank keeps what it loads (no broadcast from rank 0 afterwards), so
+        per-rank state such as BatchNorm statistics and LocalSGD's drift
+        between syncs comes back as saved.
+        """
+        if not isinstance(state_dict, dict) or not {"model", "optimizer", "transpiler"} <= set(state_dict):
+            raise CheckpointError(
+                "a checkpoint for step.load_state_dict() has 'model', 'optimizer' and 'transpiler' entries, as "
+                "step.state_dict() returns it. For a plain model checkpoint use model.load_state_dict()."
+            )
+        saved = state_dict["transpiler"]
+        self._check_checkpoint(saved, state_dict["model"], state_dict["optimizer"])
         self.model.load_state_dict(state_dict["model"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        saved = state_dict.get("transpiler", {})
-        self.extra = {k: v.clone() for k, v in saved.get("extra", {}).items()}
         self.schedule.load_state_dict(saved.get("schedule", {}))
-        self._started = self._started or bool(self.extra)
+        self.extra = {k: v.clone() for k, v in saved.get("extra", {}).items()}
+        if self._last is not None:
+            self._init_extra(self._last)  # an unknown entry fails now, not at the next step
+        self._started = True
+
+    def _check_checkpoint(self, saved: dict, model_state: dict, optimizer_state: dict) -> None:
+        if saved.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(
+                f"checkpoint format {saved.get('format')!r}, this version reads {CHECKPOINT_FORMAT}; load its "
+                "'model' and 'optimizer' entries with model.load_state_dict() and optimizer.load_state_dict()."
+            )
+        problems = [
+            f"{key}: checkpoint {value!r}, this step {self.checkpoint_setup()[key]!r}"
+            for key, value in saved.get("setup", {}).items()
+            if self.checkpoint_setup().get(key) != value
+        ]
+        own = self.model.state_dict()
+        missing, unexpected = sorted(set(own) - set(model_state)), sorted(set(model_state) - set(own))
+        if missing or unexpected:
+            problems.append(f"model entries missing {missing[:4]}, unexpected {unexpected[:4]}")
+        shapes = [
+            f"{n} {list(model_state[n].shape)} vs {list(t.shape)}"
+            for n, t in own.items()
+            if n in model_state and torch.is_tensor(t) and tuple(model_state[n].shape) != tuple(t.shape)
+        ]
+        if shapes:
+            problems.append("model shapes differ (checkpoint vs this model): " + ", ".join(shapes[:4]))
+        groups = optimizer_state.get("param_groups", [])
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.optimizer.param_groups]:
+            problems.append("the optimizer's param groups hold other numbers of parameters")
+        if problems:
+            hint = (
+                " To resume at another world size or in another mode on purpose, load the 'model' and 'optimizer' "
+                "entries directly (model.load_state_dict, optimizer.load_state_dict)."
+            )
+            raise CheckpointError("the checkpoint does not fit this step:\n  - " + "\n  - ".join(problems) + hint)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from .errors import CheckpointError
+
 
 @dataclass
 class EveryStep:
@@ -23,11 +25,14 @@ class EveryStep:
     def observe(self, variant: str, metrics: dict[str, float], lr: float) -> None:
         return None
 
+    def settings(self) -> dict:
+        return {}
+
     def state_dict(self) -> dict:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        return None
+        load_counters(self, state, ())
 
 
 @dataclass
@@ -53,6 +58,7 @@ class LocalSGDSchedule:
     loss_0: float | None = None
 
     variants = ("local", "sync")
+    COUNTERS = ("step", "last_sync", "k", "lr_0", "loss_0")
 
     def __post_init__(self) -> None:
         self.k = self.k or self.k_steps
@@ -77,9 +83,26 @@ class LocalSGDSchedule:
         ratio = self.lr_0 * avg_loss / (lr * self.loss_0) * self.k_steps
         return int(min(max(math.ceil(math.sqrt(max(ratio, 0.0))), 1), self.max_k))
 
+    def settings(self) -> dict:
+        """What shapes the schedule: every rank, and a checkpoint loaded into it, must agree on these."""
+        return {k: getattr(self, k) for k in ("k_steps", "begin_step", "adaptive", "max_k")}
+
     def state_dict(self) -> dict:
-        return asdict(self)
+        """The counters, which change every step (settings travel in the checkpoint's setup)."""
+        return {k: v for k, v in asdict(self).items() if k in self.COUNTERS}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        load_counters(self, state, self.COUNTERS)
+
+
+def load_counters(schedule: object, state: dict, counters: tuple[str, ...]) -> None:
+    """Set only the counters a schedule declares; anything else in a checkpoint is an error."""
+    unknown = sorted(set(state) - set(counters))
+    if unknown:
+        raise CheckpointError(
+            f"the checkpoint's schedule state has {unknown}, which {type(schedule).__name__} does not declare "
+            f"(it keeps {list(counters) or 'nothing'}): the checkpoint comes from another mode."
+        )
+    for key in counters:
+        if key in state:
+            setattr(schedule, key, state[key])

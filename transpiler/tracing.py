@@ -18,12 +18,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.func import functional_call, functionalize
+from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.utils.stateless import _reparametrize_module
 
 from .errors import ConfigurationError, UnsupportedModelError
 from .optimizers import OptimizerPlan
 from .program import Port, StepProgram
+from .trace_env import tracing_environment
 
 LossFn = Callable[..., torch.Tensor] | None
 _DATA_DEPENDENT = (
@@ -108,15 +110,18 @@ def trace_step(
         tensors.update(zip(state.frozen_names, frozen))
         tensors.update(zip(state.buffer_names, buffers))
         inputs = tuple(data[:-1]) if loss_fn is not None else tuple(data)
-        out = functional_call(model, tensors, inputs, tie_weights=True, strict=False)
-        loss = loss_fn(out, data[-1]) if loss_fn is not None else out
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-            raise UnsupportedModelError(
-                "the loss must be a floating-point tensor with one element; "
-                f"got {type(loss).__name__} {getattr(loss, 'shape', '')}. Reduce it (mean or sum) in loss_fn."
-            )
-        seed = torch.ones_like(loss)
-        grads = torch.autograd.grad(loss, params, seed, allow_unused=True)
+        # The backward runs inside the re-parametrisation too: activation checkpointing recomputes the forward
+        # there and must see the traced parameters, not the module's real ones.
+        with _reparametrize_module(model, tensors, tie_weights=True, strict=False):
+            out = model(*inputs)
+            loss = loss_fn(out, data[-1]) if loss_fn is not None else out
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+                raise UnsupportedModelError(
+                    "the loss must be a floating-point tensor with one element; "
+                    f"got {type(loss).__name__} {getattr(loss, 'shape', '')}. Reduce it (mean or sum) in loss_fn."
+                )
+            seed = torch.ones_like(loss)
+            grads = torch.autograd.grad(loss, params, seed, allow_unused=True)
         grad_present[:] = [g is not None for g in grads]
         new_params, new_states = [], []
         for i, (p, g) in enumerate(zip(params, grads)):
@@ -140,8 +145,12 @@ def trace_step(
     ]
     snapshot = [t.clone() for t in state.buffers]  # tracing must not touch real buffers
     try:
-        first = make_fx(step_fn, tracing_mode="fake")(*flat_inputs)
-        functional = make_fx(functionalize(first, remove="mutations"), tracing_mode="fake")(*flat_inputs)
+        with tracing_environment():
+            first = make_fx(step_fn, tracing_mode="fake")(*flat_inputs)
+            # The first graph holds the backward as plain ops, so its inputs need not require grad here; with
+            # leaves that do, functionalize's copy_ epilogue fails on in-place ops (Embedding's max_norm renorm).
+            plain = [t.detach() for t in flat_inputs]
+            functional = make_fx(functionalize(first, remove="mutations"), tracing_mode="fake")(*plain)
     except UnsupportedModelError:
         raise
     except Exception as exc:  # torch raises many kinds while tracing; name the cause plainly
@@ -182,12 +191,20 @@ def _finish(
     graph._codegen = fx.graph.CodeGen()  # plain positional signature instead of pytree
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output = graph.output_node()
+    mutated_frozen: list[tuple[Port, fx.Node]] = []
     for node in list(graph.nodes):  # functionalize's copy_ epilogue: we return new values instead
         if (
             node.op == "call_function"
             and node.target is torch.ops.aten.copy_.default
             and node.args[0].op == "placeholder"
         ):
+            port = in_ports[placeholders.index(node.args[0])]
+            if port.kind == "batch":
+                raise UnsupportedModelError(
+                    f"the model modifies its input {port.name} in place; clone it inside forward first."
+                )
+            if port.kind == "frozen":  # e.g. Embedding(max_norm=...) renormalising a frozen table
+                mutated_frozen.append((port, node.args[1]))
             node.replace_all_uses_with(node.args[1])
             graph.erase_node(node)
     for node in list(graph.nodes):  # detach is a no-op without autograd
@@ -218,6 +235,8 @@ def _finish(
         g.meta["grad_of"] = name
     out_ports = [Port("loss", "loss")] + [p for p in in_ports if p.kind == "param"]
     out_ports += [p for p in in_ports if p.kind == "state"] + [p for p in in_ports if p.kind == "buffer"]
+    out_ports += [port for port, _ in mutated_frozen]
+    rest += [value for _, value in mutated_frozen]
     output.args = (tuple([loss, *rest]),)
     graph.eliminate_dead_code()
     _tag_roles(graph, loss, model_out, grads)

@@ -10,9 +10,8 @@ from collections import deque
 
 import torch.fx as fx
 
-from .collectives import collective_sequence, is_collective, is_wait, signature
+from .collectives import CommOp, collective_sequence, communication_plan, is_collective, is_wait
 from .errors import VerificationError
-from .p2p import is_exchange
 from .program import ROLES, StepProgram
 
 
@@ -132,63 +131,55 @@ def check_cross_rank(programs: list[StepProgram]) -> None:
 
 
 def check_communication(programs: list[StepProgram], members: dict[str, tuple[int, ...]]) -> None:
-    """Simulate every rank's communication in order: exchanges must pair up, collectives must gather their group.
+    """Statically: simulate every rank's communication in order (see :func:`simulate_communication`)."""
+    simulate_communication({p.rank: communication_plan(p.graph) for p in programs}, members)
+
+
+def simulate_communication(plans: dict[int, list[CommOp]], members: dict[str, tuple[int, ...]]) -> None:
+    """Run the ranks' communication plans against each other; raise if they would mismatch or deadlock.
 
     An exchange of rank r with peer p completes when p's next operation is an
     exchange with r whose send size is r's receive size and vice versa (same
     dtype); a collective completes when every member of its group has the same
     collective (op, shape, dtype) next. If no rank can move while some still
     have operations left, the ranks would deadlock, and the error says where.
+    The same simulation runs on programs built in one process and on the plans
+    the ranks exchange at startup.
     """
-    by_rank = {p.rank: [n for n in p.graph.nodes if is_collective(n) or is_exchange(n)] for p in programs}
-    heads = dict.fromkeys(by_rank, 0)
+    heads = dict.fromkeys(plans, 0)
 
-    def head(rank: int) -> fx.Node | None:
-        ops = by_rank.get(rank)
+    def head(rank: int) -> CommOp | None:
+        ops = plans.get(rank)
         return ops[heads[rank]] if ops is not None and heads[rank] < len(ops) else None
 
     def describe(rank: int) -> str:
-        node = head(rank)
-        if node is None:
-            return f"rank {rank}: done"
-        if is_exchange(node):
-            return f"rank {rank}: exchange with {node.args[1]} (send {_numel(node.args[0])}, receive {node.args[2]})"
-        return f"rank {rank}: {signature(node)}"
+        op = head(rank)
+        return f"rank {rank}: " + ("done" if op is None else str(op))
 
-    while any(head(r) is not None for r in by_rank):
+    while any(head(r) is not None for r in plans):
         moved = False
-        for rank in by_rank:
-            node = head(rank)
-            if node is None:
+        for rank in plans:
+            op = head(rank)
+            if op is None:
                 continue
-            if is_exchange(node):
-                peer = node.args[1]
-                other = head(peer)
-                if other is None or not is_exchange(other) or other.args[1] != rank:
+            if op.collective is None:
+                other = head(op.peer)
+                if other is None or other.collective is not None or other.peer != rank:
                     continue
-                if (
-                    _numel(node.args[0]) != other.args[2]
-                    or _numel(other.args[0]) != node.args[2]
-                    or (node.args[0].meta["val"].dtype != other.args[0].meta["val"].dtype)
-                ):
-                    raise VerificationError(f"mismatched exchange: {describe(rank)}; {describe(peer)}.")
+                if op.send != other.recv or other.send != op.recv or op.dtype != other.dtype:
+                    raise VerificationError(f"mismatched exchange: {describe(rank)}; {describe(op.peer)}.")
                 heads[rank] += 1
-                heads[peer] += 1
+                heads[op.peer] += 1
                 moved = True
                 continue
-            group = members.get(str(node.args[-1]))
+            group = members.get(op.collective.group)
             if group is None:
-                raise VerificationError(f"rank {rank} uses unknown process group '{node.args[-1]}'.")
-            present = [r for r in group if r in by_rank]
-            nexts = [head(r) for r in present]
-            if all(n is not None and is_collective(n) and signature(n) == signature(node) for n in nexts):
+                raise VerificationError(f"rank {rank} uses unknown process group '{op.collective.group}'.")
+            present = [r for r in group if r in plans]
+            if all(head(r) is not None and head(r).collective == op.collective for r in present):
                 for r in present:
                     heads[r] += 1
                 moved = True
         if not moved:
-            stuck = "; ".join(describe(r) for r in sorted(by_rank) if head(r) is not None)
+            stuck = "; ".join(describe(r) for r in sorted(plans) if head(r) is not None)
             raise VerificationError(f"the ranks' communication would deadlock or mismatch: {stuck}.")
-
-
-def _numel(node: fx.Node) -> int:
-    return node.meta["val"].numel()
