@@ -14,6 +14,7 @@ from .api import transpile
 from .errors import FactoryError, TranspilerError
 from .modes import MODES
 from .options import key_values
+from .pipeline import format_value
 from .program import StepProgram
 from .render import to_dot, to_json, to_svg, unified_diff
 
@@ -112,7 +113,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 def cmd_passes(args: argparse.Namespace) -> int:
     width = max(map(len, PASSES))
     for name, cls in PASSES.items():
-        opts = ", ".join(f"{f.name.replace('_', '-')}={_format_default(f.default)}" for f in dataclasses.fields(cls))
+        opts = ", ".join(f"{f.name.replace('_', '-')}={format_value(f.default)}" for f in dataclasses.fields(cls))
         print(f"{name:{width}s}  {cls.summary}" + (f"  [{opts}]" if opts else ""))
     return 0
 
@@ -120,17 +121,13 @@ def cmd_passes(args: argparse.Namespace) -> int:
 def cmd_modes(args: argparse.Namespace) -> int:
     width = max(map(len, MODES))
     for name, mode in MODES.items():
-        opts = ", ".join(f"{k}={_format_default(spec.default)}" for k, spec in mode.options.items())
+        opts = ", ".join(f"{k}={format_value(spec.default)}" for k, spec in mode.options.items())
         print(f"{name:{width}s}  {mode.summary}" + (f"  [{opts}]" if opts else ""))
         for variant, passes in mode.strategy().variants.items():
             spec = ",".join(p.spec() for p in passes) or "(no passes)"
             label = "" if variant == "step" else f"{variant}: "
             print(f"{'':{width}s}    = {label}{spec}")
     return 0
-
-
-def _format_default(value: object) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,8 +17,7 @@ the store, and fails within the timeout if they never come.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
@@ -43,11 +42,12 @@ class Setup:
     training: tuple[tuple[str, bool], ...]  # module name, training flag
     optimizer: dict[str, str]  # class name and per-group hyper-parameters other than lr
     batch: tuple[str, ...]  # dtypes of the batch's tensors (shapes may differ: an uneven last batch)
-    communication: dict[str, list[CommOp]] = field(compare=False)  # per variant, checked by simulation
-    groups: dict[str, tuple[int, ...]] = field(compare=False)  # process-group name -> ranks
+    communication: dict[str, list[CommOp]]  # per variant; compared by simulating the plans against each other
+    groups: dict[str, tuple[int, ...]]  # process-group name -> ranks
 
     def comparable(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k not in ("communication", "groups")}
+        """The fields compared value by value (all but the communication plans)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("communication", "groups")}
 
 
 def describe_model(model: torch.nn.Module) -> dict[str, tuple]:
@@ -141,12 +141,11 @@ class Handshake:
     timeout: timedelta
     instance: int = field(default_factory=next_instance)
     rounds: int = 0
-    store_fn: Callable[[], Any] = field(default=lambda: dist.distributed_c10d._get_default_store())
 
     def agree(self, setup: Setup) -> None:
         """Return when every rank runs the same setup; otherwise raise on every rank."""
         self.rounds += 1
-        store = self.store_fn()
+        store = dist.distributed_c10d._get_default_store()
         prefix = f"transpiler/handshake/{self.instance}/{self.rounds}/"
         store.set(prefix + str(self.rank), pickle.dumps(setup))
         keys = [prefix + str(r) for r in range(self.world_size)]

@@ -39,7 +39,10 @@ class Mode:
     options: dict[str, OptionSpec]
 
     def strategy(self, **options: Any) -> Strategy:
-        """The strategy for these options, each parsed strictly (``ConfigurationError`` names a bad one)."""
+        """The strategy for these options, each parsed strictly (``ConfigurationError`` names a bad one).
+
+        Defaults come from the option specs, the one place they are written.
+        """
         values = {name: spec.default for name, spec in self.options.items()}
         values.update(parse_options(self.options, options, f"mode '{self.name}'"))
         built = self.build(**values)
@@ -50,7 +53,7 @@ def _allreduce() -> list[Pass]:
     return [BroadcastParams(), ScaleLossGrad(), AllReduceGrads(), ScheduleCollectives(), ReinplaceOptimizer()]
 
 
-def _fused(bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> list[Pass]:
+def _fused(bucket_cap_mb: float, first_bucket_mb: float) -> list[Pass]:
     return [
         BroadcastParams(),
         ScaleLossGrad(),
@@ -73,16 +76,16 @@ def _local_sgd(adaptive: bool, k: int, begin_step: int, average_state: bool, cap
     )
 
 
-def _plain_local_sgd(k_steps=1, begin_step=1, average_state=False, bucket_cap_mb=25.0, first_bucket_mb=1.0):
+def _plain_local_sgd(k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb) -> Strategy:
     return _local_sgd(False, k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb)
 
 
-def _adaptive_local_sgd(init_k_steps=1, begin_step=1, average_state=False, bucket_cap_mb=25.0, first_bucket_mb=1.0):
+def _adaptive_local_sgd(init_k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb) -> Strategy:
     return _local_sgd(True, init_k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb)
 
 
 def _adasum(target: str) -> Callable[..., Strategy]:
-    def build(local_size: int = 1) -> Strategy:
+    def build(local_size: int) -> Strategy:
         return Strategy(
             {"step": [BroadcastParams(), AdaSum(target=target, local_size=local_size), ReinplaceOptimizer()]},
             groups=lambda world: AdaSumGeometry(world, local_size).groups(),

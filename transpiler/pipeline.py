@@ -38,14 +38,15 @@ class Pass:
 
     def spec(self) -> str:
         opts = [
-            f"{f.name.replace('_', '-')}={_format(getattr(self, f.name))}"
+            f"{f.name.replace('_', '-')}={format_value(getattr(self, f.name))}"
             for f in dataclasses.fields(self)
             if getattr(self, f.name) != f.default
         ]
         return self.name + ("{" + ",".join(opts) + "}" if opts else "")
 
 
-def _format(value: object) -> str:
+def format_value(value: object) -> str:
+    """An option value as a spec writes it (``true``, not ``True``)."""
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 

@@ -18,6 +18,7 @@ program with a new setup first runs, the ranks compare setups (handshake.py).
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import pickle
 import time
@@ -55,14 +56,16 @@ class Built:
     frozen: dict[str, torch.nn.Parameter] = field(init=False)
     buffers: dict[str, torch.Tensor] = field(init=False)
     positions: dict[str, int] = field(init=False)
-    digest: bytes = field(init=False)
+    extra_init: dict[str, tuple[str, str]] = field(init=False)  # pass-added state of every variant -> (rule, source)
+    digest: bytes = field(init=False)  # of the setup: equal digests need no new handshake
 
     def __post_init__(self) -> None:
         self.params = dict(zip(self.state.names, self.state.params))
         self.frozen = dict(zip(self.state.frozen_names, self.state.frozen))
         self.buffers = dict(zip(self.state.buffer_names, self.state.buffers))
         self.positions = {n: i for i, n in enumerate(self.state.names)}
-        self.digest = pickle.dumps(self.setup)
+        self.extra_init = {name: rule for p in self.programs.values() for name, rule in p.extra_init.items()}
+        self.digest = hashlib.sha256(pickle.dumps(self.setup)).digest()
 
 
 Builder = Callable[[tuple], Built]
@@ -294,19 +297,15 @@ class DistributedStep:
             for target, value in zip(targets, results):
                 target.copy_(value)
 
-    def _declared_extra(self, built: Built) -> dict[str, tuple[str, str]]:
-        return {name: rule for p in built.programs.values() for name, rule in p.extra_init.items()}
-
     def _init_extra(self, built: Built) -> None:
         """Create pass-added state on first use, by the rule its pass declared (after the startup broadcast)."""
-        declared = self._declared_extra(built)
-        unknown = sorted(set(self.extra) - set(declared))
+        unknown = self.extra.keys() - built.extra_init.keys()
         if unknown:
             raise CheckpointError(
-                f"the loaded checkpoint holds state {unknown[:4]} that this step does not declare "
-                f"(it declares {sorted(declared)[:4] or 'none'}): it comes from another mode or model."
+                f"the loaded checkpoint holds state {sorted(unknown)[:4]} that this step does not declare "
+                f"(it declares {sorted(built.extra_init)[:4] or 'none'}): it comes from another mode or model."
             )
-        for name, (rule, source) in declared.items():
+        for name, (rule, source) in built.extra_init.items():
             if name in self.extra:
                 continue
             if rule != "copy_param":
@@ -371,10 +370,11 @@ class DistributedStep:
                 f"checkpoint format {saved.get('format')!r}, this version reads {CHECKPOINT_FORMAT}; load its "
                 "'model' and 'optimizer' entries with model.load_state_dict() and optimizer.load_state_dict()."
             )
+        mine = self.checkpoint_setup()
         problems = [
-            f"{key}: checkpoint {value!r}, this step {self.checkpoint_setup()[key]!r}"
+            f"{key}: checkpoint {value!r}, this step {mine.get(key)!r}"
             for key, value in saved.get("setup", {}).items()
-            if self.checkpoint_setup().get(key) != value
+            if mine.get(key) != value
         ]
         own = self.model.state_dict()
         missing, unexpected = sorted(set(own) - set(model_state)), sorted(set(model_state) - set(own))

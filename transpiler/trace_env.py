@@ -62,6 +62,18 @@ def _refuse_reentrant(*args, **kwargs):
 
 
 @contextlib.contextmanager
+def running_environment() -> Iterator[None]:
+    """Grad mode on, inference mode off, as the graph was traced.
+
+    Some backward kernels (CPU LSTM) need what forward saves with grad mode on;
+    no input of the graph requires grad, so autograd records nothing. Off
+    inference mode, the state the step creates is ordinary tensors.
+    """
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+@contextlib.contextmanager
 def tracing_environment() -> Iterator[None]:
     """Grad mode on, RNG state calls traced, reentrant checkpointing refused; all restored on exit."""
     saved = torch.get_rng_state, torch.set_rng_state
@@ -70,7 +82,7 @@ def tracing_environment() -> Iterator[None]:
     torch.set_rng_state = lambda state: torch.ops.transpiler.rng_set_state(state)
     checkpoint_module.CheckpointFunction.apply = _refuse_reentrant
     try:
-        with torch.inference_mode(False), torch.enable_grad():
+        with running_environment():
             yield
     finally:
         torch.get_rng_state, torch.set_rng_state = saved
@@ -78,14 +90,3 @@ def tracing_environment() -> Iterator[None]:
             del checkpoint_module.CheckpointFunction.apply  # the inherited autograd.Function.apply again
         else:
             checkpoint_module.CheckpointFunction.apply = own_apply
-
-
-def running_environment() -> contextlib.AbstractContextManager:
-    """Grad mode as the graph was traced: some backward kernels (CPU LSTM) need what forward saves with it on.
-
-    No input of the graph requires grad, so autograd records nothing.
-    """
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.inference_mode(False))
-    stack.enter_context(torch.enable_grad())
-    return stack

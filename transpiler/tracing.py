@@ -191,6 +191,7 @@ def _finish(
     graph._codegen = fx.graph.CodeGen()  # plain positional signature instead of pytree
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output = graph.output_node()
+    slot = {ph: i for i, ph in enumerate(placeholders)}
     mutated_frozen: list[tuple[Port, fx.Node]] = []
     for node in list(graph.nodes):  # functionalize's copy_ epilogue: we return new values instead
         if (
@@ -198,7 +199,7 @@ def _finish(
             and node.target is torch.ops.aten.copy_.default
             and node.args[0].op == "placeholder"
         ):
-            port = in_ports[placeholders.index(node.args[0])]
+            port = in_ports[slot[node.args[0]]]
             if port.kind == "batch":
                 raise UnsupportedModelError(
                     f"the model modifies its input {port.name} in place; clone it inside forward first."
@@ -223,7 +224,7 @@ def _finish(
         new.meta["port"] = port
         old.replace_all_uses_with(new)
         graph.erase_node(old)
-    results = [renamed[placeholders.index(r)] if r in placeholders else r for r in results]
+    results = [renamed[slot[r]] if r in slot else r for r in results]
     for node in slot_nodes.values():
         node.meta["port"] = Port("scalar", node.name)
     _swap_sentinels(graph, slot_nodes)
