@@ -4,8 +4,8 @@
 settings (each must raise RankMismatchError on every rank, quickly, leaving the
 group usable), then parity against DDP for models that failed before (LSTM,
 GRU, checkpointing with dropout, Embedding max_norm, train/eval switches,
-tiny Hugging Face GPT-2 and Llama), a consistent mid-run freeze, and a
-checkpoint restored per rank. ``stall``, ``freeze_one`` and ``die`` each
+tiny Hugging Face GPT-2 and Llama), a consistent mid-run freeze, a
+checkpoint restored per rank, and the timeouts of the groups a step uses. ``stall``, ``freeze_one`` and ``die`` each
 break the group on purpose, so each runs in a world of its own with a 3 s
 timeout. Every rank saves what it saw: errors with their messages and how
 long it took to fail, and parameters to compare.
@@ -179,6 +179,22 @@ def restore_per_rank(rank: int) -> dict:
     return {"same": same, "running_mean": fresh_model.body[1].running_mean.clone()}
 
 
+def group_timeouts() -> dict:
+    """Seconds of timeout of every group an AdaSum step uses (its world group and subgroups)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from transpiler.process_group import group_timeout
+
+    out = {}
+    for label, options in (("default", {}), ("explicit", {"timeout": 7})):
+        model = MLP()
+        batch = make_batch("mlp", PER_RANK, None)
+        step = transpile(model, sgd(model.parameters()), mode="adasum", loss_fn=LOSS, example_inputs=batch, **options)
+        names = [step.placement.group_name, *step.program.subgroups.values()]
+        out[label] = [group_timeout(_resolve_process_group(n)).total_seconds() for n in names]
+    return out
+
+
 def fault(kind: str, rank: int) -> dict:
     torch.manual_seed(0)
     model = MLP()
@@ -200,7 +216,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
     if kind == "world":
-        results = {"mismatch": mismatches(rank)}
+        results = {"mismatch": mismatches(rank), "timeouts": group_timeouts()}
         for name in MODEL_NAMES:
             results[name] = parity(name, rank, world, switch_modes=name == "dropout_bn")
         for name in HF:

@@ -76,6 +76,13 @@ def test_train_eval_switch_retraces_once_and_handshakes_again(world):
     assert world[0]["dropout_bn"]["traces"] == 2 and world[0]["dropout_bn"]["handshakes"] == 2
 
 
+def test_every_group_takes_the_default_timeout_or_the_explicit_one(world):
+    """AdaSum's subgroups used a hard-coded 10 minutes; the worker's default group has 60 s."""
+    timeouts = world[0]["timeouts"]
+    assert len(timeouts["default"]) >= 2 and set(timeouts["default"]) == {60.0}
+    assert len(timeouts["explicit"]) >= 2 and set(timeouts["explicit"]) == {7.0}
+
+
 def test_consistent_mid_run_freeze(world):
     for results in world:
         assert results["freeze"] == {"unchanged": True, "handshakes": 2}

@@ -76,13 +76,18 @@ def batch_key(batch: tuple) -> tuple:
 
 
 def structure_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
-    """What a traced program assumes about the model and optimizer besides the batch."""
-    return (
-        tuple(m.training for m in model.modules()),
-        tuple((id(p), p.requires_grad) for p in model.parameters()),
-        tuple(id(b) for b in model.buffers()),
-        tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups),
-    )
+    """What a traced program assumes about the model and optimizer besides the batch.
+
+    Computed before every step, so in one walk over the modules (each module's
+    mode, its own parameters with ``requires_grad``, its own buffers).
+    """
+    parts: list = []
+    for m in model.modules():
+        parts.append(m.training)
+        parts.extend((id(p), p is not None and p.requires_grad) for p in m._parameters.values())
+        parts.extend(id(b) for b in m._buffers.values())
+    parts.extend(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups)
+    return tuple(parts)
 
 
 class DistributedStep:
