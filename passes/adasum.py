@@ -34,7 +34,7 @@ from transpiler.p2p import EXCHANGE
 from transpiler.pipeline import Pass
 from transpiler.program import StepProgram
 
-from .bucketing import replace_gradient, unreduced_gradients
+from .gradient_flow import replace_gradient, unreduced_gradients
 
 aten = torch.ops.aten
 TINY = 1e-300  # guards |a|^2 in float64: a zero norm means a zero vector and a zero dot product

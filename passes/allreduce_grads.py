@@ -15,7 +15,8 @@ from transpiler.graph_edit import move_before, position
 from transpiler.pipeline import Pass
 from transpiler.program import StepProgram
 
-from .bucketing import reduce_in_buckets, replace_gradient, unreduced_gradients
+from .bucketing import reduce_in_buckets
+from .gradient_flow import replace_gradient, unreduced_gradients
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Shared by the reducing passes: find gradients, assign buckets, emit bucketed all-reduces.
+"""Shared by the reducing passes: assign buckets, emit bucketed all-reduces.
 
 Not a pass: ``allreduce-grads`` (one gradient per bucket), ``fuse-allreduce``
 and ``local-sgd-average`` all reduce through :func:`reduce_in_buckets`, so
@@ -28,24 +28,12 @@ def first_bucket_option() -> float:
     return option(1.0, minimum=0, help="cap in MiB of the first bucket, issued earliest")
 
 
-def gradient_nodes(program: StepProgram) -> list[fx.Node]:
-    """Gradients in the order the backward pass produces them."""
-    return [n for n in program.graph.nodes if "grad_of" in n.meta]
+def compress_option() -> str:
+    """The ``compress`` field of a reducing pass: the wire format of its all-reduces."""
+    return option("none", choices=tuple(WIRE), help="all-reduce in half precision (SINGA fp16, DDP fp16/bf16 hooks)")
 
 
-def is_reduced(grad: fx.Node) -> bool:
-    return any(u.meta.get("role") == "communication" for u in grad.users)
-
-
-def unreduced_gradients(program: StepProgram) -> list[fx.Node]:
-    return [g for g in gradient_nodes(program) if not is_reduced(g)]
-
-
-def replace_gradient(grad: fx.Node, reduced: fx.Node) -> None:
-    """Every reader of ``grad`` outside the communication that reduces it reads ``reduced`` instead."""
-    grad.replace_all_uses_with(reduced, delete_user_cb=lambda u: u.meta.get("role") != "communication")
-
-
+WIRE: dict[str, torch.dtype | None] = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 MB = 1024 * 1024
 aten = torch.ops.aten
 
@@ -83,13 +71,21 @@ def assign_buckets(sizes: list[int], keys: list[tuple], cap_bytes: int, first_ca
 
 
 def reduce_in_buckets(
-    program: StepProgram, items: list[tuple[str, fx.Node]], cap_bytes: int, first_cap_bytes: int, *, tag: str
+    program: StepProgram,
+    items: list[tuple[str, fx.Node]],
+    cap_bytes: int,
+    first_cap_bytes: int,
+    *,
+    tag: str,
+    compress: torch.dtype | None = None,
 ) -> list[fx.Node]:
     """Sum all-reduce the named values in dtype/size buckets, each bucket right after its last member.
 
     Returns, in the order of ``items``, the node that holds each reduced value;
     replacing readers is the caller's business. ``tag`` names what is reduced
-    (``grads``, ``deltas``...) in ``meta["collective"]``.
+    (``grads``, ``deltas``...) in ``meta["collective"]``. With ``compress``
+    (float16 or bfloat16) each bucket is cast to it, reduced, and cast back:
+    callers scale values to their share *before* (no overflow in the sum).
     """
     nodes = [node for _, node in items]
     buckets = assign_buckets([node_bytes(n) for n in nodes], [bucket_key(n) for n in nodes], cap_bytes, first_cap_bytes)
@@ -97,33 +93,56 @@ def reduce_in_buckets(
     reduced: dict[fx.Node, fx.Node] = {}
     for index, members in enumerate(buckets):
         last = max((nodes[i] for i in members), key=order.__getitem__)
-        reduced.update(_reduce_bucket(program, [items[i] for i in members], index, last, tag))
+        reduced.update(_reduce_bucket(program, [items[i] for i in members], index, last, tag, compress))
     return [reduced[n] for n in nodes]
 
 
 def _reduce_bucket(
-    program: StepProgram, members: list[tuple[str, fx.Node]], index: int, last: fx.Node, tag: str
+    program: StepProgram,
+    members: list[tuple[str, fx.Node]],
+    index: int,
+    last: fx.Node,
+    tag: str,
+    compress: torch.dtype | None,
 ) -> dict[fx.Node, fx.Node]:
     cursor = Cursor(program.graph, last)
     nodes = [node for _, node in members]
+    dtype = nodes[0].meta["val"].dtype
+    wire = compress if compress is not None and dtype.is_floating_point else dtype
     info = {
         "kind": "all_reduce",
         "bucket": index,
         tag: tuple(n for n, _ in members),
-        "bytes": sum(map(node_bytes, nodes)),
+        "bytes": sum(n.meta["val"].numel() for n in nodes) * wire.itemsize,
     }
+    if wire != dtype:
+        info["compressed"] = str(wire).removeprefix("torch.")
     comm = {"role": "communication", "bucket": (tag, index)}
-    if len(nodes) == 1:
+    if len(nodes) == 1 and wire == dtype:
         reduced = cursor.emit(C10D.all_reduce.default, (nodes[0], "sum", program.group_name), collective=info, **comm)
         return {nodes[0]: cursor.emit(WAIT, (reduced,), **comm)}
-    pieces = [cursor.emit(aten.reshape.default, (n, [-1]), **comm) for n in nodes]
-    flat = cursor.emit(aten.cat.default, (pieces,), **comm)
-    # a fused buffer is ours alone, so it is reduced in place (no clone); a lone value is not
+    if len(nodes) == 1:
+        flat = nodes[0]
+    else:
+        pieces = [cursor.emit(aten.reshape.default, (n, [-1]), **comm) for n in nodes]
+        flat = cursor.emit(aten.cat.default, (pieces,), **comm)
+    if wire != dtype:
+        flat = cursor.emit(aten._to_copy.default, (flat,), {"dtype": wire}, **comm)
+    # a fused or cast buffer is ours alone, so it is reduced in place (no clone); a lone value is not
     reduced = cursor.emit(C10D.all_reduce_.default, (flat, "sum", program.group_name), collective=info, **comm)
     waited = cursor.emit(WAIT, (reduced,), **comm)
-    chunks = cursor.emit(aten.split_with_sizes.default, (waited, [n.meta["val"].numel() for n in nodes]), **comm)
+    if wire != dtype:
+        waited = cursor.emit(aten._to_copy.default, (waited,), {"dtype": dtype}, **comm)
+    if len(nodes) == 1:
+        return {nodes[0]: waited}
+    return unflatten(cursor, waited, nodes, comm)
+
+
+def unflatten(cursor: Cursor, flat: fx.Node, like: list[fx.Node], meta: dict) -> dict[fx.Node, fx.Node]:
+    """Views of a flat buffer shaped as the ``like`` nodes, in order (the inverse of reshape + cat)."""
+    chunks = cursor.emit(aten.split_with_sizes.default, (flat, [n.meta["val"].numel() for n in like]), **meta)
     views = {}
-    for i, n in enumerate(nodes):
-        piece = cursor.emit(operator.getitem, (chunks, i), **comm)
-        views[n] = cursor.emit(aten.view.default, (piece, list(n.meta["val"].shape)), **comm)
+    for i, n in enumerate(like):
+        piece = cursor.emit(operator.getitem, (chunks, i), **meta)
+        views[n] = cursor.emit(aten.view.default, (piece, list(n.meta["val"].shape)), **meta)
     return views

@@ -8,6 +8,9 @@ than the cap gets a bucket of its own); the first bucket of each dtype uses
 once and read back through views; a one-gradient bucket is reduced in place of
 the gradient, without copies. ``bucket-cap-mb=0`` gives one bucket per
 gradient. Each all-reduce carries ``meta["collective"]`` with its members.
+With ``compress=fp16|bf16`` each bucket is cast to half precision, reduced
+and cast back; the gradients are already each rank's share (``scale-loss-grad``
+ran before), so the sum cannot overflow where the mean does not.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from transpiler.program import StepProgram
 
 from .bucketing import (
     MB,
+    WIRE,
     bucket_cap_option,
+    compress_option,
     first_bucket_option,
     reduce_in_buckets,
-    replace_gradient,
-    unreduced_gradients,
 )
+from .gradient_flow import replace_gradient, unreduced_gradients
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class FuseAllReduce(Pass):
     reduces_gradients = True
     bucket_cap_mb: float = bucket_cap_option()
     first_bucket_mb: float = first_bucket_option()
+    compress: str = compress_option()
 
     def run(self, program: StepProgram) -> bool:
         grads = unreduced_gradients(program)
@@ -41,6 +46,8 @@ class FuseAllReduce(Pass):
             return False
         items = [(g.meta["grad_of"], g) for g in grads]
         cap, first = int(self.bucket_cap_mb * MB), int(self.first_bucket_mb * MB)
-        for grad, reduced in zip(grads, reduce_in_buckets(program, items, cap, first, tag="grads")):
+        for grad, reduced in zip(
+            grads, reduce_in_buckets(program, items, cap, first, tag="grads", compress=WIRE[self.compress])
+        ):
             replace_gradient(grad, reduced)
         return True

@@ -9,8 +9,11 @@ new parameter and a copy of it the new snapshot. Snapshots are extra inputs and
 outputs (``snapshot.<param>``), created as copies of the broadcast parameters.
 With ``average-state``, optimizer state (all but Adam's step count) and
 floating-point buffers are averaged in the same buckets; otherwise they stay
-local. With ``report-loss``, the loss summed over ranks / world_size comes out
-as the metric ``avg_loss`` (adaptive LocalSGD reads it).
+local. With ``compress=fp16|bf16`` each delta is first multiplied by
+``1/world_size`` (so the half-precision sum cannot overflow), then reduced in
+half precision and cast back, and the mean is that sum. With
+``report-loss``, the loss summed over ranks / world_size comes out as the
+metric ``avg_loss`` (adaptive LocalSGD reads it).
 """
 
 from __future__ import annotations
@@ -26,19 +29,10 @@ from transpiler.options import option
 from transpiler.pipeline import Pass
 from transpiler.program import Port, StepProgram
 
-from .bucketing import MB, bucket_cap_option, first_bucket_option, reduce_in_buckets
+from .bucketing import MB, WIRE, bucket_cap_option, compress_option, first_bucket_option, reduce_in_buckets
+from .gradient_flow import add_input
 
 aten = torch.ops.aten
-
-
-def add_input(program: StepProgram, port: Port, like: fx.Node) -> fx.Node:
-    """A new placeholder after the existing ones, with its port (the runtime feeds inputs by port)."""
-    last = [n for n in program.graph.nodes if n.op == "placeholder"][-1]
-    with program.graph.inserting_after(last):
-        node = program.graph.placeholder("".join(c if c.isalnum() else "_" for c in f"x_{port.name}"))
-    node.meta.update(val=like.meta.get("val"), port=port)
-    program.inputs.append(port)
-    return node
 
 
 @dataclass(frozen=True)
@@ -49,6 +43,7 @@ class LocalSGDAverage(Pass):
     report_loss: bool = option(False, help="also all-reduce the loss, for adaptive LocalSGD")
     bucket_cap_mb: float = bucket_cap_option()
     first_bucket_mb: float = first_bucket_option()
+    compress: str = compress_option()
 
     def run(self, program: StepProgram) -> bool:
         if any(p.kind == "extra" and p.name.startswith("snapshot.") for p in program.inputs):
@@ -57,25 +52,31 @@ class LocalSGDAverage(Pass):
         values = list(output.args[0])
         ports = list(program.outputs)
         scale = 1.0 / program.world_size
+        wire = WIRE[self.compress]
         items, targets = [], []  # what to all-reduce, and how to rebuild the output from the sum
         for i, port in enumerate(ports):
             node = values[i]
             if port.kind == "param":
                 snapshot = add_input(program, Port("extra", f"snapshot.{port.name}"), node)
                 program.extra_init[f"snapshot.{port.name}"] = ("copy_param", port.name)
-                delta = Cursor(program.graph, node).emit(aten.sub.Tensor, (snapshot, node), role="communication")
+                cursor = Cursor(program.graph, node)
+                delta = cursor.emit(aten.sub.Tensor, (snapshot, node), role="communication")
+                if wire is not None:  # share first: the half-precision sum is then the mean
+                    delta = cursor.emit(aten.mul.Tensor, (delta, scale), role="communication")
                 items.append((port.name, delta))
                 targets.append((i, snapshot))
             elif self.average_state and port.kind in ("state", "buffer") and self._averaged(port, node):
+                if wire is not None:
+                    node = Cursor(program.graph, node).emit(aten.mul.Tensor, (node, scale), role="communication")
                 items.append((port.name, node))
                 targets.append((i, None))
         reduced = reduce_in_buckets(
-            program, items, int(self.bucket_cap_mb * MB), int(self.first_bucket_mb * MB), tag="deltas"
+            program, items, int(self.bucket_cap_mb * MB), int(self.first_bucket_mb * MB), tag="deltas", compress=wire
         )
         extra_values, extra_ports = [], []
         for (i, snapshot), total in zip(targets, reduced):
             cursor = Cursor(program.graph, total)
-            mean = cursor.emit(aten.mul.Tensor, (total, scale), role="communication")
+            mean = total if wire is not None else cursor.emit(aten.mul.Tensor, (total, scale), role="communication")
             if snapshot is None:
                 values[i] = mean
                 continue

@@ -59,6 +59,7 @@ def transpile(
     if isinstance(max_cached_programs, bool) or not isinstance(max_cached_programs, int) or max_cached_programs < 1:
         raise ConfigurationError(f"max_cached_programs must be an int >= 1, got {max_cached_programs!r}.")
     strategy = build_strategy(mode, options)
+    strategy.check_optimizer(optimizer)
     placement = resolve_placement(world_size, rank, as_timeout(timeout))
     subgroups = subgroup_names(placement, strategy.groups(placement.world_size))
     specs = {variant: ",".join(p.spec() for p in passes) for variant, passes in strategy.variants.items()}

@@ -8,110 +8,178 @@ from typing import Any
 
 from passes import PASSES
 from passes.adasum import AdaSum, AdaSumGeometry
+from passes.allgather_grads import AllGatherGrads
 from passes.allreduce_grads import AllReduceGrads
 from passes.broadcast_params import BroadcastParams
 from passes.fuse_allreduce import FuseAllReduce
 from passes.local_sgd import LocalSGDAverage
+from passes.partial_average import PartialAverage
 from passes.reinplace_optimizer import ReinplaceOptimizer
 from passes.scale_loss_grad import ScaleLossGrad
 from passes.schedule_collectives import ScheduleCollectives
+from passes.sparse_allreduce import SparseAllReduce
 
+from .composition import (
+    ACCUMULATION,
+    CLIPPING,
+    FREEZE,
+    LOSS_SCALING,
+    WRAPPER_OPTIONS,
+    Recipe,
+    Strategy,
+    check_combination,
+    compose,
+)
 from .errors import ConfigurationError
 from .options import OptionSpec, field_options, parse_options
 from .pipeline import Pass, parse_spec
-from .schedules import EveryStep, LocalSGDSchedule
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """What a mode builds: a pass list per program variant, and the schedule choosing between them."""
-
-    variants: dict[str, list[Pass]]
-    schedule: Callable[[], Any] = EveryStep
-    groups: Callable[[int], list[tuple[int, ...]]] = lambda world: []  # rank subsets to create as process groups
+from .schedules import LocalSGDSchedule, RoundRobinSchedule
 
 
 @dataclass(frozen=True)
 class Mode:
     name: str
     summary: str
-    build: Callable[..., list[Pass] | Strategy]
+    build: Callable[..., Recipe]
     options: dict[str, OptionSpec]
 
     def strategy(self, **options: Any) -> Strategy:
         """The strategy for these options, each parsed strictly (``ConfigurationError`` names a bad one).
 
         Defaults come from the option specs, the one place they are written.
+        The mode's own options go to its recipe; the wrapping ones
+        (accumulation, loss scaling, clipping, freeze) to :func:`compose`.
         """
-        values = {name: spec.default for name, spec in self.options.items()}
-        values.update(parse_options(self.options, options, f"mode '{self.name}'"))
-        built = self.build(**values)
-        return built if isinstance(built, Strategy) else Strategy({"step": built})
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise ConfigurationError(self._unknown(unknown))
+        given = parse_options(self.options, options, f"mode '{self.name}'")
+        values = {name: spec.default for name, spec in self.options.items()} | given
+        check_combination(self.name, given, values)
+        own = {k: v for k, v in values.items() if k not in WRAPPER_OPTIONS}
+        return compose(self.build(**own), {k: v for k, v in values.items() if k in WRAPPER_OPTIONS})
+
+    def _unknown(self, names: list[str]) -> str:
+        where = []
+        for name in names:
+            modes = [m.name for m in MODES.values() if name in m.options]
+            where.append(f"'{name}' works with {', '.join(modes)}" if modes else f"'{name}' is no option of any mode")
+        known = ", ".join(self.options) or "none"
+        return (
+            f"mode '{self.name}' takes no option(s) {names} ({'; '.join(where)}; see docs/strategies/composition.md). "
+            f"Its options: {known}."
+        )
 
 
-def _allreduce() -> list[Pass]:
-    return [BroadcastParams(), ScaleLossGrad(), AllReduceGrads(), ScheduleCollectives(), ReinplaceOptimizer()]
+def _prefix() -> list[Pass]:
+    return [BroadcastParams()]
 
 
-def _fused(bucket_cap_mb: float, first_bucket_mb: float) -> list[Pass]:
-    return [
-        BroadcastParams(),
-        ScaleLossGrad(),
-        FuseAllReduce(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb),
-        ScheduleCollectives(),
-        ReinplaceOptimizer(),
-    ]
+def _tail() -> list[Pass]:
+    return [ScheduleCollectives(), ReinplaceOptimizer()]
 
 
-def _local_sgd(adaptive: bool, k: int, begin_step: int, average_state: bool, cap: float, first: float) -> Strategy:
+def _allreduce() -> Recipe:
+    return Recipe(
+        {"step": [AllReduceGrads()]}, _prefix(), [ScaleLossGrad()], _tail()
+    )
+
+
+def _fused(
+    bucket_cap_mb: float, first_bucket_mb: float, compress: str, sparsify: float, sparsify_threshold: float
+) -> Recipe:
+    if sparsify:
+        reduce: Pass = SparseAllReduce(
+            ratio=sparsify, threshold=sparsify_threshold, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb
+        )
+    else:
+        reduce = FuseAllReduce(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compress=compress)
+    return Recipe({"step": [reduce]}, _prefix(), [ScaleLossGrad()], _tail())
+
+
+def _local_sgd(
+    adaptive: bool, k: int, begin_step: int, average_state: bool, cap: float, first: float, compress: str
+) -> Recipe:
     average = LocalSGDAverage(
-        average_state=average_state, report_loss=adaptive, bucket_cap_mb=cap, first_bucket_mb=first
+        average_state=average_state, report_loss=adaptive, bucket_cap_mb=cap, first_bucket_mb=first, compress=compress
     )
-    return Strategy(
-        {
-            "local": [BroadcastParams(), ReinplaceOptimizer()],
-            "sync": [BroadcastParams(), average, ScheduleCollectives(), ReinplaceOptimizer()],
-        },
-        lambda: LocalSGDSchedule(k_steps=k, begin_step=begin_step, adaptive=adaptive),
+    return Recipe(
+        {"local": [], "sync": [average, ScheduleCollectives()]},
+        _prefix(),
+        tail=[ReinplaceOptimizer()],
+        schedule=lambda: LocalSGDSchedule(k_steps=k, begin_step=begin_step, adaptive=adaptive),
     )
 
 
-def _plain_local_sgd(k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb) -> Strategy:
-    return _local_sgd(False, k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb)
+def _plain_local_sgd(k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb, compress) -> Recipe:
+    return _local_sgd(False, k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb, compress)
 
 
-def _adaptive_local_sgd(init_k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb) -> Strategy:
-    return _local_sgd(True, init_k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb)
+def _adaptive_local_sgd(init_k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb, compress) -> Recipe:
+    return _local_sgd(True, init_k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb, compress)
 
 
-def _adasum(target: str) -> Callable[..., Strategy]:
-    def build(local_size: int) -> Strategy:
-        return Strategy(
-            {"step": [BroadcastParams(), AdaSum(target=target, local_size=local_size), ReinplaceOptimizer()]},
+def _adasum(target: str) -> Callable[..., Recipe]:
+    def build(local_size: int) -> Recipe:
+        return Recipe(
+            {"step": [AdaSum(target=target, local_size=local_size)]},
+            _prefix(),
+            tail=[ReinplaceOptimizer()],
             groups=lambda world: AdaSumGeometry(world, local_size).groups(),
         )
 
     return build
 
 
+def _allgather(bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:
+    gather = AllGatherGrads(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
+    return Recipe({"step": [gather]}, _prefix(), [ScaleLossGrad()], _tail())
+
+
+def _partial_sync(partitions: int, bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:
+    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb}
+    return Recipe(
+        {
+            f"sync{i}": [PartialAverage(partitions=partitions, index=i, **caps), ScheduleCollectives()]
+            for i in range(partitions)
+        },
+        _prefix(),
+        tail=[ReinplaceOptimizer()],
+        schedule=lambda: RoundRobinSchedule(partitions),
+    )
+
+
 BUCKET_OPTIONS = {name: field_options(FuseAllReduce)[name] for name in ("bucket_cap_mb", "first_bucket_mb")}
+COMPRESS = {"compress": field_options(FuseAllReduce)["compress"]}
+SPARSIFY = {
+    "sparsify": OptionSpec(float, 0.0, minimum=0, maximum=1, help="send this share of each bucket, top-K (0: off)"),
+    "sparsify_threshold": field_options(SparseAllReduce)["threshold"],
+}
 LOCAL_SGD_OPTIONS = {
     "begin_step": OptionSpec(int, 1, minimum=0, help="steps 1..begin_step all synchronise (warm-up)"),
     "average_state": field_options(LocalSGDAverage)["average_state"],
     **BUCKET_OPTIONS,
+    **COMPRESS,
+    **ACCUMULATION,
 }
 LOCAL_SIZE = {"local_size": field_options(AdaSum)["local_size"]}
+GRADIENT_WRAPPERS = {**ACCUMULATION, **LOSS_SCALING, **CLIPPING, **FREEZE}
 
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
-        Mode("none", "no passes: the traced single-process step as it is", lambda: [], {}),
-        Mode("allreduce", "Paddle GradAllReduce: scale the loss grad, one all-reduce per gradient", _allreduce, {}),
+        Mode("none", "no passes: the traced single-process step as it is", lambda: Recipe({"step": []}), {}),
+        Mode(
+            "allreduce",
+            "Paddle GradAllReduce: scale the loss grad, one all-reduce per gradient",
+            _allreduce,
+            GRADIENT_WRAPPERS,
+        ),
         Mode(
             "fused_allreduce",
             "like allreduce, with gradients coalesced into dtype/size buckets (DDP-style caps)",
             _fused,
-            BUCKET_OPTIONS,
+            {**BUCKET_OPTIONS, **COMPRESS, **SPARSIFY, **GRADIENT_WRAPPERS},
         ),
         Mode(
             "local_sgd",
@@ -129,13 +197,25 @@ MODES: dict[str, Mode] = {
             "adasum",
             "AdaSum of gradients (recursive halving, point-to-point exchanges), then the optimizer",
             _adasum("grads"),
-            LOCAL_SIZE,
+            {**LOCAL_SIZE, **ACCUMULATION, **LOSS_SCALING},
         ),
         Mode(
             "adasum_delta",
             "local optimizer step, then AdaSum of the weight deltas (MindSpore AdaSumByDeltaWeight)",
             _adasum("deltas"),
             LOCAL_SIZE,
+        ),
+        Mode(
+            "allgather",
+            "Paddle MultiThread all-gather: gather every rank's gradients, apply the optimizer once per gradient",
+            _allgather,
+            BUCKET_OPTIONS,
+        ),
+        Mode(
+            "partial_sync",
+            "SINGA partial update: local updates every step, one partition of the parameters averaged per step",
+            _partial_sync,
+            {"partitions": field_options(PartialAverage)["partitions"], **BUCKET_OPTIONS},
         ),
     )
 }

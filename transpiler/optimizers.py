@@ -149,8 +149,18 @@ class OptimizerPlan:
     def scalar_slots(self) -> list[ScalarSlot]:
         return [slot for g in self.groups for slot in g.slots.values()]
 
-    def scalar_values(self) -> list[float]:
-        """The per-step slot values, computed in Python doubles as eager does."""
+    def scalar_inputs(self, names: list[str]) -> dict[str, float]:
+        """Values for the scalar ports ``names``: ``<slot>`` for this step, ``<slot>@j`` for the j-th update
+        after it within the same step (the all-gather mode applies the optimizer several times per step)."""
+        aheads = sorted({int(name.partition("@")[2] or 0) for name in names})
+        out: dict[str, float] = {}
+        for ahead in aheads:
+            for slot, value in zip(self.scalar_slots(), self.scalar_values(ahead)):
+                out[f"{slot.name}@{ahead}" if ahead else slot.name] = value
+        return out
+
+    def scalar_values(self, ahead: int = 0) -> list[float]:
+        """The per-step slot values, computed in Python doubles as eager does (``ahead`` updates later)."""
         values: list[float] = []
         for g in self.groups:
             group = self.optimizer.param_groups[g.index]
@@ -163,7 +173,7 @@ class OptimizerPlan:
             if self.kind == "sgd":
                 values.append(-lr)
                 if "buf_decay" in g.slots:
-                    first = any(
+                    first = ahead == 0 and any(
                         self.optimizer.state[self.params[i]].get("momentum_buffer") is None for i in g.param_positions
                     )
                     values += [0.0, 1.0] if first else [float(group["momentum"]), 1.0 - float(group["dampening"])]
@@ -175,7 +185,7 @@ class OptimizerPlan:
                     f"param group {g.index} has parameters at different step counts {sorted(steps)}; "
                     "the transpiler needs one step count per group."
                 )
-            step = float(next(iter(steps), 0.0) + 1.0)
+            step = float(next(iter(steps), 0.0) + 1.0 + ahead)
             bias_correction1 = 1 - beta1**step
             bias_correction2 = 1 - beta2**step
             values += [-(lr / bias_correction1), bias_correction2**0.5]

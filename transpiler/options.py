@@ -33,9 +33,14 @@ class OptionSpec:
     maximum: float | None = None
     choices: tuple[str, ...] = ()
     help: str = ""
+    words: tuple[tuple[str, Any], ...] = ()  # named values besides numbers: (("dynamic", "dynamic"), ("inf", inf))
 
     def accepts(self) -> str:
         """What the option accepts, in words ('an int >= 1')."""
+        named = " or " + " or ".join(repr(w) for w, _ in self.words) if self.words else ""
+        return self._accepts() + named
+
+    def _accepts(self) -> str:
         if self.kind is bool:
             return "a bool (true or false)"
         if self.choices:
@@ -56,6 +61,9 @@ class OptionSpec:
                 f"option '{name}' of {owner} wants {self.accepts()}; got {value!r}" + (f" ({why})" if why else "") + "."
             )
 
+        for word, meaning in self.words:
+            if (isinstance(value, str) and value.strip().lower() == word) or _same(value, meaning):
+                return meaning
         parsed = self._from_text(value, bad) if isinstance(value, str) else self._from_value(value, bad)
         if self.kind is not str and self.kind is not bool:
             if not math.isfinite(parsed):
@@ -97,9 +105,23 @@ class OptionSpec:
         raise bad(f"a {type(value).__name__}")
 
 
-def option(default: Any, *, minimum=None, maximum=None, choices: tuple[str, ...] = (), help: str = "") -> Any:
+def _same(value: Any, meaning: Any) -> bool:
+    """``value`` is the named value itself (``math.inf`` given for ``'inf'``), not merely equal to it (1 == True)."""
+    return type(value) is type(meaning) and value == meaning
+
+
+def option(
+    default: Any,
+    *,
+    minimum=None,
+    maximum=None,
+    choices: tuple[str, ...] = (),
+    help: str = "",
+    kind: type | None = None,
+    words: tuple[tuple[str, Any], ...] = (),
+) -> Any:
     """A dataclass field that is a typed option (for passes: ``bucket_cap_mb: float = option(25.0, minimum=0)``)."""
-    spec = OptionSpec(type(default), default, minimum, maximum, tuple(choices), help)
+    spec = OptionSpec(kind or type(default), default, minimum, maximum, tuple(choices), help, tuple(words))
     return dataclasses.field(default=default, metadata={"option": spec})
 
 

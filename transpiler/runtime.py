@@ -71,6 +71,22 @@ class Built:
 Builder = Callable[[tuple], Built]
 
 
+def initial_extra(rule: str, source: str, params: dict[str, torch.nn.Parameter]) -> torch.Tensor:
+    """The first value of pass-added state, by the rule its pass declared in ``program.extra_init``.
+
+    ``copy_param``: a copy of parameter ``source`` (LocalSGD snapshots); ``zeros_like_param``: zeros shaped
+    as it (accumulators, residuals); ``scalar``: a 0-d tensor from ``"<value>:<dtype>"`` (loss scale).
+    """
+    if rule == "copy_param":
+        return params[source].detach().clone()
+    if rule == "zeros_like_param":
+        return torch.zeros_like(params[source].detach())
+    if rule == "scalar":
+        value, _, dtype = source.partition(":")
+        return torch.tensor(float(value), dtype=getattr(torch, dtype))
+    raise ConfigurationError(f"unknown initialisation rule '{rule}' for extra state.")
+
+
 def batch_key(batch: tuple) -> tuple:
     return tuple((tuple(t.shape), t.dtype, t.device.type) for t in batch)
 
@@ -251,7 +267,7 @@ class DistributedStep:
                 for k, t in zip(plan.state_keys(i), plan.state_tensors(i))
             },
             "batch": {f"batch{i}": t for i, t in enumerate(batch)},
-            "scalar": {s.name: v for s, v in zip(plan.scalar_slots(), plan.scalar_values())},
+            "scalar": plan.scalar_inputs([port.name for port in program.inputs if port.kind == "scalar"]),
             "extra": self.extra,
         }
         return [tensors[port.kind][port.name] for port in program.inputs]
@@ -311,11 +327,8 @@ class DistributedStep:
                 f"(it declares {sorted(built.extra_init)[:4] or 'none'}): it comes from another mode or model."
             )
         for name, (rule, source) in built.extra_init.items():
-            if name in self.extra:
-                continue
-            if rule != "copy_param":
-                raise ConfigurationError(f"unknown initialisation rule '{rule}' for extra state '{name}'.")
-            self.extra[name] = built.params[source].detach().clone()
+            if name not in self.extra:
+                self.extra[name] = initial_extra(rule, source, built.params)
 
     # ----------------------------------------------------------- checkpoints
     def checkpoint_setup(self) -> dict[str, Any]:

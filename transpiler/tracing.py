@@ -225,8 +225,8 @@ def _finish(
         old.replace_all_uses_with(new)
         graph.erase_node(old)
     results = [renamed[slot[r]] if r in slot else r for r in results]
-    for node in slot_nodes.values():
-        node.meta["port"] = Port("scalar", node.name)
+    for slot in plan.scalar_slots():
+        slot_nodes[slot.sentinel].meta["port"] = Port("scalar", slot.name)
     _swap_sentinels(graph, slot_nodes)
 
     loss, model_out = results[0], results[1 : 1 + n_out]

@@ -78,12 +78,9 @@ def check_gradient_reductions(program: StepProgram, final: bool) -> None:
 
 
 def _is_all_reduce(node: fx.Node) -> bool:
-    """An all-reduce of gradient values (AdaSum's all-reduces of dot products and norms are not)."""
-    return (
-        is_collective(node)
-        and node.target.__name__.startswith("all_reduce")
-        and "grads" in node.meta.get("collective", {})
-    )
+    """A collective that reduces gradient values (an all-reduce, or the all-gathers of a sparse or gathered
+    reduction); AdaSum's all-reduces of dot products and norms, and flags, are not."""
+    return is_collective(node) and "grads" in node.meta.get("collective", {})
 
 
 def _reductions_to_optimizer(grad: fx.Node) -> set[int]:
