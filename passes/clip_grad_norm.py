@@ -2,7 +2,8 @@
 
 Requires: gradients as the optimizer will read them (after the reducing pass,
 after ``loss-scale``, after ``accumulate-grads``).
-Guarantees: with ``n_i = vector_norm(g_i, norm-type)`` over every gradient,
+Guarantees: with ``n_i = _foreach_norm(g, norm-type)[i]`` over every gradient (the CPU path of
+``clip_grad_norm_``),
 ``total = vector_norm(stack(n_i), norm-type)`` and
 ``coef = min(max-norm * reciprocal(total + 1e-6), 1)``, each gradient is
 ``g_i * coef``: the ops ``clip_grad_norm_`` runs, in its order. After a
@@ -15,6 +16,7 @@ inf or NaN and the update is skipped anyway.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -43,14 +45,13 @@ class ClipGradNorm(Pass):
         grads = optimizer_gradients(program)
         if not grads:
             return False
-        norms = []
-        for grad in grads.values():
-            cursor = Cursor(program.graph, grad)
-            norms.append(
-                cursor.emit(aten.linalg_vector_norm.default, (grad, self.norm_type), role="optimizer", inspects=True)
-            )
         order = position(program.graph)
-        cursor = Cursor(program.graph, max(norms, key=order.__getitem__))
+        cursor = Cursor(program.graph, max(grads.values(), key=order.__getitem__))
+        listed = list(grads.values())
+        per_tensor = cursor.emit(
+            aten._foreach_norm.Scalar, (listed, self.norm_type), role="optimizer", inspects=True
+        )  # what clip_grad_norm_ runs on CPU
+        norms = [cursor.emit(operator.getitem, (per_tensor, i), role="optimizer") for i in range(len(listed))]
         stacked = cursor.emit(aten.stack.default, (norms,), role="optimizer")
         total = cursor.emit(aten.linalg_vector_norm.default, (stacked, self.norm_type), role="optimizer", clip=True)
         guarded = cursor.emit(aten.add.Tensor, (total, EPS), role="optimizer")

@@ -37,10 +37,11 @@ def replace_gradient(grad: fx.Node, reduced: fx.Node) -> None:
 
 
 def optimizer_gradients(program: StepProgram) -> dict[str, fx.Node]:
-    """Per parameter, the gradient value the optimizer reads (reduced, unscaled... as passes left it)."""
+    """Per parameter, in model order, the gradient value the optimizer reads (reduced, unscaled... as passes
+    left it). Model order, as ``model.parameters()`` lists them, is the order ``clip_grad_norm_`` sums in."""
     found = {n.meta["grad_of"]: n for n in program.graph.nodes if "grad_of" in n.meta}
     found.update({n.meta["reduced_grad_of"]: n for n in program.graph.nodes if "reduced_grad_of" in n.meta})
-    return found
+    return {p.name: found[p.name] for p in program.inputs if p.kind == "param" and p.name in found}
 
 
 def retarget_optimizer_input(old: fx.Node, new: fx.Node) -> None:

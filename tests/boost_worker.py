@@ -1,0 +1,416 @@
+"""One rank of the Boost/SINGA strategy runs (launched by tests/test_boost.py), all in one world.
+
+Every check trains from the same initial MLP on per-rank shards of the same
+global batches, next to a reference: PyTorch DDP (with ``no_sync`` for
+accumulation, ``clip_grad_norm_`` for clipping), the transpiled step without
+the strategy, or an eager computation written here from the published rule
+(top-K with error feedback, sequential optimizer per gathered gradient,
+SINGA's partial average). Each rank saves what it saw; the test compares.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.models import MLP, make_batch  # noqa: E402
+from transpiler import transpile  # noqa: E402
+
+PER_RANK = 8
+LOSS = nn.CrossEntropyLoss()
+
+
+def params_of(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def sgd(model, momentum=0.9):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+
+
+def global_batches(n: int, world: int, seed: int = 5):
+    gen = torch.Generator().manual_seed(seed)
+    return [make_batch("mlp", PER_RANK * world, gen) for _ in range(n)]
+
+
+def shard(batch, rank):
+    sl = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    return batch[0][sl], batch[1][sl]
+
+
+def base_model() -> nn.Module:
+    torch.manual_seed(0)
+    return MLP()
+
+
+def run(mode, rank, world, batches, make_opt=sgd, **options):
+    """Train a transpiled copy of the base model; parameters after every call, metrics and variants."""
+    model = base_model()
+    opt = make_opt(model)
+    step = transpile(model, opt, mode, LOSS, **options)
+    out = {"params": [], "metrics": [], "variants": [], "step": step, "model": model, "opt": opt}
+    for batch in batches:
+        step(*shard(batch, rank))
+        out["params"].append(params_of(model))
+        out["metrics"].append(dict(step.last_metrics))
+        out["variants"].append(step.last_variant)
+    return out
+
+
+def comm_plan(step) -> dict:
+    return {v: [str(op) for op in p.graph.nodes if "collective" in op.meta] for v, p in step.programs.items()}
+
+
+def accumulation(rank, world) -> dict:
+    batches = global_batches(6, world)
+    ours = run("fused_allreduce", rank, world, batches, accumulate_steps=2)
+    ddp_model = base_model()
+    ddp = DDP(ddp_model)
+    ddp_opt = sgd(ddp_model)
+    single = base_model()
+    single_opt = sgd(single)
+    ddp_params, single_params = [], []
+    for i, batch in enumerate(batches):
+        x, y = shard(batch, rank)
+        if i % 2 == 0:
+            with ddp.no_sync():
+                (LOSS(ddp(x), y) / 2).backward()
+        else:
+            (LOSS(ddp(x), y) / 2).backward()
+            ddp_opt.step()
+            ddp_opt.zero_grad()
+            x2 = torch.cat([batches[i - 1][0], batch[0]])
+            y2 = torch.cat([batches[i - 1][1], batch[1]])
+            single_opt.zero_grad()
+            LOSS(single(x2), y2).backward()
+            single_opt.step()
+        ddp_params.append(params_of(ddp_model))
+        single_params.append(params_of(single))
+    return {
+        "ours": ours["params"],
+        "variants": ours["variants"],
+        "plans": comm_plan(ours["step"]),
+        "ddp": ddp_params,
+        "single": single_params,
+    }
+
+
+def per_rank_concat(batches, rank, k):
+    """This rank's micro-batches of each cycle, concatenated: the batch one step without accumulation sees."""
+    out = []
+    for i in range(0, len(batches), k):
+        parts = [shard(b, rank) for b in batches[i : i + k]]
+        out.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
+    return out
+
+
+def run_local(mode, batches_local, make_opt=sgd, **options):
+    model = base_model()
+    opt = make_opt(model)
+    step = transpile(model, opt, mode, LOSS, **options)
+    params = []
+    for x, y in batches_local:
+        step(x, y)
+        params.append(params_of(model))
+    return params, step
+
+
+def accumulation_composed(rank, world) -> dict:
+    """Accumulation with AdaSum and LocalSGD against the same mode on the concatenated micro-batches."""
+    batches = global_batches(8, world)
+    micro = [shard(b, rank) for b in batches]
+    big = per_rank_concat(batches, rank, 2)
+    out = {}
+    for mode, options in (("adasum", {}), ("local_sgd", {"k_steps": 2})):
+        ours, _ = run_local(mode, micro, accumulate_steps=2, **options)
+        reference, _ = run_local(mode, big, **options)
+        out[mode] = (ours[1::2], reference)
+    return out
+
+
+def loss_scaling(rank, world) -> dict:
+    batches = global_batches(8, world)
+    out = {}
+    # an inf in rank 1's batch at call 3: every rank skips and backs off; growth after 3 clean steps
+    model = base_model()
+    opt = sgd(model)
+    step = transpile(model, opt, "fused_allreduce", LOSS, loss_scale="dynamic", init_scale=1024.0, growth_interval=3)
+    record = []
+    for t, batch in enumerate(batches):
+        x, y = shard(batch, rank)
+        if t == 2 and rank == 1:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        before = params_of(model)
+        momentum = {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()} if t else {}
+        step(x, y)
+        after = params_of(model)
+        unchanged = all(torch.equal(before[n], after[n]) for n in after)
+        kept = bool(momentum) and all(
+            torch.equal(momentum[n], opt.state[p]["momentum_buffer"]) for n, p in model.named_parameters()
+        )
+        record.append((dict(step.last_metrics), unchanged, kept, float(step.extra["loss_scale.scale"])))
+    out["inject"] = record
+    out["inject_state"] = sorted(step.state_dict()["transpiler"]["extra"])
+    clean = batches[:5]
+    plain = run("fused_allreduce", rank, world, clean)["params"]
+    out["clean"] = (run("fused_allreduce", rank, world, clean, loss_scale="dynamic")["params"], plain)
+    fp16 = run("fused_allreduce", rank, world, clean, compress="fp16")["params"]
+    out["compress"] = (
+        run("fused_allreduce", rank, world, clean, compress="fp16", loss_scale=256.0)["params"],
+        fp16,
+    )
+    out["adasum"] = (
+        run("adasum", rank, world, clean, loss_scale="dynamic")["params"],
+        run("adasum", rank, world, clean)["params"],
+    )
+    acc = run("fused_allreduce", rank, world, batches[:6], accumulate_steps=2)["params"]
+    out["accumulation"] = (
+        run("fused_allreduce", rank, world, batches[:6], accumulate_steps=2, loss_scale="dynamic")["params"],
+        acc,
+    )
+    return out
+
+
+def clipping(rank, world) -> dict:
+    batches = global_batches(5, world)
+    ours = run("fused_allreduce", rank, world, batches, max_grad_norm=0.3)
+    ddp_model = base_model()
+    ddp = DDP(ddp_model)
+    ddp_opt = sgd(ddp_model)
+    single = base_model()
+    single_opt = sgd(single)
+    ddp_params, ddp_norms, single_params = [], [], []
+    for batch in batches:
+        ddp_opt.zero_grad()
+        LOSS(ddp(*shard(batch, rank)[:1]), shard(batch, rank)[1]).backward()
+        ddp_norms.append(float(nn.utils.clip_grad_norm_(ddp_model.parameters(), 0.3)))
+        ddp_opt.step()
+        ddp_params.append(params_of(ddp_model))
+        single_opt.zero_grad()
+        LOSS(single(batch[0]), batch[1]).backward()
+        nn.utils.clip_grad_norm_(single.parameters(), 0.3)
+        single_opt.step()
+        single_params.append(params_of(single))
+    combined = run(
+        "fused_allreduce",
+        rank,
+        world,
+        global_batches(6, world),
+        accumulate_steps=2,
+        loss_scale="dynamic",
+        max_grad_norm=0.3,
+    )
+    plain = run("fused_allreduce", rank, world, global_batches(6, world), accumulate_steps=2, max_grad_norm=0.3)
+    return {
+        "ours": ours["params"],
+        "norms": [m["grad_norm"] for m in ours["metrics"]],
+        "ddp": ddp_params,
+        "ddp_norms": ddp_norms,
+        "single": single_params,
+        "combined": (combined["params"], plain["params"]),
+    }
+
+
+def compression(rank, world) -> dict:
+    batches = global_batches(5, world)
+    out = {"plain": run("fused_allreduce", rank, world, batches)["params"]}
+    twin = base_model()  # every rank's 1/W share of the first gradient, for the error bound of one step
+    (LOSS(twin(shard(batches[0], rank)[0]), shard(batches[0], rank)[1]) * (1.0 / world)).backward()
+    out["shares"] = {}
+    for n, p in twin.named_parameters():
+        parts = [torch.empty_like(p.grad) for _ in range(world)]
+        dist.all_gather(parts, p.grad)
+        out["shares"][n] = torch.stack(parts)
+    for wire in ("fp16", "bf16"):
+        ours = run("fused_allreduce", rank, world, batches, compress=wire)
+        out[wire] = ours["params"]
+        out[f"{wire}_plan"] = [n.meta["collective"] for n in ours["step"].program.graph.nodes if "collective" in n.meta]
+    local = {"k_steps": 2}
+    out["local"] = (
+        run("local_sgd", rank, world, batches, compress="fp16", **local)["params"],
+        run("local_sgd", rank, world, batches, **local)["params"],
+    )
+    return out
+
+
+def freeze(rank, world) -> dict:
+    batches = global_batches(10, world)
+    out = {}
+    for name, options in (
+        ("interval", {"freeze_groups": 3, "freeze_type": 1, "freeze_p": 0.4, "freeze_seed": 7}),
+        ("continuous", {"freeze_groups": 3, "freeze_type": 0, "freeze_p": 0.5}),
+        (
+            "accumulate",
+            {"freeze_groups": 3, "freeze_type": 1, "freeze_p": 0.4, "freeze_seed": 7, "accumulate_steps": 2},
+        ),
+    ):
+        model = base_model()
+        opt = sgd(model)
+        step = transpile(model, opt, "fused_allreduce", LOSS, **options)
+        record = []
+        for batch in batches:
+            before = params_of(model)
+            momentum = {n: opt.state[p].get("momentum_buffer") for n, p in model.named_parameters()}
+            momentum = {n: None if m is None else m.clone() for n, m in momentum.items()}
+            step(*shard(batch, rank))
+            after = params_of(model)
+            changed = [not torch.equal(before[n], after[n]) for n in after]
+            kept = [
+                momentum[n] is None or torch.equal(momentum[n], opt.state[p]["momentum_buffer"])
+                for n, p in model.named_parameters()
+            ]
+            record.append((step.last_variant, changed, kept, after))
+        out[name] = record
+    return out
+
+
+def sparsification(rank, world) -> dict:
+    batches = global_batches(4, world)
+    ratio = 0.3
+    model = base_model()
+    opt = sgd(model, momentum=0.0)
+    step = transpile(model, opt, "fused_allreduce", LOSS, shard(batches[0], rank), sparsify=ratio)
+    twin = base_model()
+    order = [n.meta["collective"] for n in step.program.graph.nodes if n.meta.get("collective", {}).get("part")]
+    names = list(order[0]["grads"])
+    residual = {n: torch.zeros_like(p) for n, p in twin.named_parameters()}
+    record = []
+    for batch in batches:
+        x, y = shard(batch, rank)
+        # the published rule, eagerly: x = g/W + residual; send the top-K of |x|; keep x - sent
+        twin.load_state_dict(model.state_dict())
+        twin.zero_grad()
+        (LOSS(twin(x), y) * (1.0 / world)).backward()
+        grads = dict(twin.named_parameters())
+        flat = torch.cat([(grads[n].grad + residual[n]).reshape(-1) for n in names])
+        k = math.ceil(ratio * flat.numel())
+        idx = torch.topk(flat.abs(), k).indices
+        sent = torch.zeros_like(flat).index_copy(0, idx, flat[idx])
+        left = flat - sent
+        exact = torch.equal(sent + left, flat)
+        dense = [torch.zeros_like(sent) for _ in range(world)]
+        dist.all_gather(dense, sent)
+        total = dense[0]
+        for other in dense[1:]:
+            total = total + other
+        expected, offset = {}, 0
+        for n in names:
+            size = grads[n].numel()
+            residual[n] = left[offset : offset + size].view_as(grads[n])
+            expected[n] = torch.add(
+                twin.get_parameter(n).detach(), total[offset : offset + size].view_as(grads[n]), alpha=-0.05
+            )
+            offset += size
+        step(x, y)
+        ours_residual = {n: step.extra[f"residual.{n}"] for n in names}
+        record.append(
+            {
+                "exact": exact,
+                "k": k,
+                "residual_equal": all(torch.equal(ours_residual[n], residual[n]) for n in names),
+                "params": params_of(model),
+                "reference": expected,
+            }
+        )
+    topk = [n.args[1] for n in step.program.graph.nodes if n.target is torch.ops.aten.topk.default]
+    sizes = [sum(model.get_parameter(n).numel() for n in c["grads"]) for c in order[::2]]
+    one = run("fused_allreduce", rank, world, batches, sparsify=1.0)["params"]
+    dense_run = run("fused_allreduce", rank, world, batches)["params"]
+    return {
+        "record": record,
+        "topk": topk,
+        "sizes": sizes,
+        "in_state_dict": sorted(step.state_dict()["transpiler"]["extra"]),
+        "bytes": sum(c["bytes"] for c in order),
+        "ratio_one": (one, dense_run),
+    }
+
+
+def allgather(rank, world) -> dict:
+    batches = global_batches(4, world)
+    out = {}
+    for name, make in (("sgd", sgd), ("adam", lambda m: torch.optim.Adam(m.parameters(), lr=1e-2))):
+        ours = run("allgather", rank, world, batches, make_opt=make)["params"]
+        ref = base_model()
+        ref_opt = make(ref)
+        reference = []
+        for batch in batches:  # Paddle's rule: the optimizer once per rank's gradient, in rank order
+            grads = []
+            for r in range(world):
+                ref.zero_grad()
+                (LOSS(ref(shard(batch, r)[0]), shard(batch, r)[1]) * (1.0 / world)).backward()
+                grads.append([p.grad.clone() for p in ref.parameters()])
+            for g in grads:
+                for p, gi in zip(ref.parameters(), g):
+                    p.grad = gi
+                ref_opt.step()
+            reference.append(params_of(ref))
+        out[name] = (ours, reference)
+    return out
+
+
+def partial_sync(rank, world) -> dict:
+    batches = global_batches(6, world)
+    partitions = 3
+    model = base_model()
+    opt = sgd(model)
+    example = shard(batches[0], rank)
+    step = transpile(model, opt, "partial_sync", LOSS, example, partitions=partitions, bucket_cap_mb=0.001)
+    ref = base_model()
+    ref_opt = sgd(ref)
+    members = {
+        v: sorted({n for node in p.graph.nodes if "collective" in node.meta for n in node.meta["collective"]["params"]})
+        for v, p in step.programs.items()
+    }
+    record = []
+    for batch in batches:
+        x, y = shard(batch, rank)
+        ref_opt.zero_grad()
+        LOSS(ref(x), y).backward()
+        ref_opt.step()
+        step(x, y)
+        with torch.no_grad():  # SINGA: all-reduce the partition's parameters, divide by the world size
+            for n in members[step.last_variant]:
+                p = ref.get_parameter(n)
+                dist.all_reduce(p)
+                p.div_(world)
+        record.append((step.last_variant, params_of(model), params_of(ref)))
+    return {"record": record, "members": members, "names": [n for n, _ in model.named_parameters()]}
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+    result = {}
+    for check in (
+        accumulation,
+        accumulation_composed,
+        loss_scaling,
+        clipping,
+        compression,
+        freeze,
+        sparsification,
+        allgather,
+        partial_sync,
+    ):
+        result[check.__name__] = check(rank, world)
+    for value in result.values():  # step objects do not pickle
+        if isinstance(value, dict):
+            value.pop("step", None)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
