@@ -8,6 +8,7 @@ is reported.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -18,6 +19,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,8 +27,8 @@ from bench.models import batch_for, build  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 PER_RANK = {"mlp_5m": 64, "transformer": 32}
-WARMUP, STEPS, ROUNDS = 3, 10, 12
-VARIANTS = {  # label: (mode, options)
+WARMUP, STEPS, ROUNDS = 4, 12, 8
+VARIANTS = {  # label: (mode, options); "ddp" options: accumulate (no_sync calls per update), hook (fp16, bf16)
     "ddp": ("ddp", {}),
     "allreduce": ("allreduce", {}),
     "fused_allreduce": ("fused_allreduce", {}),
@@ -36,7 +38,21 @@ VARIANTS = {  # label: (mode, options)
     "adaptive_local_sgd": ("adaptive_local_sgd", {"init_k_steps": 2}),
     "adasum": ("adasum", {}),
     "adasum_delta": ("adasum_delta", {}),
+    "ddp no_sync k=4": ("ddp", {"accumulate": 4}),
+    "fused accumulate_steps=4": ("fused_allreduce", {"accumulate_steps": 4}),
+    "fused loss_scale=dynamic": ("fused_allreduce", {"loss_scale": "dynamic"}),
+    "fused max_grad_norm=1": ("fused_allreduce", {"max_grad_norm": 1.0}),
+    "ddp fp16 hook": ("ddp", {"hook": "fp16"}),
+    "fused compress=fp16": ("fused_allreduce", {"compress": "fp16"}),
+    "ddp bf16 hook": ("ddp", {"hook": "bf16"}),
+    "fused compress=bf16": ("fused_allreduce", {"compress": "bf16"}),
+    "fused sparsify=0.01": ("fused_allreduce", {"sparsify": 0.01}),
+    "fused sparsify=0.1": ("fused_allreduce", {"sparsify": 0.1}),
+    "fused freeze_groups=4": ("fused_allreduce", {"freeze_groups": 4, "freeze_type": 0, "freeze_p": 0.5}),
+    "partial_sync partitions=4": ("partial_sync", {"partitions": 4}),
+    "allgather": ("allgather", {}),
 }
+HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
 
 
 def payload(program) -> tuple[int, int]:
@@ -63,11 +79,16 @@ class Runner:
         self.ops = self.bytes = self.steps = 0
         if mode == "ddp":
             self.ddp = DDP(model)
+            if "hook" in options:
+                self.ddp.register_comm_hook(None, HOOKS[options["hook"]])
+            self.accumulate, self.calls = options.get("accumulate", 1), 0
             self.opt = torch.optim.SGD(self.ddp.parameters(), lr=0.01, momentum=0.9)
             self.step, self.per_step = None, (0, 0)
-            self(*batch)  # buckets are rebuilt after the first iteration
+            for _ in range(self.accumulate):
+                self(*batch)  # buckets are rebuilt after the first iteration
             sizes = [int(s) for s in str(self.ddp._get_ddp_logging_data().get("bucket_sizes", "")).split(",") if s]
-            self.per_step = (len(sizes), sum(p.numel() * p.element_size() for p in model.parameters()))
+            wire = 2 if "hook" in options else 4
+            self.per_step = (len(sizes), sum(p.numel() * wire for p in model.parameters()))
             return
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         self.step = transpile(model, opt, mode=mode, loss_fn=self.loss_fn, example_inputs=batch, **options)
@@ -75,10 +96,14 @@ class Runner:
 
     def __call__(self, x, y) -> None:
         if self.step is None:
-            self.opt.zero_grad()
-            self.loss_fn(self.ddp(x), y).backward()
-            self.opt.step()
-            ops, sent = self.per_step
+            self.calls += 1
+            update = self.calls % self.accumulate == 0
+            with contextlib.nullcontext() if update else self.ddp.no_sync():
+                (self.loss_fn(self.ddp(x), y) / self.accumulate).backward()
+            if update:
+                self.opt.step()
+                self.opt.zero_grad()
+            ops, sent = self.per_step if update else (0, 0)
         else:
             self.step(x, y)
             ops, sent = self.payloads[self.step.last_variant]

@@ -32,8 +32,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mode", default="fused_allreduce", help=f"one of {', '.join(MODES)} or a pipeline spec")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--global-batch", type=int, default=128, help="samples per step over all ranks")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=None, help="default: 3e-3 for adam, 0.05 for sgd")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--momentum", type=float, default=0.9, help="for sgd")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--option",
@@ -41,7 +42,8 @@ def parse_args() -> argparse.Namespace:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="mode option, e.g. -O k_steps=4 (local_sgd) or -O local_size=2 (adasum)",
+        help="mode option, e.g. -O k_steps=4 (local_sgd), -O accumulate_steps=4, -O loss_scale=dynamic, "
+        "-O max_grad_norm=1, -O compress=fp16, -O sparsify=0.05, -O freeze_groups=3 (with --optimizer sgd)",
     )
     return parser.parse_args()
 
@@ -68,8 +70,10 @@ def main() -> None:
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
     )
-    make_opt = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
-    optimizer = make_opt(model.parameters(), lr=args.lr)
+    if args.optimizer == "adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr or 3e-3)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr or 0.05, momentum=args.momentum)
     loss_fn = torch.nn.CrossEntropyLoss()
     steps_per_epoch = len(x_train) // args.global_batch
     step = transpile(
@@ -92,10 +96,11 @@ def main() -> None:
         TextColumn("[bold]epoch {task.completed}/{task.total}"),
         BarColumn(),
         TextColumn("loss {task.fields[loss]:.4f}"),
+        TextColumn("{task.fields[metrics]}"),
         TimeElapsedColumn(),
         disable=rank != 0,
     ) as progress:
-        task = progress.add_task("train", total=args.epochs, loss=float("nan"))
+        task = progress.add_task("train", total=args.epochs, loss=float("nan"), metrics="")
         for _ in range(args.epochs):
             order = torch.randperm(len(x_train), generator=generator)
             total = 0.0
@@ -104,7 +109,8 @@ def main() -> None:
                     rank * per_rank : (rank + 1) * per_rank
                 ]
                 total += step(x_train[idx], y_train[idx]).item()
-            progress.update(task, advance=1, loss=total / steps_per_epoch)
+            metrics = " ".join(f"{k} {v:.4g}" for k, v in step.last_metrics.items())  # grad_norm, loss_scale...
+            progress.update(task, advance=1, loss=total / steps_per_epoch, metrics=metrics)
     model.eval()
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()

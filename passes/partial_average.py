@@ -5,7 +5,7 @@ reduction).
 Guarantees: the trainable parameters, in model order, are split into
 ``partitions`` consecutive partitions of near-equal bytes (a parameter goes
 to partition ``floor(partitions * m / total)``, ``m`` the byte offset of its
-middle). After the local update, the parameters of partition ``index`` are
+middle, kept consecutive and no partition left empty). After the local update, the parameters of partition ``index`` are
 sum all-reduced in dtype/size buckets and divided by the world size, as SINGA
 does; every other parameter keeps its local update. The schedule runs index
 ``t mod partitions`` at step ``t``, so a cycle averages every parameter once.
@@ -30,11 +30,20 @@ aten = torch.ops.aten
 
 
 def partition_of(sizes: list[int], partitions: int) -> list[int]:
-    """The partition of each item: consecutive, balanced by size (by the position of each item's middle)."""
-    total = sum(sizes) or 1
-    out, start = [], 0
-    for size in sizes:
-        out.append(min(partitions - 1, int(partitions * (start + size / 2) / total)))
+    """The partition of each item: consecutive, balanced by size, none empty when there are enough items.
+
+    An item's balanced partition is where its middle falls in the cumulative size; it is then held
+    within one step of the previous item's and early enough that every later partition still gets one.
+    """
+    total, n = sum(sizes) or 1, len(sizes)
+    out: list[int] = []
+    start = 0
+    for i, size in enumerate(sizes):
+        balanced = int(partitions * (start + size / 2) / total)
+        previous = out[-1] if out else 0
+        low = max(previous, partitions - (n - i)) if out else 0
+        high = min(previous + 1, partitions - 1) if out else 0
+        out.append(min(max(balanced, low), high))
         start += size
     return out
 

@@ -28,6 +28,17 @@ def _completion_side(nodes: list[fx.Node]) -> set[fx.Node]:
     return after
 
 
+def _only_between(node: fx.Node, reader: fx.Node, allowed: set[fx.Node]) -> bool:
+    """Whether every node between ``node`` and its later ``reader`` is in ``allowed`` (already sunk there):
+    then moving ``node`` would only reorder that block, and a second run must find nothing to do."""
+    cursor = node.next
+    while cursor is not reader:
+        if cursor not in allowed or cursor.op == "output":
+            return False
+        cursor = cursor.next
+    return True
+
+
 @dataclass(frozen=True)
 class ScheduleCollectives(Pass):
     name = "schedule-collectives"
@@ -50,7 +61,7 @@ class ScheduleCollectives(Pass):
             if node not in completion or not node.users:
                 continue
             first = min(node.users, key=order.__getitem__)
-            if node.next is not first:
+            if not _only_between(node, first, completion):
                 order[node] = (order[first.prev] + order[first]) / 2
                 first.prepend(node)
         return list(graph.nodes) != before

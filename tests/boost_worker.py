@@ -387,6 +387,23 @@ def partial_sync(rank, world) -> dict:
     return {"record": record, "members": members, "names": [n for n, _ in model.named_parameters()]}
 
 
+def allreduce_wrappers(rank, world) -> dict:
+    """``allreduce`` takes the same wrapping options through the same passes: it must equal ``fused_allreduce``
+    with them (bitwise at world size 2: a sum of two values, per gradient or per bucket)."""
+    batches = global_batches(8, world)
+    options = {
+        "accumulate_steps": 2,
+        "loss_scale": "dynamic",
+        "max_grad_norm": 0.3,
+        "freeze_groups": 2,
+        "freeze_type": 0,
+        "freeze_p": 0.5,
+    }
+    ours = run("allreduce", rank, world, batches, **options)
+    fused = run("fused_allreduce", rank, world, batches, **options)
+    return {"ours": ours["params"], "fused": fused["params"], "variants": ours["variants"]}
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -403,6 +420,7 @@ def main() -> None:
         sparsification,
         allgather,
         partial_sync,
+        allreduce_wrappers,
     ):
         result[check.__name__] = check(rank, world)
     for value in result.values():  # step objects do not pickle

@@ -191,3 +191,10 @@ def test_partial_sync_averages_each_partition_once_per_cycle(ranks):
     for rank in ranks:
         for _, ours, reference in rank["partial_sync"]["record"]:
             assert same(ours, reference)
+
+
+def test_allreduce_mode_takes_the_same_wrapping_options(ranks):
+    for rank in ranks:
+        record = rank["allreduce_wrappers"]
+        assert all(same(a, b) for a, b in zip(record["ours"], record["fused"], strict=True))
+        assert "accumulate/freeze0" in record["variants"] and "step/freeze1" in record["variants"]

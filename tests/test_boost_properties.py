@@ -1,0 +1,150 @@
+"""Invariants of the Boost and SINGA passes and schedules, checked with hypothesis."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from passes.freeze_groups import group_bounds
+from passes.partial_average import partition_of
+from transpiler import transpile
+from transpiler.api import rewrite
+from transpiler.modes import build_strategy
+from transpiler.process_group import Placement
+from transpiler.schedules import EveryStep, FreezeSchedule, continuous_freeze_cycle
+from transpiler.tracing import trace_step
+
+SLOW = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+widths_strategy = st.lists(st.integers(1, 12), min_size=2, max_size=4)
+
+
+def mlp(widths, seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+@given(count=st.integers(1, 60), groups=st.integers(1, 60))
+def test_freeze_groups_are_consecutive_near_equal_and_cover(count, groups):
+    if groups > count:
+        return
+    bounds = group_bounds(count, groups)
+    assert bounds[0] == 0 and bounds[-1] == count
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert all(s >= 1 for s in sizes) and max(sizes) - min(sizes) <= 1
+
+
+@given(sizes=st.lists(st.integers(1, 10_000), min_size=1, max_size=40), partitions=st.integers(1, 8))
+def test_partial_sync_partitions_are_consecutive_and_in_range(sizes, partitions):
+    owner = partition_of(sizes, partitions)
+    assert owner[0] == 0 and all(b - a in (0, 1) for a, b in zip(owner, owner[1:]))  # consecutive, in order
+    assert all(0 <= o < partitions for o in owner)
+    if len(sizes) >= partitions:
+        assert set(owner) == set(range(partitions))  # none empty
+
+
+@given(groups=st.integers(2, 10), p=st.floats(0.0, 0.95))
+def test_continuous_cycle_has_the_published_share_of_zeros(groups, p):
+    cycle = continuous_freeze_cycle(groups, p)
+    zeros = cycle.count(0)
+    assert zeros == int(p * (groups - 1) / (1 - p) + 0.5)
+    assert cycle[zeros:] == list(range(1, groups))
+
+
+def interval_indices(groups: int, p: float, seed: int, steps: int) -> list[int]:
+    schedule = FreezeSchedule(EveryStep(), groups, 1, p, seed)
+    out = []
+    for _ in range(steps):
+        variant = schedule.variant()
+        out.append(int(variant.rpartition("freeze")[2]))
+        schedule.observe(variant, {}, 0.1)
+    return out
+
+
+@given(groups=st.integers(2, 8), p=st.floats(0.05, 0.95), seed=st.integers(0, 1000))
+def test_interval_schedule_keeps_the_share_of_unfrozen_steps_at_freeze_p(groups, p, seed):
+    steps = 200
+    indices = interval_indices(groups, p, seed, steps)
+    assert indices[0] == 0 and all(0 <= i < groups for i in indices)
+    # a frozen index is drawn while the frozen share is below 1 - p, so the share of zeros tracks p
+    assert abs(indices.count(0) / steps - p) <= 2 / steps
+    assert indices == interval_indices(groups, p, seed, steps)  # same seed, same sequence on every rank
+
+
+@SLOW
+@given(widths=widths_strategy, ratio=st.floats(0.01, 1.0), seed=st.integers(0, 50))
+def test_topk_sends_exactly_the_largest_entries_and_keeps_the_rest(widths, ratio, seed):
+    model = mlp(widths, seed)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(5, widths[0]), torch.randn(5, widths[-1])
+    step = transpile(model, opt, "fused_allreduce", nn.MSELoss(), (x, y), bucket_cap_mb=1e-9, sparsify=ratio)
+    step(x, y)
+    nn.MSELoss()(twin(x), y).backward()
+    for name, p in twin.named_parameters():  # one gradient per bucket (tiny cap)
+        g = p.grad.reshape(-1)
+        left = step.extra[f"residual.{name}"].reshape(-1)
+        sent = g - left
+        chosen = left == 0
+        k = max(1, math.ceil(ratio * g.numel()))
+        assert torch.equal(torch.where(chosen, sent, left), torch.where(chosen, g, g))  # sent + residual == g
+        assert int(chosen.sum()) >= k  # at least k entries went out (an entry of g that is 0 counts too)
+        if chosen.all():
+            continue
+        assert g[chosen].abs().min() >= g[~chosen].abs().max()  # never a smaller |x| sent over a larger kept
+
+
+@SLOW
+@given(widths=widths_strategy, k=st.integers(1, 4), seed=st.integers(0, 50))
+def test_accumulation_is_eager_micro_batch_accumulation_bitwise(widths, k, seed):
+    model = mlp(widths, seed)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    step = transpile(model, opt, "fused_allreduce", nn.MSELoss(), accumulate_steps=k)
+    for i in range(2 * k):
+        x, y = torch.randn(3, widths[0]), torch.randn(3, widths[-1])
+        step(x, y)
+        (nn.MSELoss()(twin(x), y) / k).backward()
+        if i % k == k - 1:
+            twin_opt.step()
+            twin_opt.zero_grad()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+COMBINATIONS = st.fixed_dictionaries(
+    {
+        "accumulate_steps": st.sampled_from([1, 2, 3]),
+        "loss_scale": st.sampled_from(["off", "dynamic", 8.0]),
+        "max_grad_norm": st.sampled_from([0.0, 1.0]),
+        "freeze_groups": st.sampled_from([0, 2]),
+        "compress": st.sampled_from(["none", "fp16"]),
+    }
+)
+
+
+@SLOW
+@given(widths=widths_strategy, options=COMBINATIONS, world=st.integers(1, 4))
+def test_every_composition_verifies_on_every_rank_and_is_idempotent(widths, options, world):
+    """Each variant passes the verifiers (roles, waits, one reduction per gradient) and the cross-rank check;
+    running its passes again changes nothing."""
+    model = mlp([max(w, 2) for w in widths])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(4, max(widths[0], 2)), torch.randn(4, max(widths[-1], 2)))
+    traced, *_ = trace_step(model, opt, nn.MSELoss(), batch)
+    strategy = build_strategy("fused_allreduce", options)
+    for variant, passes in strategy.variants.items():
+        program = rewrite(traced, passes, Placement(world, 0, "world", False))
+        code = program.graph_module.code
+        for p in passes:
+            assert p.run(program) is False, f"{variant}: {p.name} changed an already rewritten graph"
+        program.recompile()
+        assert program.graph_module.code == code
