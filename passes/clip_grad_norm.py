@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from transpiler.graph_edit import Cursor, position
+from transpiler.graph_edit import Cursor, position, repair_order
 from transpiler.options import option
 from transpiler.pipeline import Pass
 from transpiler.program import Port, StepProgram
@@ -62,4 +62,5 @@ class ClipGradNorm(Pass):
             clipped = cursor.emit(aten.mul.Tensor, (grad, coef), role="optimizer", clip=True)
             retarget_optimizer_input(grad, clipped)
         add_outputs(program, [total], [Port("metric", "grad_norm")])
+        repair_order(program.graph)  # updates placed between reduced gradients now wait for the norm of all
         return True

@@ -9,9 +9,10 @@ as ``fuse-allreduce`` does; per bucket of ``n`` values a rank selects the
 ``threshold > 0``, zeroes the selected values with ``|x| < threshold`` (they
 stay in the residual: a static graph sends a fixed ``k`` per bucket, so
 ``ratio`` is the threshold mode's capacity). The indices (int64) and values
-of every rank are all-gathered (the selections differ per rank, so a sum
-all-reduce cannot combine them) and added into a dense zero buffer in rank
-order: the reduced gradient. The new residual is ``x - sent``, so
+of every rank are all-gathered as one message per rank (the indices as
+int32, then the values' bytes: ``k * (4 + itemsize)`` bytes; the selections
+differ per rank, so a sum all-reduce cannot combine them) and added into a
+dense zero buffer in rank order: the reduced gradient. The new residual is ``x - sent``, so
 ``sent + residual == x`` exactly. ``ratio=1`` sends everything and equals the
 dense sum.
 """
@@ -100,12 +101,24 @@ class SparseAllReduce(Pass):
         zeros = cursor.emit(aten.zeros_like.default, (flat,), **comm)
         sent = cursor.emit(aten.index_copy.default, (zeros, 0, idx, values), **comm)
         left = cursor.emit(aten.sub.Tensor, (flat, sent), **comm)
+        # one message per rank: the indices as int32, then the values' bytes (one collective, not two)
+        dtype, size = values.meta["val"].dtype, values.meta["val"].element_size()
+        small = cursor.emit(aten._to_copy.default, (idx,), {"dtype": torch.int32}, **comm)
+        parts = [cursor.emit(aten.view.dtype, (t, torch.uint8), **comm) for t in (small, values)]
+        message = cursor.emit(aten.cat.default, (parts,), **comm)
         world, group = program.world_size, program.group_name
-        gathered = []
-        for tensor, what in ((idx, "indices"), (values, "values")):
-            info = {"kind": "all_gather", "bucket": index, "grads": names, "part": what, "bytes": node_bytes(tensor)}
-            out = cursor.emit(C10D.all_gather_into_tensor.default, (tensor, world, group), collective=info, **comm)
-            gathered.append(cursor.emit(WAIT, (out,), **comm))
-        dense = cursor.emit(aten.new_zeros.default, (gathered[1], [n]), **comm)
-        dense = cursor.emit(aten.index_add.default, (dense, 0, gathered[0], gathered[1]), **comm)
+        info = {"kind": "all_gather", "bucket": index, "grads": names, "k": k, "bytes": k * (4 + size)}
+        out = cursor.emit(C10D.all_gather_into_tensor.default, (message, world, group), collective=info, **comm)
+        rows = cursor.emit(aten.view.default, (cursor.emit(WAIT, (out,), **comm), [world, k * (4 + size)]), **comm)
+        columns = {"indices": (0, 4 * k, torch.int32), "values": (4 * k, k * (4 + size), dtype)}
+        got = {}
+        for what, (start, end, kind) in columns.items():
+            piece = cursor.emit(aten.slice.Tensor, (rows, 1, start, end), **comm)
+            piece = cursor.emit(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}, **comm)
+            got[what] = cursor.emit(
+                aten.view.default, (cursor.emit(aten.view.dtype, (piece, kind), **comm), [-1]), **comm
+            )
+        where = cursor.emit(aten._to_copy.default, (got["indices"],), {"dtype": torch.int64}, **comm)
+        dense = cursor.emit(aten.new_zeros.default, (got["values"], [n]), **comm)
+        dense = cursor.emit(aten.index_add.default, (dense, 0, where, got["values"]), **comm)
         return unflatten(cursor, dense, nodes, comm), unflatten(cursor, left, nodes, comm)

@@ -280,7 +280,7 @@ def sparsification(rank, world) -> dict:
     opt = sgd(model, momentum=0.0)
     step = transpile(model, opt, "fused_allreduce", LOSS, shard(batches[0], rank), sparsify=ratio)
     twin = base_model()
-    order = [n.meta["collective"] for n in step.program.graph.nodes if n.meta.get("collective", {}).get("part")]
+    order = [n.meta["collective"] for n in step.program.graph.nodes if n.meta.get("collective", {}).get("k")]
     names = list(order[0]["grads"])
     residual = {n: torch.zeros_like(p) for n, p in twin.named_parameters()}
     record = []
@@ -322,7 +322,7 @@ def sparsification(rank, world) -> dict:
             }
         )
     topk = [n.args[1] for n in step.program.graph.nodes if n.target is torch.ops.aten.topk.default]
-    sizes = [sum(model.get_parameter(n).numel() for n in c["grads"]) for c in order[::2]]
+    sizes = [sum(model.get_parameter(n).numel() for n in c["grads"]) for c in order]
     one = run("fused_allreduce", rank, world, batches, sparsify=1.0)["params"]
     dense_run = run("fused_allreduce", rank, world, batches)["params"]
     return {

@@ -19,7 +19,7 @@ from transpiler.process_group import Placement
 from transpiler.schedules import EveryStep, FreezeSchedule, continuous_freeze_cycle
 from transpiler.tracing import trace_step
 
-SLOW = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 widths_strategy = st.lists(st.integers(1, 12), min_size=2, max_size=4)
 
 
@@ -132,15 +132,22 @@ COMBINATIONS = st.fixed_dictionaries(
 
 
 @SLOW
-@given(widths=widths_strategy, options=COMBINATIONS, world=st.integers(1, 4))
-def test_every_composition_verifies_on_every_rank_and_is_idempotent(widths, options, world):
+@given(
+    widths=widths_strategy,
+    options=COMBINATIONS,
+    world=st.integers(1, 4),
+    mode=st.sampled_from(["allreduce", "fused_allreduce"]),
+)
+def test_every_composition_verifies_on_every_rank_and_is_idempotent(widths, options, world, mode):
     """Each variant passes the verifiers (roles, waits, one reduction per gradient) and the cross-rank check;
     running its passes again changes nothing."""
     model = mlp([max(w, 2) for w in widths])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = (torch.randn(4, max(widths[0], 2)), torch.randn(4, max(widths[-1], 2)))
     traced, *_ = trace_step(model, opt, nn.MSELoss(), batch)
-    strategy = build_strategy("fused_allreduce", options)
+    if mode == "allreduce":
+        options = {k: v for k, v in options.items() if k != "compress"}
+    strategy = build_strategy(mode, options)
     for variant, passes in strategy.variants.items():
         program = rewrite(traced, passes, Placement(world, 0, "world", False))
         code = program.graph_module.code
