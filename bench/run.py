@@ -20,12 +20,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench import pass_time  # noqa: E402
+from bench.step_time import ROUNDS, STEPS, WARMUP  # noqa: E402
 
 COMMAND = "python bench/run.py"
 COUNTERPARTS = {  # a transpiled variant and the DDP configuration that does the same thing
     "fused accumulate_steps=4": "ddp no_sync k=4",
     "fused compress=fp16": "ddp fp16 hook",
-    "fused compress=bf16": "ddp bf16 hook",
 }
 
 
@@ -54,7 +54,8 @@ def render(steps: dict, passes: list[dict]) -> str:
         "",
         f"Produced by `{COMMAND}` on {platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}, "
         "gloo over loopback, 2 processes with one thread each, SGD with momentum. Step times are medians over "
-        "rounds that interleave the variants (each round: 3 warm-up steps, then 10 timed steps); the ratio is to "
+        f"{ROUNDS} rounds that interleave the variants (each round: {WARMUP} warm-up steps, then {STEPS} timed steps); "
+        "the ratio is to "
         "DDP in the same run (below 1 is faster). Two single-threaded ranks share two cores, so rounds vary by "
         "about ±10%: read ratios within 0.9–1.1 as parity.",
         "",

@@ -131,6 +131,24 @@ COMBINATIONS = st.fixed_dictionaries(
 )
 
 
+def rewritten_variants(widths, mode, options, world, make_opt=torch.optim.SGD):
+    """Every variant of the strategy, rewritten for rank 0 (verifiers and cross-rank check on), after checking
+    that running its passes again changes nothing."""
+    model = mlp([max(w, 2) for w in widths])
+    batch = (torch.randn(4, max(widths[0], 2)), torch.randn(4, max(widths[-1], 2)))
+    traced, *_ = trace_step(model, make_opt(model.parameters(), lr=0.1), nn.MSELoss(), batch)
+    programs = {}
+    for variant, passes in build_strategy(mode, options).variants.items():
+        program = rewrite(traced, passes, Placement(world, 0, "world", False))
+        code = program.graph_module.code
+        for p in passes:
+            assert p.run(program) is False, f"{variant}: {p.name} changed an already rewritten graph"
+        program.recompile()
+        assert program.graph_module.code == code
+        programs[variant] = program
+    return programs
+
+
 @SLOW
 @given(
     widths=widths_strategy,
@@ -141,17 +159,24 @@ COMBINATIONS = st.fixed_dictionaries(
 def test_every_composition_verifies_on_every_rank_and_is_idempotent(widths, options, world, mode):
     """Each variant passes the verifiers (roles, waits, one reduction per gradient) and the cross-rank check;
     running its passes again changes nothing."""
-    model = mlp([max(w, 2) for w in widths])
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    batch = (torch.randn(4, max(widths[0], 2)), torch.randn(4, max(widths[-1], 2)))
-    traced, *_ = trace_step(model, opt, nn.MSELoss(), batch)
     if mode == "allreduce":
         options = {k: v for k, v in options.items() if k != "compress"}
-    strategy = build_strategy(mode, options)
-    for variant, passes in strategy.variants.items():
-        program = rewrite(traced, passes, Placement(world, 0, "world", False))
-        code = program.graph_module.code
-        for p in passes:
-            assert p.run(program) is False, f"{variant}: {p.name} changed an already rewritten graph"
-        program.recompile()
-        assert program.graph_module.code == code
+    assert rewritten_variants(widths, mode, options, world)
+
+
+@SLOW
+@given(
+    widths=widths_strategy,
+    world=st.integers(1, 4),
+    mode=st.sampled_from(["allgather", "partial_sync"]),
+    adam=st.booleans(),
+)
+def test_allgather_and_partial_sync_verify_agree_across_ranks_and_are_idempotent(widths, world, mode, adam):
+    """Every rank issues the same collectives (the cross-rank check inside ``rewrite``); a second run of the
+    passes changes nothing; all-gather copies the update once per other rank."""
+    options = {"partitions": 1} if mode == "partial_sync" else {}
+    make = torch.optim.Adam if adam else torch.optim.SGD
+    for program in rewritten_variants(widths, mode, options, world, make).values():
+        if mode == "allgather":
+            copies = {n.meta.get("copy", 0) for n in program.graph.nodes if n.meta.get("role") == "optimizer"}
+            assert copies == set(range(world))
