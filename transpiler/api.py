@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,11 +14,13 @@ from .collectives import communication_plan
 from .errors import ConfigurationError
 from .handshake import Setup, describe_model, describe_optimizer
 from .modes import build_strategy
+from .options import parse_options
 from .pipeline import Pipeline
 from .process_group import Placement, as_timeout, resolve_placement, subgroup_names
 from .program import StepProgram
 from .runtime import Built, DistributedStep
 from .tracing import LossFn, trace_step
+from .trajectory import TRAJECTORY_OPTIONS, TrajectoryWriter
 from .verify import DEFAULT_VERIFIERS, check_communication, check_cross_rank
 
 log = logging.getLogger("transpiler")
@@ -50,7 +53,9 @@ def transpile(
     ``timeout`` (seconds or a timedelta) bounds every collective of the step
     and the startup handshake; by default the default group's timeout (torch's
     default is 30 minutes). ``max_cached_programs`` bounds the programs kept
-    for different batch shapes and model modes.
+    for different batch shapes and model modes. ``save_trajectory=DIR`` and
+    ``trajectory_every=m`` (any mode) make rank 0 save the flattened weights
+    every m updates, for ``transpiler pca`` (see ``transpiler/trajectory.py``).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -58,9 +63,17 @@ def transpile(
         raise ConfigurationError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
     if isinstance(max_cached_programs, bool) or not isinstance(max_cached_programs, int) or max_cached_programs < 1:
         raise ConfigurationError(f"max_cached_programs must be an int >= 1, got {max_cached_programs!r}.")
+    saving = parse_options(
+        TRAJECTORY_OPTIONS, {k: options.pop(k) for k in list(options) if k in TRAJECTORY_OPTIONS}, "transpile()"
+    )
+    if "trajectory_every" in saving and not saving.get("save_trajectory"):
+        raise ConfigurationError("trajectory_every only applies with save_trajectory=DIR; give both or neither.")
     strategy = build_strategy(mode, options)
     strategy.check_optimizer(optimizer)
     placement = resolve_placement(world_size, rank, as_timeout(timeout))
+    observers = []
+    if saving.get("save_trajectory") and placement.rank == 0:
+        observers.append(TrajectoryWriter(Path(saving["save_trajectory"]), saving.get("trajectory_every", 1)))
     subgroups = subgroup_names(placement, strategy.groups(placement.world_size))
     specs = {variant: ",".join(p.spec() for p in passes) for variant, passes in strategy.variants.items()}
     schedule = strategy.schedule()
@@ -94,6 +107,7 @@ def transpile(
         schedule,
         mode_specs=specs,
         max_cached_programs=max_cached_programs,
+        observers=observers,
     )
     if example_inputs is not None:
         step.prepare(tuple(example_inputs))

@@ -8,6 +8,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import torch
+
 from passes import PASSES
 
 from .api import transpile
@@ -17,6 +19,7 @@ from .options import key_values
 from .pipeline import format_value
 from .program import StepProgram
 from .render import to_dot, to_json, to_svg, unified_diff
+from .trajectory import compute_basis
 
 
 def load_factory(spec: str) -> tuple:
@@ -130,6 +133,23 @@ def cmd_modes(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pca(args: argparse.Namespace) -> int:
+    basis = compute_basis(Path(args.trajectory), args.components)
+    ratios = basis["explained_variance_ratio"]
+    print(
+        f"{len(basis['steps'])} snapshots (steps {basis['steps'][0]}..{basis['steps'][-1]}), "
+        f"{basis['pca_mat'].shape[1]} weights, {len(ratios)} components"
+    )
+    cumulative = 0.0
+    for i, ratio in enumerate(ratios.tolist()):
+        cumulative += ratio
+        print(f"  component {i + 1:3d}: explained variance {ratio:.4f} (cumulative {cumulative:.4f})")
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(basis, args.output)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="transpiler",
@@ -163,6 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--no-verify", action="store_true", help="skip the verifiers between passes")
     dump.add_argument("-o", "--output", help="write here instead of stdout")
     dump.set_defaults(func=cmd_dump)
+    pca = sub.add_parser(
+        "pca",
+        help="principal directions of a saved weight trajectory (DimReduce's basis)",
+        description="Centre the snapshots that transpile(..., save_trajectory=DIR) wrote and save the top "
+        "principal directions, with the parameter layout they were built for.",
+    )
+    pca.add_argument("trajectory", metavar="TRAJECTORY_DIR")
+    pca.add_argument("--components", "-k", type=int, required=True, help="number of principal directions")
+    pca.add_argument("-o", "--output", default="pca.pt", help="where to write the basis")
+    pca.set_defaults(func=cmd_pca)
     sub.add_parser("passes", help="list the passes").set_defaults(func=cmd_passes)
     sub.add_parser("modes", help="list the modes").set_defaults(func=cmd_modes)
     return parser

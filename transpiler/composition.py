@@ -113,9 +113,7 @@ def compose(recipe: Recipe, values: dict[str, Any]) -> Strategy:
     steps = opts["accumulate_steps"]
     groups = opts["freeze_groups"] if opts["freeze_groups"] > 1 else 0
     scaling = _loss_scale(opts)
-    clip = (
-        ClipGradNorm(max_norm=opts["max_grad_norm"], norm_type=opts["norm_type"]) if opts["max_grad_norm"] else None
-    )
+    clip = ClipGradNorm(max_norm=opts["max_grad_norm"], norm_type=opts["norm_type"]) if opts["max_grad_norm"] else None
 
     def pipeline(variant: str, index: int | None) -> list[Pass]:
         apply = variant != ACCUMULATE

@@ -80,9 +80,7 @@ def _tail() -> list[Pass]:
 
 
 def _allreduce() -> Recipe:
-    return Recipe(
-        {"step": [AllReduceGrads()]}, _prefix(), [ScaleLossGrad()], _tail()
-    )
+    return Recipe({"step": [AllReduceGrads()]}, _prefix(), [ScaleLossGrad()], _tail())
 
 
 def _fused(

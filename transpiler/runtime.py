@@ -120,6 +120,7 @@ class DistributedStep:
         *,
         mode_specs: dict[str, str] | None = None,
         max_cached_programs: int = 8,
+        observers: list[Callable[[torch.nn.Module, str], None]] | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -128,6 +129,7 @@ class DistributedStep:
         self.schedule = schedule if schedule is not None else EveryStep()
         self.mode_specs = dict(mode_specs or {})
         self.max_cached_programs = max_cached_programs
+        self.observers = list(observers or [])  # called after every step with (model, variant): trajectories
         self.extra: dict[str, torch.Tensor] = {}
         self.last_variant: str | None = None
         self.last_metrics: dict[str, float] = {}
@@ -236,6 +238,8 @@ class DistributedStep:
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.schedule.observe(variant, metrics, lr)
         self.last_variant, self.last_metrics = variant, metrics
+        for observe in self.observers:
+            observe(self.model, variant)
         return outputs[0]
 
     def _run(self, gm: torch.fx.GraphModule, inputs: list, label: str) -> tuple:

@@ -1,0 +1,98 @@
+"""Weight trajectories and the PCA basis built from them (the first half of DimReduce, issue 8).
+
+``transpile(..., save_trajectory=DIR, trajectory_every=m)`` makes rank 0 save
+the trainable parameters every ``m`` optimizer updates (accumulation
+micro-steps do not count) as ``DIR/step_<t>.pt``: ``{"step": t, "weights":
+flat float32 vector, "names": [...], "shapes": [...]}``. The layout is fixed
+and documented: every trainable parameter in ``model.named_parameters()``
+order (tied parameters once), each flattened row-major, concatenated.
+``torch.load(path, weights_only=True)`` reads it.
+
+``transpiler pca DIR --components k -o pca.pt`` centres the snapshots and
+takes the top-k right singular vectors of the centred matrix
+(``torch.linalg.svd``), the principal directions, and writes
+``{"pca_mat": k × n, "mean": n, "explained_variance_ratio": k, "names",
+"shapes", "steps"}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ConfigurationError
+from .options import OptionSpec
+from .schedules import ACCUMULATE
+
+TRAJECTORY_OPTIONS = {
+    "save_trajectory": OptionSpec(str, "", help="rank 0 saves the flattened weights into this directory"),
+    "trajectory_every": OptionSpec(int, 1, minimum=1, help="every this many optimizer updates"),
+}
+
+
+def layout(model: torch.nn.Module) -> tuple[list[str], list[list[int]]]:
+    """Names and shapes of the trainable parameters, in the order trajectories and bases flatten them."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [n for n, _ in named], [list(p.shape) for _, p in named]
+
+
+def flat_weights(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters() if p.requires_grad])
+
+
+@dataclass
+class TrajectoryWriter:
+    """Saves the weights every ``every`` updates; only the rank that owns one calls it (rank 0)."""
+
+    directory: Path
+    every: int
+    updates: int = 0
+
+    def __post_init__(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, model: torch.nn.Module, variant: str) -> None:
+        """Called after every step; accumulation micro-steps (variant ``accumulate...``) update nothing."""
+        if variant.startswith(ACCUMULATE):
+            return
+        self.updates += 1
+        if self.updates % self.every:
+            return
+        names, shapes = layout(model)
+        snapshot = {"step": self.updates, "weights": flat_weights(model), "names": names, "shapes": shapes}
+        torch.save(snapshot, self.directory / f"step_{self.updates:08d}.pt")
+
+
+def compute_basis(directory: Path, components: int) -> dict:
+    """The top-``components`` principal directions of the saved snapshots, with their layout."""
+    files = sorted(Path(directory).glob("step_*.pt"))
+    if len(files) < 2:
+        raise ConfigurationError(
+            f"{directory} holds {len(files)} trajectory snapshot(s) (step_*.pt); PCA needs at least 2. Train with "
+            "transpile(..., save_trajectory=DIR, trajectory_every=m) first."
+        )
+    snapshots = [torch.load(f, weights_only=True) for f in files]
+    first = snapshots[0]
+    for f, s in zip(files, snapshots):
+        if s["names"] != first["names"] or s["shapes"] != first["shapes"]:
+            raise ConfigurationError(f"{f.name} was saved from another model than {files[0].name}: layouts differ.")
+    weights = torch.stack([s["weights"].double() for s in snapshots])
+    most = min(weights.shape[0] - 1, weights.shape[1])
+    if not 1 <= components <= most:
+        raise ConfigurationError(
+            f"--components {components}: {len(files)} snapshots of {weights.shape[1]} weights give at most "
+            f"{most} principal directions (centring removes one). Save more snapshots or ask for fewer."
+        )
+    mean = weights.mean(0)
+    _, singular, vh = torch.linalg.svd(weights - mean, full_matrices=False)
+    variance = singular**2
+    return {
+        "pca_mat": vh[:components].float().contiguous(),
+        "mean": mean.float(),
+        "explained_variance_ratio": (variance[:components] / variance.sum()).float(),
+        "names": first["names"],
+        "shapes": first["shapes"],
+        "steps": [s["step"] for s in snapshots],
+    }
