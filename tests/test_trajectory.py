@@ -9,7 +9,7 @@ from torch import nn
 from tests.models import MLP, make_batch
 from transpiler import ConfigurationError, transpile
 from transpiler.cli import main
-from transpiler.trajectory import flat_weights, layout
+from transpiler.trajectory import flat_weights, layout, load_basis
 
 
 def train(tmp_path, steps=8, every=2, **options):
@@ -86,3 +86,14 @@ def test_trajectory_options_are_checked():
         transpile(model, opt, "fused_allreduce", nn.CrossEntropyLoss(), trajectory_every=0, save_trajectory="x")
     with pytest.raises(ConfigurationError, match="only applies with save_trajectory"):
         transpile(model, opt, "fused_allreduce", nn.CrossEntropyLoss(), trajectory_every=3)
+
+
+def test_a_basis_is_checked_against_the_model_it_is_loaded_into(tmp_path):
+    model, _ = train(tmp_path / "traj", steps=4, every=1)
+    assert main(["pca", str(tmp_path / "traj"), "-k", "2", "-o", str(tmp_path / "pca.pt")]) == 0
+    assert load_basis(tmp_path / "pca.pt", model)["pca_mat"].shape[0] == 2
+    other = nn.Sequential(nn.Linear(20, 8), nn.ReLU(), nn.Linear(8, 5))
+    with pytest.raises(ConfigurationError, match="built for another model"):
+        load_basis(tmp_path / "pca.pt", other)
+    with pytest.raises(ConfigurationError, match="no PCA basis"):
+        load_basis(tmp_path / "missing.pt", model)

@@ -96,3 +96,29 @@ def compute_basis(directory: Path, components: int) -> dict:
         "shapes": first["shapes"],
         "steps": [s["step"] for s in snapshots],
     }
+
+
+def load_basis(path: str | Path, model: torch.nn.Module) -> dict:
+    """A basis written by ``transpiler pca``, checked against the model it will be used with."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigurationError(
+            f"no PCA basis at {path}; build one with 'transpiler pca TRAJECTORY_DIR -k K -o {path}'."
+        )
+    basis = torch.load(path, weights_only=True)
+    if not isinstance(basis, dict) or not {"pca_mat", "names", "shapes"} <= set(basis):
+        raise ConfigurationError(f"{path} is not a basis written by 'transpiler pca' (no pca_mat/names/shapes).")
+    names, shapes = layout(model)
+    if (basis["names"], basis["shapes"]) != (names, shapes):
+        mine = dict(zip(names, shapes))
+        theirs = dict(zip(basis["names"], basis["shapes"]))
+        differ = [
+            f"{n}: basis {theirs.get(n)}, model {mine.get(n)}"
+            for n in dict.fromkeys([*theirs, *mine])
+            if theirs.get(n) != mine.get(n)
+        ]
+        raise ConfigurationError(
+            f"{path} was built for another model (its trainable parameters differ: {'; '.join(differ[:4]) or 'order'})."
+            " Save a trajectory of this model and run 'transpiler pca' on it."
+        )
+    return basis
