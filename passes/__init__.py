@@ -8,6 +8,7 @@ from .allgather_grads import AllGatherGrads
 from .allreduce_grads import AllReduceGrads
 from .broadcast_params import BroadcastParams
 from .clip_grad_norm import ClipGradNorm
+from .dim_reduce import DimReduce
 from .freeze_groups import FreezeGroups
 from .fuse_allreduce import FuseAllReduce
 from .local_sgd import LocalSGDAverage
@@ -34,6 +35,7 @@ PASSES: dict[str, type[Pass]] = {
         PartialAverage,
         LossScale,
         ClipGradNorm,
+        DimReduce,
         ScheduleCollectives,
         ReinplaceOptimizer,
     )
@@ -47,6 +49,7 @@ __all__ = [
     "AllReduceGrads",
     "BroadcastParams",
     "ClipGradNorm",
+    "DimReduce",
     "FreezeGroups",
     "FuseAllReduce",
     "LocalSGDAverage",

@@ -28,6 +28,7 @@ from transpiler.program import Port, StepProgram
 from .bucketing import MB, assign_buckets, bucket_cap_option, bucket_key, first_bucket_option, unflatten
 from .gradient_flow import (
     add_input,
+    before_output,
     input_node,
     output_values,
     replace_gradient,
@@ -94,12 +95,7 @@ class AllGatherGrads(Pass):
             slot = input_node(program, port)
             env[slot] = add_input(program, Port("scalar", f"{port.name}@{j}"), slot)
         update = [n for n in program.graph.nodes if n.meta.get("role") == "optimizer" and n.meta.get("copy", 0) == 0]
-        output = program.graph.output_node()
-        for node in update:
-            with program.graph.inserting_before(output):
-                copy = program.graph.node_copy(node, lambda a: env.get(a, a))
-            copy.meta["copy"] = j
-            env[node] = copy
+        before_output(program).copy(update, env, copy=j)
         set_output_values(
             program,
             [

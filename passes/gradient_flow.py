@@ -91,11 +91,11 @@ def set_output_values(program: StepProgram, values: list[fx.Node]) -> None:
     program.graph.output_node().args = (tuple(values),)
 
 
-def scalar_like(program: StepProgram, dtype: torch.dtype) -> torch.Tensor:
-    """A fake 0-d tensor of ``dtype`` in the graph's fake mode, for the value of a new scalar input."""
+def fake_tensor(program: StepProgram, dtype: torch.dtype, shape: tuple[int, ...] = ()) -> torch.Tensor:
+    """A fake tensor in the graph's fake mode (0-d by default), for the value of a new input."""
     val = next(n.meta["val"] for n in program.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
     with val.fake_mode:
-        return torch.empty((), dtype=dtype)
+        return torch.empty(shape, dtype=dtype)
 
 
 def before_output(program: StepProgram) -> Cursor:

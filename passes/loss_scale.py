@@ -36,11 +36,11 @@ from .gradient_flow import (
     add_input,
     add_outputs,
     before_output,
+    fake_tensor,
     input_node,
     optimizer_gradients,
     output_values,
     retarget_optimizer_input,
-    scalar_like,
     scale_seed,
     set_output_values,
 )
@@ -64,7 +64,7 @@ class LossScale(Pass):
     def run(self, program: StepProgram) -> bool:
         if any(p.name == SCALE for p in program.inputs):
             return False
-        scale = add_input(program, Port("extra", SCALE), scalar_like(program, torch.float32))
+        scale = add_input(program, Port("extra", SCALE), fake_tensor(program, torch.float32))
         program.extra_init[SCALE] = ("scalar", f"{self.init_scale!r}:float32")
         scale_seed(program, scale, loss_scale="seed")
         if not self.apply:
@@ -109,7 +109,7 @@ class LossScale(Pass):
         scale = input_node(program, Port("extra", SCALE))
         new, ports = [overflow, scale], [Port("metric", "overflow"), Port("metric", "loss_scale")]
         if self.dynamic:
-            tracker = add_input(program, Port("extra", TRACKER), scalar_like(program, torch.int64))
+            tracker = add_input(program, Port("extra", TRACKER), fake_tensor(program, torch.int64))
             program.extra_init[TRACKER] = ("scalar", "0:int64")
             counted = cursor.emit(aten.add.Tensor, (tracker, 1), role="optimizer")
             grow = cursor.emit(aten.ge.Scalar, (counted, self.growth_interval), role="optimizer")

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from passes.adasum import AdaSumGeometry, adasum_vector  # noqa: E402
+from tests.distributed import leave  # noqa: E402
 from tests.models import MLP, make_batch  # noqa: E402
 from transpiler import transpile  # noqa: E402
 from transpiler.process_group import resolve_placement, subgroup_names  # noqa: E402
@@ -103,7 +104,7 @@ def main() -> None:
     if world <= 4:
         result["train"] = {mode: train(mode, rank) for mode in ("adasum", "adasum_delta")}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

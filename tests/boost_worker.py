@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.distributed import leave  # noqa: E402
 from tests.models import MLP, make_batch  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
@@ -427,7 +428,7 @@ def main() -> None:
         if isinstance(value, dict):
             value.pop("step", None)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

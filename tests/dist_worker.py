@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tests.distributed import leave  # noqa: E402
 from tests.models import make_batch, make_model, make_optimizer  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
@@ -102,7 +103,7 @@ def main() -> None:
         model_name, opt_name, mode = scenario.split(",")
         results[scenario] = run_scenario(model_name, opt_name, mode, rank, world)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.distributed import leave  # noqa: E402
 from tests.models import MLP, make_batch  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
@@ -134,7 +135,7 @@ def main() -> None:
         "averaged_state": averaged_state(rank, world),
     }
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

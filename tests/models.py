@@ -136,3 +136,9 @@ def tiny_factory():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return model, optimizer, nn.CrossEntropyLoss(), (torch.randn(6, 4), torch.randint(0, 3, (6,)))
+
+
+def plain_sgd_factory():
+    """FACTORY for ``transpiler dump --mode dim_reduce``: DimReduce's plain SGD with lr=1, as Boost uses."""
+    model, _, loss_fn, batch = tiny_factory()
+    return model, torch.optim.SGD(model.parameters(), lr=1.0), loss_fn, batch

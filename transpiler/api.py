@@ -95,6 +95,7 @@ def transpile(
             communication={v: communication_plan(p.graph) for v, p in programs.items()},
             groups={name: ranks for ranks, name in subgroups.items()}
             | {placement.group_name: tuple(range(placement.world_size))},
+            sources={name: digest for p in programs.values() for name, digest in p.sources.items()},
         )
         return Built(programs, state, plan, setup)
 

@@ -51,6 +51,7 @@ class Recipe:
     tail: list[Pass] = field(default_factory=list)  # after everything (reinplace-optimizer)
     schedule: Callable[[], Any] = EveryStep
     groups: Callable[[int], list[tuple[int, ...]]] = lambda world: []
+    check_optimizer: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None
 
 
 _scale = field_options(LossScale)
@@ -145,7 +146,12 @@ def compose(recipe: Recipe, values: dict[str, Any]) -> Strategy:
             inner = FreezeSchedule(inner, groups, opts["freeze_type"], opts["freeze_p"], opts["freeze_seed"])
         return inner
 
-    return Strategy(variants, schedule, recipe.groups, _freeze_check if groups else Strategy.check_optimizer)
+    def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+        recipe.check_optimizer(optimizer)
+        if groups:
+            _freeze_check(optimizer)
+
+    return Strategy(variants, schedule, recipe.groups, check_optimizer)
 
 
 def _fields(p: Pass) -> dict[str, Any]:

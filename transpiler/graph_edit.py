@@ -21,12 +21,16 @@ def fake_value(node: fx.Node) -> Any:
     return node.meta.get("val")
 
 
-def _fake_call(target: Callable, args: tuple, kwargs: dict) -> Any:
-    """The node's value on fake tensors: no real computation, just shapes, dtypes and devices."""
+def _fake_call(graph: fx.Graph, target: Callable, args: tuple, kwargs: dict) -> Any:
+    """The node's value on fake tensors: no real computation, just shapes, dtypes and devices.
+
+    A factory op (``eye``, ``scalar_tensor``) has no tensor input; it runs in the graph's fake mode."""
     vals = fx.node.map_arg((args, kwargs), lambda n: n.meta.get("val"))
     if target is operator.getitem:  # one item of a multi-output value: index it, do not rescan it
         return vals[0][0][vals[0][1]]
     mode = next((v.fake_mode for v in torch.utils._pytree.tree_iter(vals) if isinstance(v, FakeTensor)), None)
+    if mode is None and not any(isinstance(a, fx.Node) for a in torch.utils._pytree.tree_iter((args, kwargs))):
+        mode = next((n.meta["val"].fake_mode for n in graph.nodes if isinstance(n.meta.get("val"), FakeTensor)), None)
     if mode is None:
         return None
     with mode:
@@ -37,7 +41,7 @@ def emit(graph: fx.Graph, target: Callable, args: tuple, kwargs: dict | None = N
     """Create a call_function node at the graph's current insert point, with fake value and meta."""
     kwargs = kwargs or {}
     node = graph.call_function(target, args, kwargs)
-    node.meta["val"] = _fake_call(target, args, kwargs)
+    node.meta["val"] = _fake_call(graph, target, args, kwargs)
     node.meta.update(meta)
     return node
 
@@ -60,6 +64,18 @@ class Cursor:
             node = emit(self.graph, target, args, kwargs, **meta)
         self.anchor = node
         return node
+
+    def copy(self, nodes: list[fx.Node], env: dict[fx.Node, Any], prefix: str = "", **meta: Any) -> dict:
+        """Copy ``nodes`` (in order) here, each reading ``env[x]`` for an input ``x`` found there; returns
+        ``env`` with every copy under its original. ``prefix`` starts the copies' names (``trial0_mm``)."""
+        for node in nodes:
+            with self.graph.inserting_after(self.anchor):
+                copy = self.graph.node_copy(node, lambda a: env.get(a, a))
+            if prefix:
+                copy.name = self.graph._graph_namespace.create_name(f"{prefix}{node.name}", None)
+            copy.meta.update(meta)
+            env[node] = self.anchor = copy
+        return env
 
 
 def node_bytes(node: fx.Node) -> int:

@@ -4,7 +4,8 @@ The static cross-rank check builds every rank's program in one process, so it
 cannot see ranks that were started with other settings or another model.
 Here each rank publishes a :class:`Setup` (mode and options per program
 variant, schedule settings, parameters, buffers, module modes, optimizer,
-batch structure and its communication plan) through torch.distributed's
+batch structure, its communication plan and the digests of
+data files baked into the programs) through torch.distributed's
 store, reads every other rank's, and compares them. All ranks read the same
 data, so on a difference every rank raises the same :class:`RankMismatchError`,
 naming what differs and on which ranks, before any collective could hang or
@@ -44,6 +45,7 @@ class Setup:
     batch: tuple[str, ...]  # dtypes of the batch's tensors (shapes may differ: an uneven last batch)
     communication: dict[str, list[CommOp]]  # per variant; compared by simulating the plans against each other
     groups: dict[str, tuple[int, ...]]  # process-group name -> ranks
+    sources: dict[str, str] = field(default_factory=dict)  # data files the programs embed -> SHA-256 (a PCA basis)
 
     def comparable(self) -> dict[str, Any]:
         """The fields compared value by value (all but the communication plans)."""

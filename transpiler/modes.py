@@ -6,11 +6,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from passes import PASSES
 from passes.adasum import AdaSum, AdaSumGeometry
 from passes.allgather_grads import AllGatherGrads
 from passes.allreduce_grads import AllReduceGrads
 from passes.broadcast_params import BroadcastParams
+from passes.dim_reduce import DimReduce
 from passes.fuse_allreduce import FuseAllReduce
 from passes.local_sgd import LocalSGDAverage
 from passes.partial_average import PartialAverage
@@ -34,6 +37,7 @@ from .errors import ConfigurationError
 from .options import OptionSpec, field_options, parse_options
 from .pipeline import Pass, parse_spec
 from .schedules import LocalSGDSchedule, RoundRobinSchedule
+from .trajectory import read_basis
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,46 @@ def _partial_sync(partitions: int, bucket_cap_mb: float, first_bucket_mb: float)
     )
 
 
+def _dim_reduce(
+    pca_path: str,
+    n_components: int,
+    rho: float,
+    gamma: float,
+    alpha: float,
+    sigma: float,
+    bucket_cap_mb: float,
+    first_bucket_mb: float,
+) -> Recipe:
+    if not pca_path:
+        raise ConfigurationError(
+            "mode 'dim_reduce' needs pca_path=FILE: save a trajectory (save_trajectory=DIR) in an ordinary run, "
+            "then 'transpiler pca DIR -k K -o FILE'. See docs/strategies/dim_reduce.md."
+        )
+    components = read_basis(pca_path)["pca_mat"].shape[0]  # a missing or foreign file fails at transpile()
+    if n_components > components:
+        raise ConfigurationError(f"n_components={n_components}, but {pca_path} holds {components} components.")
+    reduce = FuseAllReduce(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
+    step = DimReduce(pca_path=pca_path, n_components=n_components, rho=rho, gamma=gamma, alpha=alpha, sigma=sigma)
+    return Recipe({"step": [reduce, step]}, _prefix(), [ScaleLossGrad()], _tail(), check_optimizer=_plain_sgd)
+
+
+def _plain_sgd(optimizer) -> None:
+    """DimReduce's update is Boost's ``SGD(learning_rate=1)``: the user's SGD without momentum or decay."""
+    bad = [
+        f"group {i}: {key}={group.get(key)!r}"
+        for i, group in enumerate(optimizer.param_groups)
+        for key in ("momentum", "weight_decay", "nesterov", "maximize")
+        if group.get(key)
+    ]
+    if type(optimizer) is not torch.optim.SGD or bad:
+        got = type(optimizer).__name__ + (f" with {', '.join(bad)}" if bad else "")
+        raise ConfigurationError(
+            f"mode 'dim_reduce' applies its own update through plain SGD, as MindSpore Boost swaps in "
+            f"SGD(learning_rate=1); got {got}. Use torch.optim.SGD(params, lr=1.0) (lr scales every step DimReduce "
+            "takes, trials included; momentum and weight decay would act on the line-search trials)."
+        )
+
+
 BUCKET_OPTIONS = {name: field_options(FuseAllReduce)[name] for name in ("bucket_cap_mb", "first_bucket_mb")}
 COMPRESS = {"compress": field_options(FuseAllReduce)["compress"]}
 SPARSIFY = {
@@ -208,6 +252,12 @@ MODES: dict[str, Mode] = {
             "Paddle MultiThread all-gather: gather every rank's gradients, apply the optimizer once per gradient",
             _allgather,
             BUCKET_OPTIONS,
+        ),
+        Mode(
+            "dim_reduce",
+            "MindSpore Boost DimReduce: averaged gradients, BFGS step in a PCA subspace with line search",
+            _dim_reduce,
+            {**field_options(DimReduce), **BUCKET_OPTIONS},
         ),
         Mode(
             "partial_sync",

@@ -39,6 +39,7 @@ class StepProgram:
     history: list[tuple[str, str]] = field(default_factory=list)
     extra_init: dict[str, tuple[str, str]] = field(default_factory=dict)  # extra input -> (rule, source)
     subgroups: dict[tuple[int, ...], str] = field(default_factory=dict)  # ranks -> process-group name
+    sources: dict[str, str] = field(default_factory=dict)  # data files baked into the graph -> content digest
 
     @property
     def graph(self) -> fx.Graph:
@@ -69,4 +70,5 @@ class StepProgram:
             list(self.history),
             dict(self.extra_init),
             dict(self.subgroups),
+            dict(self.sources),
         )

@@ -75,15 +75,22 @@ def initial_extra(rule: str, source: str, params: dict[str, torch.nn.Parameter])
     """The first value of pass-added state, by the rule its pass declared in ``program.extra_init``.
 
     ``copy_param``: a copy of parameter ``source`` (LocalSGD snapshots); ``zeros_like_param``: zeros shaped
-    as it (accumulators, residuals); ``scalar``: a 0-d tensor from ``"<value>:<dtype>"`` (loss scale).
+    as it (accumulators, residuals); ``scalar``: a 0-d tensor from ``"<value>:<dtype>"`` (loss scale);
+    ``zeros``: float32 zeros of shape ``"d0,d1,..."``; ``eye``: the float32 identity of size ``source``
+    (DimReduce's curvature state). New tensors go where the parameters are.
     """
     if rule == "copy_param":
         return params[source].detach().clone()
     if rule == "zeros_like_param":
         return torch.zeros_like(params[source].detach())
+    device = next(iter(params.values())).device
     if rule == "scalar":
         value, _, dtype = source.partition(":")
-        return torch.tensor(float(value), dtype=getattr(torch, dtype))
+        return torch.tensor(float(value), dtype=getattr(torch, dtype), device=device)
+    if rule == "zeros":
+        return torch.zeros([int(d) for d in source.split(",")], dtype=torch.float32, device=device)
+    if rule == "eye":
+        return torch.eye(int(source), dtype=torch.float32, device=device)
     raise ConfigurationError(f"unknown initialisation rule '{rule}' for extra state.")
 
 

@@ -17,6 +17,9 @@ takes the top-k right singular vectors of the centred matrix
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,25 +103,48 @@ def compute_basis(directory: Path, components: int) -> dict:
 
 def load_basis(path: str | Path, model: torch.nn.Module) -> dict:
     """A basis written by ``transpiler pca``, checked against the model it will be used with."""
+    basis = read_basis(path)
+    check_layout(basis, *layout(model), path)
+    return basis
+
+
+def read_basis(path: str | Path) -> dict:
+    """A basis written by ``transpiler pca``, with ``digest`` (SHA-256 of the file: ranks compare it).
+
+    Cached by path, size and modification time: every rank's program and every variant reads it."""
     path = Path(path)
     if not path.is_file():
         raise ConfigurationError(
             f"no PCA basis at {path}; build one with 'transpiler pca TRAJECTORY_DIR -k K -o {path}'."
         )
-    basis = torch.load(path, weights_only=True)
+    stat = path.stat()
+    return _read_basis(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_basis(path: str, size: int, mtime_ns: int) -> dict:
+    data = Path(path).read_bytes()
+    try:
+        basis = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # pickle, zip and weights-only errors all mean "not ours"
+        raise ConfigurationError(f"{path} is not a basis written by 'transpiler pca' ({type(exc).__name__}).") from None
     if not isinstance(basis, dict) or not {"pca_mat", "names", "shapes"} <= set(basis):
         raise ConfigurationError(f"{path} is not a basis written by 'transpiler pca' (no pca_mat/names/shapes).")
-    names, shapes = layout(model)
-    if (basis["names"], basis["shapes"]) != (names, shapes):
-        mine = dict(zip(names, shapes))
-        theirs = dict(zip(basis["names"], basis["shapes"]))
-        differ = [
-            f"{n}: basis {theirs.get(n)}, model {mine.get(n)}"
-            for n in dict.fromkeys([*theirs, *mine])
-            if theirs.get(n) != mine.get(n)
-        ]
-        raise ConfigurationError(
-            f"{path} was built for another model (its trainable parameters differ: {'; '.join(differ[:4]) or 'order'})."
-            " Save a trajectory of this model and run 'transpiler pca' on it."
-        )
-    return basis
+    return basis | {"digest": hashlib.sha256(data).hexdigest()}
+
+
+def check_layout(basis: dict, names: list[str], shapes: list[list[int]], path: str | Path) -> None:
+    """The basis was built for trainable parameters with these names and shapes, in this order."""
+    if (basis["names"], basis["shapes"]) == (names, shapes):
+        return
+    mine = dict(zip(names, shapes))
+    theirs = dict(zip(basis["names"], basis["shapes"]))
+    differ = [
+        f"{n}: basis {theirs.get(n)}, model {mine.get(n)}"
+        for n in dict.fromkeys([*theirs, *mine])
+        if theirs.get(n) != mine.get(n)
+    ]
+    raise ConfigurationError(
+        f"{path} was built for another model (its trainable parameters differ: {'; '.join(differ[:4]) or 'order'})."
+        " Save a trajectory of this model and run 'transpiler pca' on it."
+    )
