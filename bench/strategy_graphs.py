@@ -3,19 +3,29 @@
     python bench/strategy_graphs.py
 
 Each file is ``transpiler dump tests/models.py:tiny_factory --mode MODE -O ... --variant V --diff`` at
-world size 2: the traced step against the rewritten one, as the strategy pages quote it.
+world size 2: the traced step against the rewritten one, as the strategy pages quote it. DimReduce uses
+``plain_sgd_factory`` (its plain SGD) and a random 3-row basis for that model (``BASIS``), so that world
+size 2 pads one row.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import sys
+import tempfile
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from tests.models import plain_sgd_factory  # noqa: E402
 from transpiler.cli import main  # noqa: E402
+from transpiler.trajectory import layout  # noqa: E402
+
+BASIS = "{basis}"  # replaced by a basis file written for the run
 
 GRAPHS = {
     "accumulation": ("fused_allreduce", ["accumulate_steps=2"], ["accumulate", "step"]),
@@ -26,11 +36,25 @@ GRAPHS = {
     "sparsification": ("fused_allreduce", ["sparsify=0.1"], ["step"]),
     "allgather": ("allgather", [], ["step"]),
     "partial_sync": ("partial_sync", [], ["sync0"]),
+    "dim_reduce": ("dim_reduce", [f"pca_path={BASIS}"], ["step"]),
 }
 
 
+def factory(mode: str) -> str:
+    return "tests/models.py:" + ("plain_sgd_factory" if mode == "dim_reduce" else "tiny_factory")
+
+
+def write_basis(folder: Path) -> Path:
+    model, *_ = plain_sgd_factory()
+    names, shapes = layout(model)
+    rows = torch.randn(3, sum(math.prod(s) for s in shapes), generator=torch.Generator().manual_seed(0))
+    path = folder / "basis.pt"
+    torch.save({"pca_mat": rows, "names": names, "shapes": shapes}, path)
+    return path
+
+
 def dump(mode: str, options: list[str], variant: str) -> str:
-    args = ["dump", str(ROOT / "tests/models.py") + ":tiny_factory", "--mode", mode, "--variant", variant, "--diff"]
+    args = ["dump", str(ROOT / factory(mode)), "--mode", mode, "--variant", variant, "--diff"]
     for option in options:
         args += ["-O", option]
     out = io.StringIO()
@@ -43,11 +67,13 @@ def dump(mode: str, options: list[str], variant: str) -> str:
 def write() -> None:
     folder = ROOT / "docs" / "strategies" / "graphs"
     folder.mkdir(parents=True, exist_ok=True)
-    for name, (mode, options, variants) in GRAPHS.items():
+    basis = write_basis(Path(tempfile.mkdtemp()))
+    for name, (mode, written, variants) in GRAPHS.items():
+        options = [o.replace(BASIS, str(basis)) for o in written]
         for variant in variants:
             command = (
-                f"transpiler dump tests/models.py:tiny_factory --mode {mode} "
-                + " ".join(f"-O {o}" for o in options)
+                f"transpiler dump {factory(mode)} --mode {mode} "
+                + " ".join(f"-O {o}" for o in written)
                 + f" --variant {variant} --diff"
             )
             path = folder / f"{name}.{variant.replace('/', '-')}.diff"

@@ -32,9 +32,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--mode", default="fused_allreduce", help=f"one of {', '.join(MODES)} or a pipeline spec")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--global-batch", type=int, default=128, help="samples per step over all ranks")
-    parser.add_argument("--lr", type=float, default=None, help="default: 3e-3 for adam, 0.05 for sgd")
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    parser.add_argument("--momentum", type=float, default=0.9, help="for sgd")
+    parser.add_argument(
+        "--lr", type=float, default=None, help="default: 3e-3 for adam, 0.05 for sgd (1.0 with --mode dim_reduce)"
+    )
+    parser.add_argument(
+        "--optimizer", choices=("adam", "sgd"), default=None, help="default: adam (sgd with --mode dim_reduce)"
+    )
+    parser.add_argument("--momentum", type=float, default=None, help="for sgd; default 0.9 (0 with dim_reduce)")
+    parser.add_argument("--init", metavar="PATH", help="start from these model weights (a --save-model file)")
+    parser.add_argument("--save-model", metavar="PATH", help="rank 0 saves the trained model's weights here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--option",
@@ -43,7 +49,8 @@ def parse_args() -> argparse.Namespace:
         default=[],
         metavar="KEY=VALUE",
         help="mode option, e.g. -O k_steps=4 (local_sgd), -O accumulate_steps=4, -O loss_scale=dynamic, "
-        "-O max_grad_norm=1, -O compress=fp16, -O sparsify=0.05, -O freeze_groups=3 (with --optimizer sgd)",
+        "-O max_grad_norm=1, -O compress=fp16, -O sparsify=0.05, -O freeze_groups=3 (with --optimizer sgd), "
+        "-O save_trajectory=DIR (any mode), -O pca_path=FILE (dim_reduce)",
     )
     return parser.parse_args()
 
@@ -70,10 +77,9 @@ def main() -> None:
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
     )
-    if args.optimizer == "adam":
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr or 3e-3)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr or 0.05, momentum=args.momentum)
+    if args.init:
+        model.load_state_dict(torch.load(args.init, weights_only=True))
+    optimizer = make_optimizer(model, args)
     loss_fn = torch.nn.CrossEntropyLoss()
     steps_per_epoch = len(x_train) // args.global_batch
     step = transpile(
@@ -116,8 +122,21 @@ def main() -> None:
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
     if rank == 0:
         print(f"trained {args.epochs} epochs in {time.perf_counter() - start:.1f}s; test accuracy {accuracy:.4f}")
+    if rank == 0 and args.save_model:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_model)), exist_ok=True)
+        torch.save(model.state_dict(), args.save_model)
     if world > 1:
         dist.destroy_process_group()
+
+
+def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """Adam by default; DimReduce takes plain SGD with lr 1, as MindSpore Boost swaps in."""
+    dim_reduce = args.mode == "dim_reduce"
+    if (args.optimizer or ("sgd" if dim_reduce else "adam")) == "adam":
+        return torch.optim.Adam(model.parameters(), lr=args.lr or 3e-3)
+    lr = args.lr or (1.0 if dim_reduce else 0.05)
+    momentum = args.momentum if args.momentum is not None else (0.0 if dim_reduce else 0.9)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
 
 
 if __name__ == "__main__":

@@ -135,6 +135,8 @@ def cmd_modes(args: argparse.Namespace) -> int:
 
 def cmd_pca(args: argparse.Namespace) -> int:
     basis = compute_basis(Path(args.trajectory), args.components)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(basis, args.output)  # before the report, so a closed pipe (| head) cannot lose it
     ratios = basis["explained_variance_ratio"]
     print(
         f"{len(basis['steps'])} snapshots (steps {basis['steps'][0]}..{basis['steps'][-1]}), "
@@ -144,8 +146,6 @@ def cmd_pca(args: argparse.Namespace) -> int:
     for i, ratio in enumerate(ratios.tolist()):
         cumulative += ratio
         print(f"  component {i + 1:3d}: explained variance {ratio:.4f} (cumulative {cumulative:.4f})")
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    torch.save(basis, args.output)
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
