@@ -69,7 +69,7 @@ def transpile(
     if "trajectory_every" in saving and not saving.get("save_trajectory"):
         raise ConfigurationError("trajectory_every only applies with save_trajectory=DIR; give both or neither.")
     strategy = build_strategy(mode, options)
-    strategy.check_optimizer(optimizer)
+    strategy.check(optimizer)
     placement = resolve_placement(world_size, rank, as_timeout(timeout))
     observers = []
     if saving.get("save_trajectory") and placement.rank == 0:

@@ -38,7 +38,7 @@ class Strategy:
     variants: dict[str, list[Pass]]
     schedule: Callable[[], Any] = EveryStep
     groups: Callable[[int], list[tuple[int, ...]]] = lambda world: []  # rank subsets to create as process groups
-    check_optimizer: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None
+    check: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None  # at transpile(): optimizer, files
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Recipe:
     tail: list[Pass] = field(default_factory=list)  # after everything (reinplace-optimizer)
     schedule: Callable[[], Any] = EveryStep
     groups: Callable[[int], list[tuple[int, ...]]] = lambda world: []
-    check_optimizer: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None
+    check: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None
 
 
 _scale = field_options(LossScale)
@@ -146,12 +146,12 @@ def compose(recipe: Recipe, values: dict[str, Any]) -> Strategy:
             inner = FreezeSchedule(inner, groups, opts["freeze_type"], opts["freeze_p"], opts["freeze_seed"])
         return inner
 
-    def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-        recipe.check_optimizer(optimizer)
+    def check(optimizer: torch.optim.Optimizer) -> None:
+        recipe.check(optimizer)
         if groups:
             _freeze_check(optimizer)
 
-    return Strategy(variants, schedule, recipe.groups, check_optimizer)
+    return Strategy(variants, schedule, recipe.groups, check)
 
 
 def _fields(p: Pass) -> dict[str, Any]:

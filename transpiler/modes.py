@@ -161,20 +161,25 @@ def _dim_reduce(
     bucket_cap_mb: float,
     first_bucket_mb: float,
 ) -> Recipe:
-    if not pca_path:
-        raise ConfigurationError(
-            "mode 'dim_reduce' needs pca_path=FILE: save a trajectory (save_trajectory=DIR) in an ordinary run, "
-            "then 'transpiler pca DIR -k K -o FILE'. See docs/strategies/dim_reduce.md."
-        )
-    components = read_basis(pca_path)["pca_mat"].shape[0]  # a missing or foreign file fails at transpile()
-    if n_components > components:
-        raise ConfigurationError(f"n_components={n_components}, but {pca_path} holds {components} components.")
     reduce = FuseAllReduce(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
     step = DimReduce(pca_path=pca_path, n_components=n_components, rho=rho, gamma=gamma, alpha=alpha, sigma=sigma)
-    return Recipe({"step": [reduce, step]}, _prefix(), [ScaleLossGrad()], _tail(), check_optimizer=_plain_sgd)
+
+    def check(optimizer: torch.optim.Optimizer) -> None:
+        """At transpile(), before anything is traced: the basis file and the optimizer."""
+        if not pca_path:
+            raise ConfigurationError(
+                "mode 'dim_reduce' needs pca_path=FILE: save a trajectory (save_trajectory=DIR) in an ordinary "
+                "run, then 'transpiler pca DIR -k K -o FILE'. See docs/strategies/dim_reduce.md."
+            )
+        components = read_basis(pca_path)["pca_mat"].shape[0]
+        if n_components > components:
+            raise ConfigurationError(f"n_components={n_components}, but {pca_path} holds {components} components.")
+        _plain_sgd(optimizer)
+
+    return Recipe({"step": [reduce, step]}, _prefix(), [ScaleLossGrad()], _tail(), check=check)
 
 
-def _plain_sgd(optimizer) -> None:
+def _plain_sgd(optimizer: torch.optim.Optimizer) -> None:
     """DimReduce's update is Boost's ``SGD(learning_rate=1)``: the user's SGD without momentum or decay."""
     bad = [
         f"group {i}: {key}={group.get(key)!r}"
