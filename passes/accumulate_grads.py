@@ -29,6 +29,7 @@ from .gradient_flow import (
     before_output,
     gradient_nodes,
     keep_inputs,
+    reads_raw_gradient,
     scale_seed,
 )
 
@@ -55,7 +56,8 @@ class AccumulateGrads(Pass):
             acc = add_input(program, port, grad)
             program.extra_init[port.name] = ("zeros_like_param", name)
             total = Cursor(program.graph, grad).emit(aten.add.Tensor, (acc, grad), role="backward", grad_of=name)
-            grad.replace_all_uses_with(total, delete_user_cb=lambda u, total=total: u is not total)
+            keep = {total} | {u for u in grad.users if reads_raw_gradient(u)}
+            grad.replace_all_uses_with(total, delete_user_cb=lambda u, keep=keep: u not in keep)
             new_ports.append(port)
             new_values.append(total if not self.apply else acc)
         if self.apply:  # the accumulators restart from zero after the update

@@ -67,6 +67,24 @@ CURVATURE_FLOOR = 1e-20  # the seed's epsilon: below it the BFGS pair is skipped
 TRIALS = 2  # rho^0 and rho^1, as the seed searches
 
 
+def _private_inputs(nodes: list[fx.Node]) -> set[fx.Node]:
+    """Inputs a trial forward must read from a copy, because the forward may update them in place: the model's
+    buffers (``native_batch_norm`` updates the running statistics it is given, though its schema does not say
+    so) and any value a schema marks as written (``a!``). Only the step's own forward updates the model."""
+    private = set()
+    for node in nodes:
+        schema = getattr(node.target, "_schema", None)
+        arguments = schema.arguments if schema is not None else []
+        for i, value in enumerate(node.args):
+            if not isinstance(value, fx.Node):
+                continue
+            port = value.meta.get("port")
+            written = i < len(arguments) and arguments[i].alias_info is not None and arguments[i].alias_info.is_write
+            if written or (value.op == "placeholder" and port is not None and port.kind == "buffer"):
+                private.add(value)
+    return private
+
+
 def _f32(value: float) -> float:
     """A Python float rounded to float32, as the seed's float32 constants are."""
     return float(torch.tensor(value, dtype=F32))
@@ -276,6 +294,8 @@ class DimReduceGraph:
             env: dict = {g: self.op(aten.mul.Tensor, dn[g], coefficient) for g in self.grads}
             self.cursor.copy(self.update, env, f"trial{m}_", trial=m)
             weights = {params[name]: env[outputs[Port("param", name)]] for name in params}
+            for value in _private_inputs(forward) - weights.keys():  # BatchNorm's running statistics
+                weights[value] = self.cursor.emit(aten.clone.default, (value,), role="forward", trial=m)
             env = self.cursor.copy(forward, weights, f"trial{m}_", trial=m)
             losses.append(env[loss])
         return losses

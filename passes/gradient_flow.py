@@ -31,9 +31,15 @@ def unreduced_gradients(program: StepProgram) -> list[fx.Node]:
 
 
 def replace_gradient(grad: fx.Node, reduced: fx.Node) -> None:
-    """Every reader of ``grad`` outside the communication that reduces it reads ``reduced`` instead."""
-    grad.replace_all_uses_with(reduced, delete_user_cb=lambda u: u.meta.get("role") != "communication")
+    """Every reader of ``grad`` reads ``reduced`` instead, except the communication that reduces it and another
+    parameter's raw gradient copied from it (equal gradients, see ``tracing._distinct``)."""
+    grad.replace_all_uses_with(reduced, delete_user_cb=lambda u: not reads_raw_gradient(u))
     reduced.meta["reduced_grad_of"] = grad.meta["grad_of"]
+
+
+def reads_raw_gradient(user: fx.Node) -> bool:
+    """The communication reducing a gradient, or another parameter's gradient equal to it, reads it raw."""
+    return user.meta.get("role") == "communication" or "grad_of" in user.meta
 
 
 def optimizer_gradients(program: StepProgram) -> dict[str, fx.Node]:

@@ -121,7 +121,7 @@ def trace_step(
                     f"got {type(loss).__name__} {getattr(loss, 'shape', '')}. Reduce it (mean or sum) in loss_fn."
                 )
             seed = torch.ones_like(loss)
-            grads = torch.autograd.grad(loss, params, seed, allow_unused=True)
+            grads = _distinct(torch.autograd.grad(loss, params, seed, allow_unused=True))
         grad_present[:] = [g is not None for g in grads]
         new_params, new_states = [], []
         for i, (p, g) in enumerate(zip(params, grads)):
@@ -169,6 +169,21 @@ def trace_step(
     used = [n for n, ok in zip(state.names, grad_present) if ok]
     program = _finish(functional, ports, plan, n_model_out[0], used)
     return program, state, plan
+
+
+def _distinct(grads: tuple) -> list:
+    """One tensor per parameter's gradient. Autograd hands the same tensor to parameters whose gradients are
+    equal (an LSTM's ``bias_ih`` and ``bias_hh``); a copy for each repeat gives every parameter its own
+    gradient node, so passes that treat gradients one by one (``grad_of``) see all of them."""
+    seen: set[int] = set()
+    out = []
+    for g in grads:
+        if g is not None and id(g) in seen:
+            g = g.clone()
+        elif g is not None:
+            seen.add(id(g))
+        out.append(g)
+    return out
 
 
 def _explain_trace_failure(exc: Exception) -> Exception:
