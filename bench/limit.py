@@ -38,6 +38,7 @@ from transpiler import transpile  # noqa: E402
 COMMAND = "python bench/limit.py"
 WARMUP, STEPS, ROUNDS = 3, 10, 6
 PROFILED_STEPS = 10
+PROFILED = ("fused_allreduce", "fused, one bucket")  # compiled kernels are not aten ops: not split here
 COPY_OPS = ("aten::cat", "aten::split_with_sizes", "aten::copy_", "aten::_to_copy")
 WAIT_OPS = ("_c10d_functional::wait_tensor",)
 
@@ -67,6 +68,7 @@ WORKLOADS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], 
 FUSED = {
     "fused_allreduce": {},
     "fused, one bucket": {"bucket_cap_mb": 1000.0, "first_bucket_mb": 1000.0},
+    "fused, compile=True": {"compile": True},
 }
 
 
@@ -77,8 +79,9 @@ class Step:
         self.label, self.batch = label, batch
         model = copy.deepcopy(base)
         self.loss_fn = nn.CrossEntropyLoss()
-        if label == "ddp":
+        if label in ("ddp", "ddp, torch.compile"):
             self.ddp = DDP(model)
+            self.forward = torch.compile(self.ddp) if label != "ddp" else self.ddp
             self.opt = torch.optim.SGD(self.ddp.parameters(), lr=0.01, momentum=0.9)
             self.run = self._ddp
         elif label == "flat all-reduce":
@@ -92,7 +95,7 @@ class Step:
 
     def _ddp(self) -> None:
         self.opt.zero_grad()
-        self.loss_fn(self.ddp(self.batch[0]), self.batch[1]).backward()
+        self.loss_fn(self.forward(self.batch[0]), self.batch[1]).backward()
         self.opt.step()
 
 
@@ -119,8 +122,13 @@ def worker(out: str) -> None:
         torch.manual_seed(0)
         base = build()
         batch = make_batch(torch.Generator().manual_seed(rank))
-        labels = ["ddp", *FUSED, "local step", "flat all-reduce"]
+        labels = ["ddp", "ddp, torch.compile", *FUSED, "local step", "flat all-reduce"]
         steps = {label: Step(label, base, batch) for label in labels}
+        compile_s = {}
+        for label in ("ddp, torch.compile", "fused, compile=True"):  # the first call compiles
+            start = time.perf_counter()
+            steps[label].run()
+            compile_s[label] = time.perf_counter() - start
         times: dict[str, list[float]] = {label: [] for label in labels}
         for _ in range(ROUNDS):
             for label, step in steps.items():
@@ -137,8 +145,9 @@ def worker(out: str) -> None:
             "tensors": len(list(base.parameters())),
             "median_s": {label: statistics.median(t) for label, t in times.items()},
             "rounds_s": times,
+            "compile_s": compile_s,
             "buckets": {label: _buckets(steps[label]) for label in FUSED},
-            "profile": {label: profile(steps[label]) for label in FUSED},
+            "profile": {label: profile(steps[label]) for label in PROFILED},
         }
     if rank == 0:
         Path(out).write_text(json.dumps(results, indent=2))
@@ -171,6 +180,23 @@ def render(results: dict) -> str:
             f"{m['fused, one bucket']:.1f} | {m['local step']:.1f} | {m['flat all-reduce']:.1f} | {limit:.1f} | "
             f"{m['fused_allreduce'] / m['ddp']:.2f} | {m['fused_allreduce'] / limit:.2f} | "
             f"{m['fused, one bucket'] / limit:.2f} |"
+        )
+    lines += [
+        "",
+        "Compiled (`transpile(..., compile=True)` against `torch.compile(DDP(model))`, same run; compile time is the "
+        "first call, on each rank while the other compiles too):",
+        "",
+        "| workload | DDP (ms) | DDP + torch.compile (ms) | fused, compile=True (ms) | compiled fused / DDP | "
+        "compiled fused / compiled DDP | compile s (DDP / fused) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in results.items():
+        m = {k: v * 1e3 for k, v in r["median_s"].items()}
+        ddp_c, ours_c = m["ddp, torch.compile"], m["fused, compile=True"]
+        seconds = r["compile_s"]
+        lines.append(
+            f"| {name} | {m['ddp']:.1f} | {ddp_c:.1f} | {ours_c:.1f} | {ours_c / m['ddp']:.2f} | "
+            f"{ours_c / ddp_c:.2f} | {seconds['ddp, torch.compile']:.0f} / {seconds['fused, compile=True']:.0f} |"
         )
     lines += [
         "",

@@ -405,6 +405,22 @@ def allreduce_wrappers(rank, world) -> dict:
     return {"ours": ours["params"], "fused": fused["params"], "variants": ours["variants"]}
 
 
+def compiled(rank, world) -> dict:
+    """compile=True against the same mode uncompiled, 4 steps each (issue 9: torch.compile)."""
+    batches = global_batches(4, world)
+    out = {}
+    for mode, options in (("fused_allreduce", {}), ("local_sgd", {"k_steps": 2}), ("adasum", {})):
+        plain = run(mode, rank, world, batches, **options)
+        fast = run(mode, rank, world, batches, compile=True, **options)
+        out[mode] = {
+            "plain": plain["params"],
+            "compiled": fast["params"],
+            "seconds": fast["step"].compile_seconds,
+            "variants": fast["variants"],
+        }
+    return out
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -422,6 +438,7 @@ def main() -> None:
         allgather,
         partial_sync,
         allreduce_wrappers,
+        compiled,
     ):
         result[check.__name__] = check(rank, world)
     for value in result.values():  # step objects do not pickle

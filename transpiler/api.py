@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .collectives import communication_plan
+from .compile import CompiledProgram
 from .errors import ConfigurationError
 from .handshake import Setup, describe_model, describe_optimizer
 from .modes import build_strategy
@@ -40,6 +41,7 @@ def transpile(
     on_pass: Callable[[str, StepProgram], None] | None = None,
     timeout: timedelta | float | None = None,
     max_cached_programs: int = 8,
+    compile: bool = False,
     **options: Any,
 ) -> DistributedStep:
     """Trace one training step and rewrite it into this rank's distributed program.
@@ -55,12 +57,16 @@ def transpile(
     default is 30 minutes). ``max_cached_programs`` bounds the programs kept
     for different batch shapes and model modes. ``save_trajectory=DIR`` and
     ``trajectory_every=m`` (any mode) make rank 0 save the flattened weights
-    every m updates, for ``transpiler pca`` (see ``transpiler/trajectory.py``).
+    every m updates, for ``transpiler pca`` (see ``transpiler/trajectory.py``). ``compile=True`` compiles
+    each rewritten program with ``torch.compile`` (Inductor) on its first call (``transpiler/compile.py``;
+    ``step.compile_seconds`` says how long that took).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigurationError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    if not isinstance(compile, bool):
+        raise ConfigurationError(f"compile must be True or False, got {compile!r}.")
     if isinstance(max_cached_programs, bool) or not isinstance(max_cached_programs, int) or max_cached_programs < 1:
         raise ConfigurationError(f"max_cached_programs must be an int >= 1, got {max_cached_programs!r}.")
     saving = parse_options(
@@ -96,8 +102,10 @@ def transpile(
             groups={name: ranks for ranks, name in subgroups.items()}
             | {placement.group_name: tuple(range(placement.world_size))},
             sources={name: digest for p in programs.values() for name, digest in p.sources.items()},
+            compiled=compile,
         )
-        return Built(programs, state, plan, setup)
+        runners = {v: CompiledProgram(p.graph_module, v) for v, p in programs.items()} if compile else {}
+        return Built(programs, state, plan, setup, runners)
 
     step = DistributedStep(
         model,

@@ -46,6 +46,7 @@ class Setup:
     communication: dict[str, list[CommOp]]  # per variant; compared by simulating the plans against each other
     groups: dict[str, tuple[int, ...]]  # process-group name -> ranks
     sources: dict[str, str] = field(default_factory=dict)  # data files the programs embed -> SHA-256 (a PCA basis)
+    compiled: bool = False  # compile=True: compiled programs round differently from uncompiled ones
 
     def comparable(self) -> dict[str, Any]:
         """The fields compared value by value (all but the communication plans)."""

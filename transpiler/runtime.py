@@ -52,6 +52,7 @@ class Built:
     state: ModelState
     plan: OptimizerPlan
     setup: Setup | None = None  # what the ranks compare before this program first runs
+    runners: dict[str, Callable] = field(default_factory=dict)  # variant -> what runs it (compiled); default: graph
     params: dict[str, torch.nn.Parameter] = field(init=False)  # name maps, made once, read every step
     frozen: dict[str, torch.nn.Parameter] = field(init=False)
     buffers: dict[str, torch.Tensor] = field(init=False)
@@ -65,6 +66,7 @@ class Built:
         self.buffers = dict(zip(self.state.buffer_names, self.state.buffers))
         self.positions = {n: i for i, n in enumerate(self.state.names)}
         self.extra_init = {name: rule for p in self.programs.values() for name, rule in p.extra_init.items()}
+        self.runners = {v: self.runners.get(v, p.graph_module) for v, p in self.programs.items()}
         self.digest = hashlib.sha256(pickle.dumps(self.setup)).digest()
 
 
@@ -165,6 +167,12 @@ class DistributedStep:
         return programs.get("step") or programs[next(reversed(programs))]
 
     @property
+    def compile_seconds(self) -> dict[str, float]:
+        """With ``compile=True``: per variant, how long its first call took, compiling included."""
+        runners = self._last.runners if self._last is not None else {}
+        return {v: r.seconds for v, r in runners.items() if getattr(r, "seconds", None) is not None}
+
+    @property
     def graph_module(self) -> torch.fx.GraphModule:
         """The rewritten torch.fx.GraphModule this rank runs (see ``programs`` for multi-variant modes)."""
         return self.program.graph_module
@@ -240,7 +248,7 @@ class DistributedStep:
         variant = self.schedule.variant()
         program = built.programs[variant]
         self._init_extra(built)
-        outputs = self._run(program.graph_module, self._inputs(program, built, batch), variant)
+        outputs = self._run(program.graph_module, self._inputs(program, built, batch), variant, built.runners[variant])
         metrics = self._write_back(program, built, outputs)
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.schedule.observe(variant, metrics, lr)
@@ -249,11 +257,12 @@ class DistributedStep:
             observe(self.model, variant)
         return outputs[0]
 
-    def _run(self, gm: torch.fx.GraphModule, inputs: list, label: str) -> tuple:
-        """Run a graph; a failed collective becomes a CommunicationError that names it."""
+    def _run(self, gm: torch.fx.GraphModule, inputs: list, label: str, run: Callable | None = None) -> tuple:
+        """Run a graph (or ``run``, its compiled form); a failed collective becomes a CommunicationError that
+        names it."""
         start = time.perf_counter()
         try:
-            return gm(*inputs)
+            return (run or gm)(*inputs)
         except Exception as exc:
             if self.placement.world_size > 1 and is_communication_failure(exc):
                 raise communication_error(
