@@ -52,6 +52,10 @@ def render(steps: dict, passes: list[dict]) -> str:
     lines = [
         "# Benchmarks",
         "",
+        "See also [serial_limit.md](serial_limit.md) (`python bench/limit.py`): the fused step against DDP and the "
+        "serial limit on four workloads, where its time goes, and `compile=True` against "
+        "`torch.compile(DDP(model))`.",
+        "",
         f"Produced by `{COMMAND}` on {platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}, "
         "gloo over loopback, 2 processes with one thread each, SGD with momentum. Step times are medians over "
         f"{ROUNDS} rounds that interleave the variants (each round: {WARMUP} warm-up steps, then {STEPS} timed steps); "
