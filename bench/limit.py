@@ -166,7 +166,7 @@ def render(results: dict) -> str:
         "gloo over loopback, 2 processes with one thread each, SGD with momentum. Medians over "
         f"{ROUNDS} interleaved rounds ({WARMUP} warm-up steps, {STEPS} timed). The serial limit is the local step "
         "(mode `none`, no communication) plus one flat all-reduce of all gradient bytes, both measured in the "
-        "same run.",
+        "same run. What the numbers mean, and where goals are missed: [performance.md](performance.md).",
         "",
         "| workload | params (tensors) | DDP (ms) | fused (ms) | fused, one bucket (ms) | local step (ms) | "
         "flat all-reduce (ms) | serial limit (ms) | fused / DDP | fused / limit | one bucket / limit |",
