@@ -71,6 +71,8 @@ FUSED = {
     "fused, compile=True": {"compile": True},
 }
 
+OTHER_MODES = {"local step": ("none", {}), "adasum": ("adasum", {})}
+
 
 class Step:
     """One variant's step on this rank: DDP, a transpiled mode, or the flat all-reduce alone."""
@@ -88,7 +90,7 @@ class Step:
             self.flat = torch.zeros(sum(p.numel() for p in model.parameters()))
             self.run = lambda: dist.all_reduce(self.flat)
         else:
-            mode, options = ("none", {}) if label == "local step" else ("fused_allreduce", FUSED[label])
+            mode, options = OTHER_MODES.get(label) or ("fused_allreduce", FUSED[label])
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
             self.step = transpile(model, opt, mode=mode, loss_fn=self.loss_fn, example_inputs=batch, **options)
             self.run = lambda: self.step(*batch)
@@ -122,7 +124,7 @@ def worker(out: str) -> None:
         torch.manual_seed(0)
         base = build()
         batch = make_batch(torch.Generator().manual_seed(rank))
-        labels = ["ddp", "ddp, torch.compile", *FUSED, "local step", "flat all-reduce"]
+        labels = ["ddp", "ddp, torch.compile", *FUSED, "adasum", "local step", "flat all-reduce"]
         steps = {label: Step(label, base, batch) for label in labels}
         compile_s = {}
         for label in ("ddp, torch.compile", "fused, compile=True"):  # the first call compiles
@@ -181,6 +183,17 @@ def render(results: dict) -> str:
             f"{m['fused_allreduce'] / m['ddp']:.2f} | {m['fused_allreduce'] / limit:.2f} | "
             f"{m['fused, one bucket'] / limit:.2f} |"
         )
+    lines += [
+        "",
+        'AdaSum (`mode="adasum"`, recursive halving with point-to-point exchanges, float64 statistics) in the '
+        "same run:",
+        "",
+        "| workload | DDP (ms) | adasum (ms) | adasum / DDP |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, r in results.items():
+        m = {k: v * 1e3 for k, v in r["median_s"].items()}
+        lines.append(f"| {name} | {m['ddp']:.1f} | {m['adasum']:.1f} | {m['adasum'] / m['ddp']:.2f} |")
     lines += [
         "",
         "Compiled (`transpile(..., compile=True)` against `torch.compile(DDP(model))`, same run; compile time is the "

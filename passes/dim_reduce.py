@@ -50,6 +50,7 @@ from transpiler.trajectory import check_layout, read_basis
 
 from .bucketing import unflatten
 from .gradient_flow import (
+    add_constant,
     add_input,
     add_outputs,
     before_output,
@@ -169,7 +170,7 @@ class DimReduceGraph:
         share = self.basis.shape[0]
         state = {name: self._state(name, shape) for name, shape in self._state_shapes(k).items()}
         momentum = {g: self._momentum(g, name) for g, name in zip(self.grads, self.names)}
-        basis = self._constant()
+        basis = add_constant(self.program, "dim_reduce_basis", self.basis, role="optimizer")
         pieces = [self.op(aten.reshape.default, g, [-1]) for g in self.grads]
         for piece in pieces:
             piece.meta["inspects"] = True  # reads the gradient; the optimizer will read the delta instead
@@ -227,16 +228,6 @@ class DimReduceGraph:
     def _momentum(self, grad: fx.Node, name: str) -> fx.Node:
         self.program.extra_init[f"residual_momentum.{name}"] = ("zeros_like_param", name)
         return add_input(self.program, Port("extra", f"residual_momentum.{name}"), grad)
-
-    def _constant(self) -> fx.Node:
-        gm = self.program.graph_module
-        gm.register_buffer("dim_reduce_basis", self.basis, persistent=False)
-        placeholders = [n for n in self.program.graph.nodes if n.op == "placeholder"]
-        with self.program.graph.inserting_after(placeholders[-1]):
-            node = self.program.graph.get_attr("dim_reduce_basis")
-        fake = next(n.meta["val"] for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)).fake_mode
-        node.meta.update(val=fake.from_tensor(self.basis), role="optimizer")
-        return node
 
     def _bfgs(self, gk: fx.Node, state: dict[str, fx.Node]) -> tuple[fx.Node, fx.Node]:
         """``bk`` after the BFGS update (taken only when a step was taken before and ``yk·sk > 1e-20``)."""

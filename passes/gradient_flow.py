@@ -82,6 +82,20 @@ def add_input(program: StepProgram, port: Port, like: fx.Node | torch.Tensor) ->
     return node
 
 
+def add_constant(program: StepProgram, name: str, value: torch.Tensor, **meta) -> fx.Node:
+    """A tensor baked into the program (a ``get_attr`` of its GraphModule, not saved in checkpoints), after the
+    inputs. Names must be new: the module attribute is the constant."""
+    if hasattr(program.graph_module, name):
+        raise ValueError(f"the program already has an attribute '{name}'")
+    program.graph_module.register_buffer(name, value, persistent=False)
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    with program.graph.inserting_after(placeholders[-1]):
+        node = program.graph.get_attr(name)
+    fake = next(n.meta["val"] for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)).fake_mode
+    node.meta.update(val=fake.from_tensor(value), **meta)
+    return node
+
+
 def add_outputs(program: StepProgram, values: list[fx.Node], ports: list[Port]) -> None:
     """Append graph outputs with their ports (extra state, metrics)."""
     output = program.graph.output_node()
