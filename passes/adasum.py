@@ -13,9 +13,9 @@ the level's messages are fused). Per tensor it computes, in float64, the
 partial ``a·b``, ``|a|²`` and ``|b|²`` over its part, all-reduces them over the
 2l ranks the level spans (one message of 3 values per tensor), and combines
 ``(1 - a·b/(2|a|²)) a + (1 - a·b/(2|b|²)) b`` with per-tensor coefficients,
-guarded so a zero norm gives the other input. The statistics are float32
-products summed in float64 per tensor; the combination is vectorised over the
-part (``repeat_interleave`` of the per-tensor coefficients). A rollback in reverse level
+guarded so a zero norm gives the other input. The coefficients of all tensors
+are computed at once from the all-reduced statistics; each tensor then costs
+two selects, a ``mul`` and an ``addcmul``. A rollback in reverse level
 order exchanges segments back until every rank holds the whole result.
 With one participant (world size 1, or L = world size) AdaSum is the identity.
 """
@@ -36,7 +36,7 @@ from transpiler.p2p import EXCHANGE
 from transpiler.pipeline import Pass
 from transpiler.program import StepProgram
 
-from .gradient_flow import add_constant, replace_gradient, unreduced_gradients
+from .gradient_flow import replace_gradient, unreduced_gradients
 
 aten = torch.ops.aten
 TINY = 1e-300  # guards |a|^2 in float64: a zero norm means a zero vector and a zero dot product
@@ -120,7 +120,7 @@ def adasum_vector(program: StepProgram, items: list[fx.Node], geometry: AdaSumGe
         group = program.subgroups[geometry.level_group(level, rank)]
         # both partners must orient the statistics alike: a is the lower partner's data, b the upper's
         first, second = (mine, theirs) if lower else (theirs, mine)
-        vec = _combine(program, cursor, first, second, keep, offsets, sizes, group, level)
+        vec = _combine(cursor, first, second, keep, offsets, sizes, group, level)
         path.append((lo, hi, keep, lower, peer, level))
         lo, hi = keep
     for plo, phi, keep, lower, peer, level in reversed(path):  # rollback: gather the halves back
@@ -138,68 +138,52 @@ def adasum_vector(program: StepProgram, items: list[fx.Node], geometry: AdaSumGe
     ]
 
 
-def _combine(program: StepProgram, cursor: Cursor, a: fx.Node, b: fx.Node, keep, offsets, sizes, group, level):
+def _combine(cursor: Cursor, a: fx.Node, b: fx.Node, keep, offsets, sizes, group: str, level: int) -> fx.Node:
     """One level: per-tensor statistics over the level's ranks, then the AdaSum combination of this rank's part.
 
-    The products ``a·b``, ``a·a``, ``b·b`` are formed once over the whole part and summed per tensor in float64
-    (``sum(dtype=float64)``: float32 products, float64 accumulation). The coefficients of every tensor are
-    computed together from the all-reduced statistics and spread over the part by one ``repeat_interleave``,
-    so the combination is one ``mul`` and one ``addcmul`` whatever the number of tensors."""
+    The coefficients of all tensors are computed together, on the all-reduced statistics laid out as one
+    ``(tensors, 3)`` array; each tensor then costs two selects, a ``mul`` and an ``addcmul``."""
     comm = {"role": "communication"}
+    f64 = {"dtype": torch.float64}
     spans = [
         (i, max(o, keep[0]) - keep[0], min(o + s, keep[1]) - keep[0])
         for i, (o, s) in enumerate(zip(offsets, sizes))
         if max(o, keep[0]) < min(o + s, keep[1])
     ]
-    if not spans:  # an empty part still joins the level's all-reduce of statistics
-        spans_stats, first, last = [], 0, 0
-    else:
-        products = [cursor.emit(aten.mul.Tensor, pair, **comm) for pair in ((a, b), (a, a), (b, b))]
-        spans_stats = [
-            cursor.emit(
-                aten.stack.default,
-                ([_sum64(cursor, cursor.emit(aten.slice.Tensor, (p, 0, lo, hi), **comm)) for p in products],),
-                **comm,
-            )
-            for _, lo, hi in spans
-        ]
-        first, last = spans[0][0], spans[-1][0] + 1
-    f64 = {"dtype": torch.float64}
-    pieces = [cursor.emit(aten.new_zeros.default, (a, [3 * first]), f64, **comm), *spans_stats]
+    stats, parts = [], []
+    for _, start, end in spans:
+        ai = cursor.emit(aten.slice.Tensor, (a, 0, start, end), **comm)
+        bi = cursor.emit(aten.slice.Tensor, (b, 0, start, end), **comm)
+        a64 = cursor.emit(aten._to_copy.default, (ai,), f64, **comm)
+        b64 = cursor.emit(aten._to_copy.default, (bi,), f64, **comm)
+        triple = [cursor.emit(aten.dot.default, pair, **comm) for pair in ((a64, b64), (a64, a64), (b64, b64))]
+        stats.append(cursor.emit(aten.stack.default, (triple,), **comm))
+        parts.append((ai, bi))
+    first, last = (spans[0][0], spans[-1][0] + 1) if spans else (0, 0)
+    pieces = [cursor.emit(aten.new_zeros.default, (a, [3 * first]), f64, **comm)] + stats
     pieces.append(cursor.emit(aten.new_zeros.default, (a, [3 * (len(sizes) - last)]), f64, **comm))
     local = cursor.emit(aten.cat.default, (pieces,), **comm)
     info = {"kind": "all_reduce", "adasum": f"level {level} dot/norms", "bytes": 24 * len(sizes)}
     total = cursor.emit(
         WAIT, (cursor.emit(C10D.all_reduce_.default, (local, "sum", group), collective=info, **comm),), **comm
     )
-    if not spans:
+    if not parts:
         return cursor.emit(aten.slice.Tensor, (a, 0, 0, 0), **comm)
-    stats = cursor.emit(
-        aten.view.default, (cursor.emit(aten.slice.Tensor, (total, 0, 3 * first, 3 * last), **comm), [-1, 3]), **comm
-    )
-    dot = cursor.emit(aten.select.int, (stats, 1, 0), **comm)
-    lengths = torch.tensor([hi - lo for _, lo, hi in spans], dtype=torch.int64)
-    repeats = add_constant(program, f"adasum_lengths_l{level}_{keep[0]}", lengths, role="communication")
+    mine = cursor.emit(aten.slice.Tensor, (total, 0, 3 * first, 3 * last), **comm)
+    table = cursor.emit(aten.view.default, (mine, [-1, 3]), **comm)  # per tensor: a·b, |a|², |b|²
+    dot = cursor.emit(aten.select.int, (table, 1, 0), **comm)
     coefficients = []
-    for k in (1, 2):  # |a|², |b|²: c = 1 - a·b / (2 |x|²), a zero norm (a zero vector) gives c = 1
-        norm = cursor.emit(aten.clamp_min.default, (cursor.emit(aten.select.int, (stats, 1, k), **comm), TINY), **comm)
+    for k in (1, 2):  # c = 1 - a·b / (2 |x|²); a zero norm means a zero vector and a zero dot: c = 1
+        norm = cursor.emit(aten.clamp_min.default, (cursor.emit(aten.select.int, (table, 1, k), **comm), TINY), **comm)
         ratio = cursor.emit(aten.div.Tensor, (dot, cursor.emit(aten.mul.Tensor, (norm, 2.0), **comm)), **comm)
-        coeff = cursor.emit(
-            aten._to_copy.default,
-            (cursor.emit(aten.rsub.Scalar, (ratio, 1.0), **comm),),
-            {"dtype": a.meta["val"].dtype},
-            **comm,
-        )
-        spread = cursor.emit(
-            aten.repeat_interleave.self_Tensor, (coeff, repeats, 0), {"output_size": keep[1] - keep[0]}, **comm
-        )
-        coefficients.append(spread)
-    scaled = cursor.emit(aten.mul.Tensor, (a, coefficients[0]), **comm)
-    return cursor.emit(aten.addcmul.default, (scaled, b, coefficients[1]), **comm)
-
-
-def _sum64(cursor: Cursor, x: fx.Node) -> fx.Node:
-    return cursor.emit(aten.sum.default, (x,), {"dtype": torch.float64}, role="communication")
+        coeff = cursor.emit(aten.rsub.Scalar, (ratio, 1.0), **comm)
+        coefficients.append(cursor.emit(aten._to_copy.default, (coeff,), {"dtype": a.meta["val"].dtype}, **comm))
+    out = []
+    for j, (ai, bi) in enumerate(parts):
+        ca, cb = (cursor.emit(aten.select.int, (c, 0, j), **comm) for c in coefficients)
+        scaled = cursor.emit(aten.mul.Tensor, (ai, ca), **comm)
+        out.append(cursor.emit(aten.addcmul.default, (scaled, bi, cb), **comm))
+    return out[0] if len(out) == 1 else cursor.emit(aten.cat.default, (out,), **comm)
 
 
 @dataclass(frozen=True)
