@@ -7,11 +7,11 @@ anything, and ``meta["role"]`` so every node keeps a role.
 
 from __future__ import annotations
 
-import heapq
 import operator
 from collections.abc import Callable
 from typing import Any
 
+import networkx as nx
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
@@ -96,24 +96,17 @@ def repair_order(graph: fx.Graph) -> bool:
     """Reorder nodes so each comes after its inputs, moving as little as possible; whether anything moved.
 
     A pass that inserts one node reading many values (a global norm over every gradient) after the last of
-    them can leave earlier readers of its results ahead of it. This is Kahn's algorithm taking, among the
-    ready nodes, the one that came first before: nodes already in order stay where they were.
+    them can leave earlier readers of its results ahead of it. The new order is networkx's lexicographical
+    topological sort keyed by the old position: among the nodes whose inputs are placed, the one that came
+    first goes next, so nodes already in order stay where they were.
     """
     order = position(graph)
     if all(order[i] < order[n] for n in graph.nodes for i in n.all_input_nodes):
         return False
-    waiting = {n: len(set(n.all_input_nodes)) for n in graph.nodes}
-    ready = [(order[n], i) for i, n in enumerate(graph.nodes) if waiting[n] == 0]
-    nodes = list(graph.nodes)
-    heapq.heapify(ready)
-    result: list[fx.Node] = []
-    while ready:
-        node = nodes[heapq.heappop(ready)[1]]
-        result.append(node)
-        for user in node.users:
-            waiting[user] -= 1
-            if waiting[user] == 0:
-                heapq.heappush(ready, (order[user], order[user]))
+    dag = nx.DiGraph()
+    dag.add_nodes_from(graph.nodes)
+    dag.add_edges_from((i, n) for n in graph.nodes for i in n.all_input_nodes)
+    result = list(nx.lexicographical_topological_sort(dag, key=order.__getitem__))
     for before, node in zip(result, result[1:]):
         if before.next is not node:
             before.append(node)

@@ -1,0 +1,48 @@
+"""AdaSum against DDP, interleaved, without other variants in the run (bench/limit.py mixes in compiled ones).
+
+torchrun --nproc-per-node 2 bench/adasum_ab.py      # prints one line per workload (rank 0)
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.limit import ROUNDS, STEPS, WARMUP, WORKLOADS, Step  # noqa: E402
+
+
+def main() -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    for name, (build, make_batch) in WORKLOADS.items():
+        torch.manual_seed(0)
+        base = build()
+        batch = make_batch(torch.Generator().manual_seed(rank))
+        steps = {label: Step(label, base, batch) for label in ("ddp", "adasum")}
+        times: dict[str, list[float]] = {label: [] for label in steps}
+        for _ in range(ROUNDS):
+            for label, step in steps.items():
+                for _ in range(WARMUP):
+                    step.run()
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(STEPS):
+                    step.run()
+                dist.barrier()
+                times[label].append((time.perf_counter() - start) / STEPS)
+        if rank == 0:
+            ddp, ours = (statistics.median(times[k]) * 1e3 for k in ("ddp", "adasum"))
+            print(f"| {name} | {ddp:.1f} | {ours:.1f} | {ours / ddp:.2f} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
