@@ -139,9 +139,9 @@ class DimReduce(Pass):
         rows = rows[: self.n_components or rows.shape[0]]
         world, rank = program.world_size, program.rank
         share = math.ceil(rows.shape[0] / world)
-        local = torch.zeros(share, rows.shape[1], dtype=F32)
+        local = torch.zeros(share, rows.shape[1], dtype=F32, device=params[0].meta["val"].device)
         mine = rows[rank * share : (rank + 1) * share]
-        local[: mine.shape[0]] = mine
+        local[: mine.shape[0]] = mine.to(local.device)
         program.sources[f"pca basis {self.pca_path}"] = basis["digest"]
         return local, rows.shape[0]
 
@@ -237,7 +237,7 @@ class DimReduceGraph:
         curvature = op(aten.view.default, op(aten.mm.default, t(yk), sk), [])
         take = op(aten.logical_and.default, state["started"], op(aten.gt.Scalar, curvature, CURVATURE_FLOOR))
         pk = op(aten.reciprocal.default, curvature)
-        eye = op(aten.eye.default, sk.meta["val"].shape[0], dtype=F32)
+        eye = op(aten.eye.default, sk.meta["val"].shape[0], dtype=F32, device=sk.meta["val"].device)
         t1 = op(aten.sub.Tensor, eye, op(aten.mm.default, op(aten.mul.Tensor, yk, pk), t(sk)))
         quadratic = op(aten.mm.default, op(aten.mm.default, t(t1), bk), t1)
         updated = op(aten.add.Tensor, quadratic, op(aten.mm.default, op(aten.mul.Tensor, sk, pk), t(sk)))
@@ -306,9 +306,10 @@ class DimReduceGraph:
             slope = self.op(aten.mul.Tensor, gkdk, _f32(self.o.sigma) * _f32(self.o.rho**m))
             bound = self.op(aten.add.Tensor, old, slope)
             passed.append(self.op(aten.lt.Tensor, self.op(aten.select.int, stacked, 0, m + 1), bound))
-        rho = self.op(aten.scalar_tensor.default, 0.0, dtype=F32)
+        device = {"dtype": F32, "device": stacked.meta["val"].device}
+        rho = self.op(aten.scalar_tensor.default, 0.0, **device)
         for m in reversed(range(TRIALS)):  # the first trial that passes wins
-            value = self.op(aten.scalar_tensor.default, _f32(self.o.rho**m), dtype=F32)
+            value = self.op(aten.scalar_tensor.default, _f32(self.o.rho**m), **device)
             rho = self.op(aten.where.self, passed[m], value, rho)
         find = self.op(aten.logical_or.default, passed[0], passed[1])
         return old, rho, find
