@@ -3,9 +3,12 @@
 Requires: communication nodes tagged ``role="communication"``.
 Guarantees: every node on the issuing side of a collective (flatten, cat,
 the collective) sits right after its latest input, so communication overlaps
-the rest of backward; every wait and the unpacking after it sits right before
-its first reader. Only communication nodes move, in a deterministic order, so
-all ranks keep the same collective sequence.
+the rest of backward; the optimizer's updates run in the order their
+collectives complete (a stable sort by the last collective each depends on),
+so the parameters of the first buckets update while the last bucket is still
+being reduced; every wait and the unpacking after it sits right before its
+first reader. Collectives keep their order, so all ranks keep the same
+collective sequence.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from transpiler.collectives import is_wait
-from transpiler.graph_edit import position
+from transpiler.collectives import is_collective, is_wait
+from transpiler.graph_edit import position, repair_order
 from transpiler.pipeline import Pass
 from transpiler.program import StepProgram
 
@@ -39,6 +42,22 @@ def _only_between(node: fx.Node, reader: fx.Node, allowed: set[fx.Node]) -> bool
     return True
 
 
+def _updates_in_completion_order(graph: fx.Graph) -> None:
+    """Stable-sort the optimizer's nodes by the last collective each depends on (its issue index)."""
+    issued: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        own = [len(issued)] if is_collective(node) else []
+        issued[node] = max([issued[i] for i in node.all_input_nodes] + own, default=-1)
+    updates = [n for n in graph.nodes if n.meta.get("role") == "optimizer" and n.op == "call_function"]
+    ordered = sorted(updates, key=lambda n: issued[n])  # stable: ties keep their order
+    if ordered == updates:
+        return
+    output = graph.output_node()
+    for node in ordered:
+        output.prepend(node)
+    repair_order(graph)  # what read the moved updates (extra outputs, metrics) follows them
+
+
 @dataclass(frozen=True)
 class ScheduleCollectives(Pass):
     name = "schedule-collectives"
@@ -57,6 +76,8 @@ class ScheduleCollectives(Pass):
             if latest.next is not node:
                 order[node] = (order[latest] + order[latest.next]) / 2
                 latest.append(node)
+        _updates_in_completion_order(graph)
+        order = dict(position(graph))
         for node in reversed(comm):  # completion side, backwards: sink right before the first reader
             if node not in completion or not node.users:
                 continue
