@@ -61,7 +61,7 @@ def _updates_in_completion_order(graph: fx.Graph) -> None:
 @dataclass(frozen=True)
 class ScheduleCollectives(Pass):
     name = "schedule-collectives"
-    summary = "move collectives as early as inputs allow and waits as late as uses allow"
+    summary = "issue collectives early, wait late, run updates in bucket completion order"
 
     def run(self, program: StepProgram) -> bool:
         graph = program.graph
