@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.limit import ROUNDS, STEPS, WARMUP, WORKLOADS, Step  # noqa: E402
+from bench.limit import WORKLOADS, Step, interleaved  # noqa: E402
 
 
 def main() -> None:
@@ -27,17 +26,7 @@ def main() -> None:
         base = build()
         batch = make_batch(torch.Generator().manual_seed(rank))
         steps = {label: Step(label, base, batch) for label in ("ddp", "adasum")}
-        times: dict[str, list[float]] = {label: [] for label in steps}
-        for _ in range(ROUNDS):
-            for label, step in steps.items():
-                for _ in range(WARMUP):
-                    step.run()
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(STEPS):
-                    step.run()
-                dist.barrier()
-                times[label].append((time.perf_counter() - start) / STEPS)
+        times = interleaved(steps)
         if rank == 0:
             ddp, ours = (statistics.median(times[k]) * 1e3 for k in ("ddp", "adasum"))
             print(f"| {name} | {ddp:.1f} | {ours:.1f} | {ours / ddp:.2f} |")

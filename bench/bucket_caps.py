@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.limit import FUSED, ROUNDS, STEPS, WARMUP, WORKLOADS, Step  # noqa: E402
+from bench.limit import FUSED, WORKLOADS, Step, interleaved  # noqa: E402
 
 CAPS = (25, 8, 4, 2, 1)
 SWEPT = ("MLP 1024-2048-1024-10, batch 64", "transformer 8 blocks d=128, 16x32 tokens")
@@ -35,17 +34,7 @@ def main() -> None:
         batch = make_batch(torch.Generator().manual_seed(rank))
         labels = ["ddp", *(f"cap {c} MiB" for c in CAPS)]
         steps = {label: Step(label, base, batch) for label in labels}
-        times: dict[str, list[float]] = {label: [] for label in labels}
-        for _ in range(ROUNDS):
-            for label, step in steps.items():
-                for _ in range(WARMUP):
-                    step.run()
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(STEPS):
-                    step.run()
-                dist.barrier()
-                times[label].append((time.perf_counter() - start) / STEPS)
+        times = interleaved(steps)
         if rank == 0:
             print(name, {label: round(statistics.median(t) * 1e3, 1) for label, t in times.items()})
     dist.destroy_process_group()

@@ -101,6 +101,22 @@ class Step:
         self.opt.step()
 
 
+def interleaved(steps: dict[str, Step]) -> dict[str, list[float]]:
+    """Seconds per step of each variant, one entry per round; the variants take turns within a round."""
+    times: dict[str, list[float]] = {label: [] for label in steps}
+    for _ in range(ROUNDS):
+        for label, step in steps.items():
+            for _ in range(WARMUP):
+                step.run()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(STEPS):
+                step.run()
+            dist.barrier()
+            times[label].append((time.perf_counter() - start) / STEPS)
+    return times
+
+
 def profile(step: Step) -> dict[str, float]:
     """Seconds per step in compute, bucket copies and waiting, from the profiler's self times."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -131,17 +147,7 @@ def worker(out: str) -> None:
             start = time.perf_counter()
             steps[label].run()
             compile_s[label] = time.perf_counter() - start
-        times: dict[str, list[float]] = {label: [] for label in labels}
-        for _ in range(ROUNDS):
-            for label, step in steps.items():
-                for _ in range(WARMUP):
-                    step.run()
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(STEPS):
-                    step.run()
-                dist.barrier()
-                times[label].append((time.perf_counter() - start) / STEPS)
+        times = interleaved(steps)
         results[name] = {
             "params": sum(p.numel() for p in base.parameters()),
             "tensors": len(list(base.parameters())),

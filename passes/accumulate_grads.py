@@ -56,8 +56,7 @@ class AccumulateGrads(Pass):
             acc = add_input(program, port, grad)
             program.extra_init[port.name] = ("zeros_like_param", name)
             total = Cursor(program.graph, grad).emit(aten.add.Tensor, (acc, grad), role="backward", grad_of=name)
-            keep = {total} | {u for u in grad.users if reads_raw_gradient(u)}
-            grad.replace_all_uses_with(total, delete_user_cb=lambda u, keep=keep: u not in keep)
+            grad.replace_all_uses_with(total, delete_user_cb=lambda u: not reads_raw_gradient(u))  # total has grad_of
             new_ports.append(port)
             new_values.append(total if not self.apply else acc)
         if self.apply:  # the accumulators restart from zero after the update

@@ -117,10 +117,26 @@ class DimReduce(Pass):
         DimReduceGraph(program, list(grads.values()), local, self).build(k)
         return True
 
+    def rows(self) -> torch.Tensor:
+        """The first ``n_components`` rows of the basis file (all of them for 0), float32.
+
+        The mode checks this at ``transpile()``, before tracing; the pass reads it (cached) when it runs."""
+        if not self.pca_path:
+            raise ConfigurationError(
+                "dim_reduce needs pca_path=FILE: save a trajectory (save_trajectory=DIR) in an ordinary run, then "
+                "'transpiler pca DIR -k K -o FILE'. See docs/strategies/dim_reduce.md."
+            )
+        rows = read_basis(self.pca_path)["pca_mat"].to(F32)
+        if self.n_components > rows.shape[0]:
+            raise ConfigurationError(
+                f"n_components={self.n_components}, but {self.pca_path} holds {rows.shape[0]} components; ask for "
+                "fewer, or build a larger basis with 'transpiler pca -k'."
+            )
+        return rows[: self.n_components or rows.shape[0]]
+
     def _basis(self, program: StepProgram, params: list[fx.Node]) -> tuple[torch.Tensor, int]:
         """This rank's rows of the basis (zero-padded to ``ceil(k / W)``) after checking its layout, and k."""
-        if not self.pca_path:
-            raise ConfigurationError("dim_reduce needs pca_path=FILE, a basis written by 'transpiler pca'.")
+        rows = self.rows()
         basis = read_basis(self.pca_path)
         shapes = [list(p.meta["val"].shape) for p in params]
         check_layout(basis, [p.meta["port"].name for p in params], shapes, self.pca_path)
@@ -130,13 +146,6 @@ class DimReduce(Pass):
                 "dim_reduce computes in float32, as Boost does; the trainable parameters are "
                 f"{sorted(map(str, dtypes))}. Train a float32 copy of the model."
             )
-        rows = basis["pca_mat"].to(F32)
-        if self.n_components > rows.shape[0]:
-            raise ConfigurationError(
-                f"n_components={self.n_components}, but {self.pca_path} holds {rows.shape[0]} components; ask for "
-                "fewer, or build a larger basis with 'transpiler pca -k'."
-            )
-        rows = rows[: self.n_components or rows.shape[0]]
         world, rank = program.world_size, program.rank
         share = math.ceil(rows.shape[0] / world)
         local = torch.zeros(share, rows.shape[1], dtype=F32, device=params[0].meta["val"].device)

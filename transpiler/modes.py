@@ -37,7 +37,6 @@ from .errors import ConfigurationError
 from .options import OptionSpec, field_options, parse_options
 from .pipeline import Pass, parse_spec
 from .schedules import LocalSGDSchedule, RoundRobinSchedule
-from .trajectory import read_basis
 
 
 @dataclass(frozen=True)
@@ -166,14 +165,7 @@ def _dim_reduce(
 
     def check(optimizer: torch.optim.Optimizer) -> None:
         """At transpile(), before anything is traced: the basis file and the optimizer."""
-        if not pca_path:
-            raise ConfigurationError(
-                "mode 'dim_reduce' needs pca_path=FILE: save a trajectory (save_trajectory=DIR) in an ordinary "
-                "run, then 'transpiler pca DIR -k K -o FILE'. See docs/strategies/dim_reduce.md."
-            )
-        components = read_basis(pca_path)["pca_mat"].shape[0]
-        if n_components > components:
-            raise ConfigurationError(f"n_components={n_components}, but {pca_path} holds {components} components.")
+        step.rows()
         _plain_sgd(optimizer)
 
     return Recipe({"step": [reduce, step]}, _prefix(), [ScaleLossGrad()], _tail(), check=check)
