@@ -38,7 +38,11 @@ from transpiler import transpile  # noqa: E402
 COMMAND = "python bench/limit.py"
 WARMUP, STEPS, ROUNDS = 3, 10, 6
 PROFILED_STEPS = 10
-PROFILED = ("fused_allreduce", "fused, one bucket")  # compiled kernels are not aten ops: not split here
+PROFILED = (
+    "fused_allreduce",
+    "fused, no bucket views",
+    "fused, one bucket",
+)  # compiled kernels are not aten ops: not split here
 COPY_OPS = ("aten::cat", "aten::split_with_sizes", "aten::copy_", "aten::_to_copy")
 WAIT_OPS = ("_c10d_functional::wait_tensor",)
 
@@ -69,6 +73,8 @@ FUSED = {
     "fused_allreduce": {},
     "fused, one bucket": {"bucket_cap_mb": 1000.0, "first_bucket_mb": 1000.0},
     "fused, compile=True": {"compile": True},
+    "fused, no bucket views": {"gradient_as_bucket_view": False},
+    "fused, auto caps": {"bucket_cap_mb": "auto"},
 }
 
 OTHER_MODES = {"local step": ("none", {}), "adasum": ("adasum", {})}
@@ -155,6 +161,7 @@ def worker(out: str) -> None:
             "rounds_s": times,
             "compile_s": compile_s,
             "buckets": {label: _buckets(steps[label]) for label in FUSED},
+            "auto": steps["fused, auto caps"].step.program.decisions.get("fuse-allreduce", ""),
             "profile": {label: profile(steps[label]) for label in PROFILED},
         }
     if rank == 0:
@@ -189,6 +196,25 @@ def render(results: dict) -> str:
             f"{m['fused_allreduce'] / m['ddp']:.2f} | {m['fused_allreduce'] / limit:.2f} | "
             f"{m['fused, one bucket'] / limit:.2f} |"
         )
+    lines += [
+        "",
+        "Persistent bucket buffers (`gradient_as_bucket_view`, the default: gradients produced or copied into "
+        'buffers allocated once) against a fresh `cat` per bucket each step, and `bucket_cap_mb="auto"` '
+        "against the default caps, same run:",
+        "",
+        "| workload | DDP (ms) | fused (ms) | no bucket views (ms) | views / no views | auto caps (ms) | "
+        "auto / DDP | buckets default / auto |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in results.items():
+        m = {k: v * 1e3 for k, v in r["median_s"].items()}
+        fused, plain, auto = m["fused_allreduce"], m["fused, no bucket views"], m["fused, auto caps"]
+        lines.append(
+            f"| {name} | {m['ddp']:.1f} | {fused:.1f} | {plain:.1f} | {fused / plain:.2f} | {auto:.1f} | "
+            f"{auto / m['ddp']:.2f} | {r['buckets']['fused_allreduce']} / {r['buckets']['fused, auto caps']} |"
+        )
+    lines += ["", "What `auto` chose on each workload (rank 0's words; every rank chose the same):", ""]
+    lines += [f"- {name}: {r['auto']}" for name, r in results.items()]
     lines += [
         "",
         'AdaSum (`mode="adasum"`, recursive halving with point-to-point exchanges, float64 statistics) in the '

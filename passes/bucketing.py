@@ -17,6 +17,8 @@ from transpiler.graph_edit import Cursor, node_bytes, position
 from transpiler.options import option
 from transpiler.program import StepProgram
 
+from .bucket_views import aliased_to_output, write_into_buffer
+
 
 def bucket_cap_option() -> float:
     """The ``bucket-cap-mb`` field of a bucketing pass (DDP's default cap)."""
@@ -78,6 +80,7 @@ def reduce_in_buckets(
     *,
     tag: str,
     compress: torch.dtype | None = None,
+    bucket_views: bool = False,
 ) -> list[fx.Node]:
     """Sum all-reduce the named values in dtype/size buckets, each bucket right after its last member.
 
@@ -85,7 +88,8 @@ def reduce_in_buckets(
     replacing readers is the caller's business. ``tag`` names what is reduced
     (``grads``, ``deltas``...) in ``meta["collective"]``. With ``compress``
     (float16 or bfloat16) each bucket is cast to it, reduced, and cast back:
-    callers scale values to their share *before* (no overflow in the sum).
+    callers scale values to their share *before* (no overflow in the sum). With ``bucket_views`` a bucket
+    of several uncompressed values is a persistent buffer they are written into (``bucket_views.py``).
     """
     nodes = [node for _, node in items]
     buckets = assign_buckets([node_bytes(n) for n in nodes], [bucket_key(n) for n in nodes], cap_bytes, first_cap_bytes)
@@ -93,7 +97,7 @@ def reduce_in_buckets(
     reduced: dict[fx.Node, fx.Node] = {}
     for index, members in enumerate(buckets):
         last = max((nodes[i] for i in members), key=order.__getitem__)
-        reduced.update(_reduce_bucket(program, [items[i] for i in members], index, last, tag, compress))
+        reduced.update(_reduce_bucket(program, [items[i] for i in members], index, last, tag, compress, bucket_views))
     return [reduced[n] for n in nodes]
 
 
@@ -104,6 +108,7 @@ def _reduce_bucket(
     last: fx.Node,
     tag: str,
     compress: torch.dtype | None,
+    bucket_views: bool,
 ) -> dict[fx.Node, fx.Node]:
     cursor = Cursor(program.graph, last)
     nodes = [node for _, node in members]
@@ -123,6 +128,8 @@ def _reduce_bucket(
         return {nodes[0]: cursor.emit(WAIT, (reduced,), **comm)}
     if len(nodes) == 1:
         flat = nodes[0]
+    elif bucket_views and wire == dtype and not any(aliased_to_output(n) for n in nodes):
+        flat = write_into_buffer(program, nodes, tag, index, cursor)
     else:
         pieces = [cursor.emit(aten.reshape.default, (n, [-1]), **comm) for n in nodes]
         flat = cursor.emit(aten.cat.default, (pieces,), **comm)

@@ -69,8 +69,12 @@ class ScheduleCollectives(Pass):
         completion = _completion_side(comm)
         before = list(graph.nodes)
         order: dict[fx.Node, float] = dict(position(graph))  # kept up to date with fractional positions
+        fixed: set[fx.Node] = set()  # views of constants (bucket buffers): placed with the inputs already
         for node in comm:  # issuing side, forwards: hoist right after the latest input
             if node in completion:
+                continue
+            if all(i.op in ("placeholder", "get_attr") or i in fixed for i in node.all_input_nodes):
+                fixed.add(node)
                 continue
             latest = max(node.all_input_nodes, key=order.__getitem__)
             if latest.next is not node:

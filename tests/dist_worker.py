@@ -68,6 +68,8 @@ def run_scenario(model_name: str, opt_name: str, mode: str, rank: int, world: in
     batches = [make_batch(model_name, PER_RANK * world, gen) for _ in range(STEPS)]
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     options = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.001} if mode == "fused_allreduce" else {}
+    if mode == "fused_auto":  # caps chosen on the cost model the ranks measure at startup
+        mode, options = "fused_allreduce", {"bucket_cap_mb": "auto"}
     step = transpile(
         ours,
         ours_opt,
@@ -90,6 +92,7 @@ def run_scenario(model_name: str, opt_name: str, mode: str, rank: int, world: in
             reference_step(single, single_opt, loss_fn, x, y, world, per_shard=model_name == "cnn")
             record["single"].append(snapshot(single, single_opt))
     record["collectives"] = sum(1 for n in step.graph_module.graph.nodes if "collective" in n.meta)
+    record["decisions"] = dict(step.program.decisions)
     return record
 
 

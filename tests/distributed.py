@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +38,7 @@ def free_port() -> int:
 def launch(script: Path, world: int, args: list[str], *, timeout: float) -> list[subprocess.CompletedProcess]:
     """Start ``world`` ranks of ``script``; kill them all and fail if any hangs past ``timeout``."""
     port = free_port()
-    procs = []
+    procs, logs = [], []
     for rank in range(world):
         env = dict(
             os.environ,
@@ -48,26 +50,28 @@ def launch(script: Path, world: int, args: list[str], *, timeout: float) -> list
             OMP_NUM_THREADS="1",
             PYTHONPATH=str(ROOT),
         )
+        # a file, not a pipe: a rank that prints a lot must never block on a pipe nobody reads yet
+        logs.append(tempfile.TemporaryFile(mode="w+"))
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(script), *args],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
+                [sys.executable, str(script), *args], env=env, cwd=ROOT, stdout=logs[-1], stderr=subprocess.STDOUT
             )
         )
-    results = []
+    deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, ""))
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
         raise AssertionError(f"{script.name} with {world} ranks did not finish in {timeout}s (hang?)") from None
+    results = []
+    for p, log in zip(procs, logs):
+        log.seek(0)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, log.read(), ""))
+        log.close()
     failed = [r for r in results if r.returncode != 0]
     if failed:
-        raise AssertionError(f"{script.name}: a rank failed (exit {failed[0].returncode}):\n{failed[0].stdout[-4000:]}")
+        shown = "\n".join(f"--- rank {results.index(r)} (exit {r.returncode}):\n{r.stdout[-3000:]}" for r in failed)
+        raise AssertionError(f"{script.name}: {len(failed)} rank(s) failed:\n{shown}")
     return results

@@ -69,7 +69,11 @@ def test_world_size_above_one_without_process_group_can_be_inspected_not_run():
     [
         ("allreduc", ConfigurationError, "unknown mode 'allreduc'"),
         ("scale-loss-grad,no-such-pass", PipelineSpecError, "unknown pass 'no-such-pass'"),
-        ("fuse-allreduce{bucket-cap-mb=big}", PipelineSpecError, "bucket-cap-mb.*wants a finite float >= 0; got 'big'"),
+        (
+            "fuse-allreduce{bucket-cap-mb=big}",
+            PipelineSpecError,
+            "bucket-cap-mb.*wants a finite float >= 0 or 'auto'; got 'big'",
+        ),
         ("fuse-allreduce{bucket-cap-mb=-1}", PipelineSpecError, "bucket-cap-mb.*too small"),
         ("fuse-allreduce{size=3}", PipelineSpecError, "no option.*'size'.*bucket-cap-mb"),
     ],

@@ -2,7 +2,7 @@
 
 Real processes on gloo over loopback (tests/dist_worker.py), world sizes 2
 and 4, modes allreduce and fused_allreduce (fused with tiny bucket caps, so
-several buckets are formed), SGD with momentum and Adam, on an MLP, a CNN with
+several buckets are formed, and with ``bucket_cap_mb="auto"``), SGD with momentum and Adam, on an MLP, a CNN with
 BatchNorm and a model with tied weights, 5 steps each.
 
 Where parity is bitwise, and why:
@@ -30,7 +30,10 @@ import torch
 from tests.distributed import ROOT, launch
 
 MODELS, OPTIMIZERS, MODES = ("mlp", "cnn", "tied"), ("sgd", "adam"), ("allreduce", "fused_allreduce")
-SCENARIOS = [",".join(s) for s in itertools.product(MODELS, OPTIMIZERS, MODES)]
+SCENARIOS = [",".join(s) for s in itertools.product(MODELS, OPTIMIZERS, MODES)] + [
+    "mlp,sgd,fused_auto",
+    "cnn,adam,fused_auto",
+]
 ATOL, RTOL = 1e-6, 1e-5
 
 
@@ -75,3 +78,13 @@ def test_tied_weight_reduced_once(runs):
     """The tied embedding/projection weight has one gradient and one all-reduce; the frozen one has none."""
     _, ranks = runs
     assert ranks[0]["tied,sgd,allreduce"]["collectives"] == 2  # tied weight + projection bias
+
+
+def test_auto_bucket_caps_are_chosen_alike_on_every_rank(runs):
+    """``bucket_cap_mb="auto"`` measured a cost model, said what it chose, and every rank chose the same."""
+    _, ranks = runs
+    for scenario in ("mlp,sgd,fused_auto", "cnn,adam,fused_auto"):
+        decision = ranks[0][scenario]["decisions"]["fuse-allreduce"]
+        assert decision.startswith("bucket_cap_mb=auto chose"), decision
+        assert all(r[scenario]["decisions"]["fuse-allreduce"] == decision for r in ranks[1:])  # one agreed model
+        assert all(r[scenario]["collectives"] == ranks[0][scenario]["collectives"] for r in ranks[1:])

@@ -118,7 +118,7 @@ def test_step_under_no_grad_or_inference_mode(context):
         ("local_sgd", {"average_state": 1}, "average_state.*a bool"),
         ("fused_allreduce", {"bucket_cap_mb": -1}, "bucket_cap_mb.*too small"),
         ("fused_allreduce", {"bucket_cap_mb": math.nan}, "bucket_cap_mb.*not finite"),
-        ("fused_allreduce", {"bucket_cap_mb": "abc"}, "bucket_cap_mb.*wants a finite float >= 0; got 'abc'"),
+        ("fused_allreduce", {"bucket_cap_mb": "abc"}, "bucket_cap_mb.*wants a finite float >= 0 or 'auto'; got 'abc'"),
         ("adasum", {"local_size": 0}, "local_size.*too small"),
         ("adasum", {"local_size": 1.5}, "local_size.*wants an int"),
     ],

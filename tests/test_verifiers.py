@@ -6,13 +6,19 @@ import pytest
 import torch
 from torch import nn
 
+from passes.bucket_views import BUCKET_READY
 from transpiler.api import rewrite
 from transpiler.collectives import is_collective
 from transpiler.errors import VerificationError
 from transpiler.modes import build_passes
 from transpiler.process_group import Placement
 from transpiler.tracing import trace_step
-from transpiler.verify import check_collectives_waited, check_cross_rank, check_gradient_reductions
+from transpiler.verify import (
+    check_bucket_views,
+    check_collectives_waited,
+    check_cross_rank,
+    check_gradient_reductions,
+)
 
 BATCH = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
 
@@ -91,3 +97,26 @@ def test_send_receive_simulation_catches_a_size_mismatch():
     node.args = (node.args[0], node.args[1], node.args[2] + 1)
     with pytest.raises(VerificationError, match="mismatched exchange"):
         check_communication(programs, members)
+
+
+def test_bucket_views_that_overlap_or_leave_a_gap_are_caught():
+    _, program = _program("fused_allreduce", widths=(3, 4, 4, 2))
+    check_bucket_views(program, True)
+    ready = next(n for n in program.graph.nodes if n.target is BUCKET_READY)
+    buffer = ready.args[0]
+    piece = next(u for u in buffer.users if u.target is torch.ops.aten.slice.Tensor and u.args[2] > 0)
+    piece.args = (buffer, 0, piece.args[2] - 1, piece.args[3] - 1)
+    with pytest.raises(VerificationError, match="fills"):
+        check_bucket_views(program, True)
+    ready.args = (buffer, ready.args[1][:-1])
+    with pytest.raises(VerificationError, match="fills"):
+        check_bucket_views(program, True)
+
+
+def test_a_bucket_buffer_read_outside_its_views_is_caught():
+    _, program = _program("fused_allreduce", widths=(3, 4, 4, 2))
+    ready = next(n for n in program.graph.nodes if n.target is BUCKET_READY)
+    with program.graph.inserting_after(ready):
+        program.graph.call_function(torch.ops.aten.clone.default, (ready.args[0],))
+    with pytest.raises(VerificationError, match="not its views"):
+        check_bucket_views(program, True)

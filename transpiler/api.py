@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from . import cost_model
 from .collectives import communication_plan
 from .compile import CompiledProgram
 from .errors import ConfigurationError
@@ -83,9 +84,12 @@ def transpile(
     subgroups = subgroup_names(placement, strategy.groups(placement.world_size))
     specs = {variant: ",".join(p.spec() for p in passes) for variant, passes in strategy.variants.items()}
     schedule = strategy.schedule()
+    wants_cost_model = any(getattr(p, "wants_cost_model", False) for ps in strategy.variants.values() for p in ps)
 
     def build(batch: tuple) -> Built:
         traced, state, plan = trace_step(model, optimizer, loss_fn, batch)
+        if placement.live and placement.world_size > 1 and wants_cost_model:
+            traced.cost_model = cost_model.measure(model, loss_fn, batch, placement.group_name)
         programs = {
             variant: rewrite(traced, passes, placement, verify=verify, on_pass=on_pass, subgroups=subgroups)
             for variant, passes in strategy.variants.items()

@@ -21,16 +21,20 @@ import torch
 import torch.fx as fx
 from torch._dynamo.exc import TorchDynamoException
 
+from passes.bucket_views import BUCKET_READY, OUT_FORMS, is_view
+
 from .collectives import C10D
 from .errors import ConfigurationError
 from .graph_edit import position
 
+aten = torch.ops.aten
 log = logging.getLogger("transpiler")
 
 
 def functional_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of the program whose collectives are all out of place (what torch.compile takes)."""
     graph = copy.deepcopy(gm.graph)
+    _functional_buckets(graph)
     order = position(graph)
     for node in graph.nodes:
         if node.target is not C10D.all_reduce_.default:
@@ -44,6 +48,30 @@ def functional_copy(gm: fx.GraphModule) -> fx.GraphModule:
             )
         node.target = C10D.all_reduce.default
     return fx.GraphModule(gm, graph)
+
+
+def _functional_buckets(graph: fx.Graph) -> None:
+    """Persistent bucket buffers back to the functional form: producers lose ``out=``, copies into the
+    buffer go, and the buffer a bucket's writes fill becomes a ``cat`` of them (Inductor plans buffers)."""
+    functional = {out: op for op, out in OUT_FORMS.items()}
+    for node in list(graph.nodes):
+        if node.target in functional and "out" in node.kwargs:
+            node.target = functional[node.target]
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "out"}
+        elif node.target is aten.copy_.default and "bucket" in node.meta:
+            node.replace_all_uses_with(node.args[1])
+            graph.erase_node(node)
+        elif node.target is BUCKET_READY:
+            with graph.inserting_before(node):
+                flat = graph.call_function(
+                    aten.cat.default, ([graph.call_function(aten.reshape.default, (w, [-1])) for w in node.args[1]],)
+                )
+            flat.meta.update(node.meta)
+            node.replace_all_uses_with(flat)
+            graph.erase_node(node)
+    for node in reversed(list(graph.nodes)):
+        if "bucket" in node.meta and not node.users and (node.op == "get_attr" or is_view(node)):
+            graph.erase_node(node)
 
 
 class CompiledProgram:

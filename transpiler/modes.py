@@ -87,14 +87,24 @@ def _allreduce() -> Recipe:
 
 
 def _fused(
-    bucket_cap_mb: float, first_bucket_mb: float, compress: str, sparsify: float, sparsify_threshold: float
+    bucket_cap_mb: float | str,
+    first_bucket_mb: float,
+    gradient_as_bucket_view: bool,
+    compress: str,
+    sparsify: float,
+    sparsify_threshold: float,
 ) -> Recipe:
     if sparsify:
         reduce: Pass = SparseAllReduce(
             ratio=sparsify, threshold=sparsify_threshold, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb
         )
     else:
-        reduce = FuseAllReduce(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compress=compress)
+        reduce = FuseAllReduce(
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=first_bucket_mb,
+            compress=compress,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
     return Recipe({"step": [reduce]}, _prefix(), [ScaleLossGrad()], _tail())
 
 
@@ -188,7 +198,10 @@ def _plain_sgd(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-BUCKET_OPTIONS = {name: field_options(FuseAllReduce)[name] for name in ("bucket_cap_mb", "first_bucket_mb")}
+BUCKET_OPTIONS = {name: field_options(LocalSGDAverage)[name] for name in ("bucket_cap_mb", "first_bucket_mb")}
+FUSED_OPTIONS = {  # bucket_cap_mb takes "auto" here
+    name: field_options(FuseAllReduce)[name] for name in ("bucket_cap_mb", "first_bucket_mb", "gradient_as_bucket_view")
+}
 COMPRESS = {"compress": field_options(FuseAllReduce)["compress"]}
 SPARSIFY = {
     "sparsify": OptionSpec(float, 0.0, minimum=0, maximum=1, help="send this share of each bucket, top-K (0: off)"),
@@ -218,7 +231,7 @@ MODES: dict[str, Mode] = {
             "fused_allreduce",
             "like allreduce, with gradients coalesced into dtype/size buckets (DDP-style caps)",
             _fused,
-            {**BUCKET_OPTIONS, **COMPRESS, **SPARSIFY, **GRADIENT_WRAPPERS},
+            {**FUSED_OPTIONS, **COMPRESS, **SPARSIFY, **GRADIENT_WRAPPERS},
         ),
         Mode(
             "local_sgd",

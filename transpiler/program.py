@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from .cost_model import CostModel
+
 ROLES = ("forward", "loss", "loss_grad", "backward", "communication", "optimizer")
 
 
@@ -40,6 +42,8 @@ class StepProgram:
     extra_init: dict[str, tuple[str, str]] = field(default_factory=dict)  # extra input -> (rule, source)
     subgroups: dict[tuple[int, ...], str] = field(default_factory=dict)  # ranks -> process-group name
     sources: dict[str, str] = field(default_factory=dict)  # data files baked into the graph -> content digest
+    cost_model: CostModel | None = None  # measured at startup when a pass asks (bucket_cap_mb="auto")
+    decisions: dict[str, str] = field(default_factory=dict)  # pass -> what it chose from measurements, in words
 
     @property
     def graph(self) -> fx.Graph:
@@ -71,4 +75,6 @@ class StepProgram:
             dict(self.extra_init),
             dict(self.subgroups),
             dict(self.sources),
+            self.cost_model,
+            dict(self.decisions),
         )

@@ -10,6 +10,8 @@ from collections import deque
 
 import torch.fx as fx
 
+from passes.bucket_views import check_bucket_views
+
 from .collectives import CommOp, collective_sequence, communication_plan, is_collective, is_wait
 from .errors import VerificationError
 from .program import ROLES, StepProgram
@@ -104,7 +106,7 @@ def _reductions_to_optimizer(grad: fx.Node) -> set[int]:
     return found
 
 
-DEFAULT_VERIFIERS = [check_roles, check_collectives_waited, check_gradient_reductions]
+DEFAULT_VERIFIERS = [check_roles, check_collectives_waited, check_gradient_reductions, check_bucket_views]
 
 
 def check_cross_rank(programs: list[StepProgram]) -> None:
