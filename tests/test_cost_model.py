@@ -63,3 +63,29 @@ def test_choice_is_never_predicted_worse_than_any_candidate(sizes, alpha, beta, 
         plan = assign_buckets(sizes, keys, int(cap * MB), int(cap * MB))
         assert choice.predicted_s <= model.finish(plan, names, sizes) * 1.02 + 1e-12
     assert choice.predicted_s <= choice.default_predicted_s * 1.02 + 1e-12
+
+
+def test_contention_makes_overlap_cost_compute():
+    """Where overlapping takes the backward's cores (contention 1), splitting buys nothing: fewest buckets win."""
+    names, nbytes, ready = _layers(8, 4.0, 1e-2)
+    free = choose_caps(CostModel(1e-4, 1e-9, ready, 8e-2, contention=0.0), names, nbytes, [("f32", "cpu")] * 8)
+    busy = choose_caps(CostModel(1e-4, 1e-9, ready, 8e-2, contention=1.0), names, nbytes, [("f32", "cpu")] * 8)
+    assert free.buckets > 1
+    assert busy.buckets == 1
+    assert busy.predicted_s > free.predicted_s
+
+
+@given(
+    sizes=st.lists(st.integers(1, 8 * MB), min_size=1, max_size=20),
+    gap=st.floats(0, 1e-2),
+    contention=st.floats(0, 1),
+    cap=st.sampled_from(CANDIDATE_MB),
+)
+def test_predicted_end_lies_between_overlap_and_no_overlap(sizes, gap, contention, cap):
+    """No plan ends before the backward or before all its all-reduces, nor after doing them one after another."""
+    names = [f"p{i}" for i in range(len(sizes))]
+    model = CostModel(1e-4, 1e-9, {n: (i + 1) * gap for i, n in enumerate(names)}, len(sizes) * gap, contention)
+    plan = assign_buckets(sizes, [("f32", "cpu")] * len(sizes), int(cap * MB), int(cap * MB))
+    comm = sum(model.all_reduce_seconds(sum(sizes[i] for i in b)) for b in plan)
+    end = model.finish(plan, names, sizes)
+    assert max(model.backward, comm) - 1e-12 <= end <= model.backward + comm + 1e-12
