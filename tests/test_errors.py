@@ -19,10 +19,27 @@ from transpiler.cli import main as cli_main
 BATCH = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
 
 
-def test_unsupported_optimizer_names_the_supported_ones():
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda p: torch.optim.LBFGS(p), "closure"),
+        (lambda p: torch.optim.SparseAdam(p), "sparse gradients"),
+        (lambda p: torch.optim.ASGD(p), "branches in Python on a value of its state"),
+    ],
+    ids=["LBFGS", "SparseAdam", "ASGD"],
+)
+def test_optimizers_one_step_graph_cannot_hold_are_refused_with_the_reason(make, why):
     model = nn.Linear(3, 2)
-    with pytest.raises(UnsupportedOptimizerError, match="SGD.*Adam.*AdamW"):
-        transpile(model, torch.optim.RMSprop(model.parameters()), loss_fn=nn.CrossEntropyLoss(), example_inputs=BATCH)
+    with pytest.raises(UnsupportedOptimizerError, match=why):
+        transpile(model, make(model.parameters()), loss_fn=nn.CrossEntropyLoss(), example_inputs=BATCH)
+
+
+def test_optimizer_step_hooks_are_refused_not_skipped():
+    model = nn.Linear(3, 2)
+    opt = torch.optim.RMSprop(model.parameters())
+    opt.register_step_post_hook(lambda *args: None)
+    with pytest.raises(UnsupportedOptimizerError, match="step hooks"):
+        transpile(model, opt, loss_fn=nn.CrossEntropyLoss(), example_inputs=BATCH)
 
 
 def test_data_dependent_control_flow():

@@ -2,9 +2,9 @@
 
 Measured once per traced program, on every rank, when a pass asks for it:
 
-- **Gradient readiness**: a copy of the model runs forward and backward eagerly (twice, the second is
-  timed) with a hook on every parameter; each hook stamps when that parameter's gradient exists,
-  counted from the start of the backward. The backward's duration is stamped too.
+- **Gradient readiness**: a copy of the model runs forward and backward eagerly (a warm-up, then three
+  timed runs whose median is kept) with a hook on every parameter; each hook stamps when that
+  parameter's gradient exists, counted from the start of the backward. The backward's duration too.
 - **All-reduce cost**: all-reduces of 4 KiB to 16 MiB on the step's own group, three timed after a
   warm-up, median per size, fitted by least squares to ``alpha + beta * bytes`` (latency, inverse
   bandwidth).
@@ -31,6 +31,7 @@ from .collectives import C10D, WAIT
 from .errors import ConfigurationError
 
 MB = 1024 * 1024
+TIMED_RUNS = 3  # backward timings per measurement; their median is kept
 PROBE_ELEMENTS = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)  # float32: 4 KiB .. 16 MiB
 
 
@@ -143,8 +144,10 @@ def _backward_times(
         return hook
 
     handles = [p.register_hook(stamp(n)) for n, p in params]
+    names = [n for n, _ in params]
+    runs: list[list[float]] = []  # per timed run: each gradient's ready time, then the backward's duration
     try:
-        for _ in range(2):  # the first run warms up allocators and kernels
+        for run in range(1 + TIMED_RUNS):  # the first run warms up allocators and kernels
             stamps.clear()
             out = twin(*batch[:-1]) if loss_fn is not None else twin(*batch)
             loss = loss_fn(out, batch[-1]) if loss_fn is not None else out
@@ -158,11 +161,13 @@ def _backward_times(
             end = time.perf_counter()
             if pending is not None:
                 WAIT(pending)
+            if run:
+                runs.append([stamps.get(n, end) - start for n in names] + [end - start])
     finally:
         for handle in handles:
             handle.remove()
-    names = [n for n, _ in params]
-    return names, [stamps.get(n, end) - start for n in names], end - start
+    medians = [statistics.median(column) for column in zip(*runs)]  # robust to a run disturbed by other work
+    return names, medians[:-1], medians[-1]
 
 
 def _synchronize(device: torch.device) -> None:

@@ -1,4 +1,5 @@
-"""Functional twins of torch.optim's single-tensor SGD, Adam and AdamW.
+"""Functional twins of torch.optim's single-tensor SGD, Adam and AdamW (any other optimizer:
+``generic_optimizer.py``).
 
 The traced step must update parameters bit for bit as eager
 ``optimizer.step()`` does on CPU (the single-tensor code path), so each update
@@ -19,7 +20,7 @@ import torch
 
 from .errors import UnsupportedOptimizerError
 
-SUPPORTED = "torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW"
+TWINS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}  # exact classes only
 _SENTINEL_BASE = -7.3786976294838206e-19
 
 
@@ -45,15 +46,14 @@ class OptimizerPlan:
     """How one torch.optim optimizer is traced, fed and written back."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], names: list[str]):
-        kind = type(optimizer)
-        if kind is torch.optim.SGD:
-            self.kind = "sgd"
-        elif kind in (torch.optim.Adam, torch.optim.AdamW):
-            self.kind = "adam"
-        else:
+        self.kind = TWINS.get(type(optimizer), getattr(self, "kind", ""))
+        if not self.kind:
+            raise UnsupportedOptimizerError(f"{type(optimizer).__qualname__} has no twin; trace it with make_plan().")
+        if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
             raise UnsupportedOptimizerError(
-                f"optimizer {kind.__module__}.{kind.__qualname__} is not supported; "
-                f"use one of {SUPPORTED} (exactly these classes, not subclasses)."
+                f"{type(optimizer).__name__} has step hooks (register_step_pre_hook / register_step_post_hook), "
+                "which the traced step would not run; remove them, or run that code before or after calling "
+                "the step."
             )
         self.optimizer = optimizer
         self.names = names
@@ -193,10 +193,14 @@ class OptimizerPlan:
                 values.append(1 - lr * group["weight_decay"])
         return values
 
-    def write_back(self, position: int, new_state: list[torch.Tensor]) -> None:
+    def output_state_keys(self, position: int) -> list[str]:
+        """The state keys the traced step outputs for one parameter, in order."""
+        return self.state_keys(position)
+
+    def write_back(self, position: int, new_state: dict[str, torch.Tensor]) -> None:
         state = self.optimizer.state[self.params[position]]
-        for key, value in zip(self.state_keys(position), new_state):
-            state[key] = value
+        for key in self.state_keys(position):
+            state[key] = new_state[key]
 
     # ---------------------------------------------------------------- update
     def update(

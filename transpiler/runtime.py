@@ -33,7 +33,7 @@ import torch
 from .errors import CheckpointError, ConfigurationError, RetraceWarning
 from .failures import communication_error, is_communication_failure
 from .handshake import Handshake, Setup
-from .optimizers import OptimizerPlan
+from .optimizers import TWINS, OptimizerPlan
 from .process_group import LOCAL_GROUP, Placement, ensure_local_group
 from .program import StepProgram
 from .schedules import EveryStep
@@ -112,6 +112,8 @@ def structure_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> t
         parts.extend((id(p), p is not None and p.requires_grad) for p in m._parameters.values())
         parts.extend(id(b) for b in m._buffers.values())
     parts.extend(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups)
+    if type(optimizer) not in TWINS:  # the generic path's first step creates the state, the second reads it
+        parts.append(tuple(bool(optimizer.state.get(p)) for g in optimizer.param_groups for p in g["params"]))
     return tuple(parts)
 
 
@@ -312,7 +314,7 @@ class DistributedStep:
             elif port.kind == "metric":
                 metrics[port.name] = float(value)
         for position, values in new_states.items():
-            plan.write_back(position, [values[k] for k in plan.state_keys(position)])
+            plan.write_back(position, values)
         self.optimizer._opt_called = True  # what LR schedulers check to see that the optimizer stepped
         return metrics
 

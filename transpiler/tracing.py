@@ -18,11 +18,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.nn.utils.stateless import _reparametrize_module
 
-from .errors import ConfigurationError, UnsupportedModelError
+from .errors import ConfigurationError, UnsupportedModelError, UnsupportedOptimizerError
+from .generic_optimizer import DataDependentStep, GenericPlan, make_plan
 from .optimizers import OptimizerPlan
 from .program import Port, StepProgram
 from .trace_env import tracing_environment
@@ -91,12 +94,14 @@ def trace_step(
     """Trace forward, loss, backward and optimizer update of one step into a StepProgram."""
     check_batch(batch, loss_fn=loss_fn)
     state = collect_model_state(model)
-    plan = OptimizerPlan(optimizer, state.params, state.names)
+    plan = make_plan(optimizer, state.params, state.names)
+    generic = isinstance(plan, GenericPlan)
     opt_states = [plan.state_tensors(i) for i in range(len(state.params))]
     counts = [len(s) for s in opt_states]
     n_p, n_f, n_b = len(state.params), len(state.frozen), len(state.buffers)
     n_model_out: list[int] = []
     grad_present: list[bool] = []
+    n_lr = len(plan.groups) if generic else 0
 
     def step_fn(*flat: torch.Tensor):
         params, rest = list(flat[:n_p]), flat[n_p:]
@@ -105,7 +110,7 @@ def trace_step(
         for c in counts:
             states.append(list(rest[pos : pos + c]))
             pos += c
-        data = rest[pos:]
+        data, lrs = rest[pos : len(rest) - n_lr], rest[len(rest) - n_lr :]  # lrs: the generic path's inputs
         tensors = dict(zip(state.names, params))
         tensors.update(zip(state.frozen_names, frozen))
         tensors.update(zip(state.buffer_names, buffers))
@@ -123,15 +128,11 @@ def trace_step(
             seed = torch.ones_like(loss)
             grads = _distinct(torch.autograd.grad(loss, params, seed, allow_unused=True))
         grad_present[:] = [g is not None for g in grads]
-        new_params, new_states = [], []
-        for i, (p, g) in enumerate(zip(params, grads)):
-            if g is None:  # unused parameter: eager skips it too
-                new_params.append(p.detach())
-                new_states += states[i]
-                continue
-            new_p, new_s = plan.update(i, p.detach(), g, states[i])
-            new_params.append(new_p)
-            new_states += new_s
+        if generic:
+            new_params, updated = plan.step_all(params, grads, states, list(lrs))
+        else:
+            new_params, updated = _twin_updates(plan, params, grads, states)
+        new_states = [t for s in updated for t in s]
         out_leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] if loss_fn else []
         n_model_out[:] = [len(out_leaves)]
         return (loss.detach(), *out_leaves, *[g for g in grads if g is not None], *new_params, *new_states, *buffers)
@@ -142,16 +143,27 @@ def trace_step(
         *state.buffers,
         *[t for s in opt_states for t in s],
         *batch,
+        *[torch.tensor(lr, dtype=torch.float64) for lr in (plan.scalar_values() if generic else ())],
     ]
     snapshot = [t.clone() for t in state.buffers]  # tracing must not touch real buffers
+
+    def trace() -> fx.GraphModule:
+        first = _make_fx(step_fn, flat_inputs, symbolic_scalars=generic)
+        # The first graph holds the backward as plain ops, so its inputs need not require grad here; with
+        # leaves that do, functionalize's copy_ epilogue fails on in-place ops (Embedding's max_norm renorm).
+        plain = [t.detach() for t in flat_inputs]
+        return _make_fx(functionalize(first, remove="mutations"), plain, symbolic_scalars=generic)
+
     try:
         with tracing_environment():
-            first = make_fx(step_fn, tracing_mode="fake")(*flat_inputs)
-            # The first graph holds the backward as plain ops, so its inputs need not require grad here; with
-            # leaves that do, functionalize's copy_ epilogue fails on in-place ops (Embedding's max_norm renorm).
-            plain = [t.detach() for t in flat_inputs]
-            functional = make_fx(functionalize(first, remove="mutations"), tracing_mode="fake")(*plain)
-    except UnsupportedModelError:
+            try:
+                functional = trace()
+            except DataDependentStep:
+                if not plan.can_take_tensor_path():
+                    raise
+                plan.tensor_path = True  # branches on the step count: its capturable (tensor) form instead
+                functional = trace()
+    except (UnsupportedModelError, UnsupportedOptimizerError):
         raise
     except Exception as exc:  # torch raises many kinds while tracing; name the cause plainly
         raise _explain_trace_failure(exc) from exc
@@ -165,10 +177,37 @@ def trace_step(
         + [Port("buffer", n) for n in state.buffer_names]
         + [Port("state", f"{state.names[i]}.{k}") for i in range(n_p) for k in plan.state_keys(i)]
         + [Port("batch", f"batch{i}") for i in range(len(batch))]
+        + [Port("scalar", slot.name) for slot in (plan.scalar_slots() if generic else ())]
     )
     used = [n for n, ok in zip(state.names, grad_present) if ok]
     program = _finish(functional, ports, plan, n_model_out[0], used)
     return program, state, plan
+
+
+def _make_fx(fn: Callable, inputs: list, *, symbolic_scalars: bool) -> fx.GraphModule:
+    """``make_fx`` on fake tensors. With ``symbolic_scalars`` the fake tensors carry a shape environment (shapes
+    stay static): ``.item()`` gives a symbolic float and Python arithmetic on it becomes graph nodes (the
+    generic optimizer path: step counts, bias corrections, lr)."""
+    if not symbolic_scalars:
+        return make_fx(fn, tracing_mode="fake")(*inputs)
+    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    fakes = [mode.from_tensor(t) for t in inputs]
+    with mode:
+        return make_fx(fn, tracing_mode="real")(*fakes)
+
+
+def _twin_updates(plan: OptimizerPlan, params: list, grads: list, states: list) -> tuple[list, list]:
+    """Each parameter through its functional twin; an unused parameter (no gradient) is left as it is."""
+    new_params, new_states = [], []
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if g is None:  # unused parameter: eager skips it too
+            new_params.append(p.detach())
+            new_states.append(states[i])
+            continue
+        new_p, new_s = plan.update(i, p.detach(), g, states[i])
+        new_params.append(new_p)
+        new_states.append(new_s)
+    return new_params, new_states
 
 
 def _distinct(grads: tuple) -> list:
@@ -230,27 +269,31 @@ def _finish(
     results = list(pytree.tree_leaves(output.args[0]))
 
     renamed: list[fx.Node] = []
+    sentinels = [] if any(p.kind == "scalar" for p in in_ports) else plan.scalar_slots()  # generic: inputs
     with graph.inserting_before(placeholders[0]):
         for port in in_ports:
             renamed.append(graph.placeholder(_ident(port)))
-        slot_nodes = {s.sentinel: graph.placeholder(_ident(Port("scalar", s.name))) for s in plan.scalar_slots()}
+        slot_nodes = {s.sentinel: graph.placeholder(_ident(Port("scalar", s.name))) for s in sentinels}
     for old, new, port in zip(placeholders, renamed, in_ports):
         new.meta.update(old.meta)
         new.meta["port"] = port
         old.replace_all_uses_with(new)
         graph.erase_node(old)
     results = [renamed[slot[r]] if r in slot else r for r in results]
-    for slot in plan.scalar_slots():
+    for slot in sentinels:
         slot_nodes[slot.sentinel].meta["port"] = Port("scalar", slot.name)
     _swap_sentinels(graph, slot_nodes)
+    _scalar_inputs_as_floats(graph)
 
     loss, model_out = results[0], results[1 : 1 + n_out]
     grads = results[1 + n_out : 1 + n_out + len(grads_of)]
     rest = results[1 + n_out + len(grads_of) :]
     for name, g in zip(grads_of, grads):
         g.meta["grad_of"] = name
+    names = [p.name for p in in_ports if p.kind == "param"]
     out_ports = [Port("loss", "loss")] + [p for p in in_ports if p.kind == "param"]
-    out_ports += [p for p in in_ports if p.kind == "state"] + [p for p in in_ports if p.kind == "buffer"]
+    out_ports += [Port("state", f"{names[i]}.{k}") for i in range(len(names)) for k in plan.output_state_keys(i)]
+    out_ports += [p for p in in_ports if p.kind == "buffer"]
     out_ports += [port for port, _ in mutated_frozen]
     rest += [value for _, value in mutated_frozen]
     output.args = (tuple([loss, *rest]),)
@@ -258,7 +301,7 @@ def _finish(
     _tag_roles(graph, loss, model_out, grads)
     graph.lint()
     gm.recompile()
-    ports_in = in_ports + [Port("scalar", s.name) for s in plan.scalar_slots()]
+    ports_in = in_ports + [Port("scalar", s.name) for s in sentinels]
     program = StepProgram(gm, ports_in, out_ports)
     program.snapshot("traced")
     return program
@@ -268,6 +311,23 @@ def _ident(port: Port) -> str:
     prefix = {"param": "p", "frozen": "frozen", "buffer": "buf", "state": "opt", "batch": "", "scalar": "s"}[port.kind]
     name = "".join(c if c.isalnum() else "_" for c in port.name)
     return f"{prefix}_{name}" if prefix else name
+
+
+def _scalar_inputs_as_floats(graph: fx.Graph) -> None:
+    """The generic path traced each lr as a 0-d tensor read with ``.item()``; the runtime feeds the float
+    itself, so the read goes. Profiler markers of ``Optimizer.step`` go too: they would only cost time."""
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        source = node.args[0] if node.args else None
+        if node.target is torch.ops.aten._local_scalar_dense.default and source.op == "placeholder":
+            if source.meta.get("port", Port("", "")).kind == "scalar":
+                node.replace_all_uses_with(source)
+                graph.erase_node(node)
+                source.meta.pop("val", None)
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and getattr(node.target, "namespace", "") == "profiler" and not node.users:
+            graph.erase_node(node)
 
 
 def _swap_sentinels(graph: fx.Graph, slot_nodes: dict[float, fx.Node]) -> None:

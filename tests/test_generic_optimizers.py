@@ -1,0 +1,131 @@
+"""Any torch.optim optimizer (and a user's own) through its own traced ``step()``, at world size 1.
+
+Each trains 5 steps through ``transpile(mode="none")`` against eager ``optimizer.step()`` from the same
+weights and batches, with non-default options where they change the code path, under an LR scheduler.
+Bitwise where the traced step runs the optimizer's own default path (the Python arithmetic on the step
+count and lr is recorded and re-run in doubles); RAdam takes its capturable (tensor) form, because its
+default path branches on the step count, so it is compared within ``TENSOR_PATH_TOL``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from transpiler import UnsupportedOptimizerError, transpile
+
+TENSOR_PATH_TOL = 1e-6  # float32 tensor arithmetic for RAdam's rectification term, instead of Python doubles
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023), written as a user would: sign of an interpolated momentum, decoupled decay."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                update = state["exp_avg"].mul(beta1).add(p.grad, alpha=1 - beta1).sign_()
+                p.add_(update, alpha=-group["lr"])
+                state["exp_avg"].mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+OPTIMIZERS = {
+    "RMSprop centered momentum": lambda p: torch.optim.RMSprop(
+        p, lr=0.01, momentum=0.5, centered=True, weight_decay=0.01
+    ),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=0.01),
+    "Adagrad lr_decay": lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01, weight_decay=0.01),
+    "Adadelta": lambda p: torch.optim.Adadelta(p, weight_decay=0.01),
+    "Adamax": lambda p: torch.optim.Adamax(p, lr=0.01, weight_decay=0.01),
+    "NAdam": lambda p: torch.optim.NAdam(p, lr=0.01),
+    "NAdam decoupled": lambda p: torch.optim.NAdam(p, lr=0.01, weight_decay=0.01, decoupled_weight_decay=True),
+    "RAdam": lambda p: torch.optim.RAdam(p, lr=0.01, weight_decay=0.01),
+    "Rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
+    "Adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01),
+    "Adam amsgrad subclass": lambda p: type("MyAdam", (torch.optim.Adam,), {})(p, lr=0.01, amsgrad=True),
+    "Lion (custom)": lambda p: Lion(p, lr=0.01, weight_decay=0.1),
+}
+TOLERANT = {"RAdam"}
+SCHEDULERS = {
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e)),
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=10, cycle_momentum=False),
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batches(n: int = 5) -> list:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 5, generator=gen), torch.randint(0, 3, (6,), generator=gen)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("scheduler", list(SCHEDULERS))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_matches_eager_step_after_step(name, scheduler):
+    ours, eager = _model(), _model()
+    ours_opt, eager_opt = OPTIMIZERS[name](ours.parameters()), OPTIMIZERS[name](eager.parameters())
+    ours_sched, eager_sched = SCHEDULERS[scheduler](ours_opt), SCHEDULERS[scheduler](eager_opt)
+    step = transpile(ours, ours_opt, "none", nn.CrossEntropyLoss(), world_size=1, rank=0)
+    for i, (x, y) in enumerate(_batches()):
+        assert ours_opt.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"]  # the lr this step uses
+        step(x, y)
+        eager_opt.zero_grad()
+        nn.functional.cross_entropy(eager(x), y).backward()
+        eager_opt.step()
+        ours_sched.step()
+        eager_sched.step()
+        for (n, a), b in zip(ours.named_parameters(), eager.parameters()):
+            if name in TOLERANT:
+                torch.testing.assert_close(a, b, atol=TENSOR_PATH_TOL, rtol=0, msg=f"{name} step {i} {n}")
+            else:
+                assert torch.equal(a, b), f"{name} with {scheduler}: step {i} {n} differs"
+    for p_ours, p_eager in zip(ours.parameters(), eager.parameters()):  # optimizer.state as eager has it
+        assert ours_opt.state[p_ours].keys() == eager_opt.state[p_eager].keys()
+    assert step.traces <= 2  # a first step that creates state is traced again once, with it; then never
+
+
+def test_a_changed_hyper_parameter_other_than_lr_is_an_error():
+    model = _model()
+    opt = torch.optim.RMSprop(model.parameters(), lr=0.01, momentum=0.5)
+    step = transpile(model, opt, "none", nn.CrossEntropyLoss(), world_size=1, rank=0)
+    x, y = _batches(1)[0]
+    step(x, y)
+    step(x, y)  # the program that reads the state
+    opt.param_groups[0]["momentum"] = 0.9
+    with pytest.raises(UnsupportedOptimizerError, match=r"changed \['momentum'\].*cycle_momentum=False"):
+        step(x, y)
+
+
+def test_state_dict_round_trip_resumes_bitwise():
+    batches = _batches(6)
+    model = _model()
+    opt = torch.optim.NAdam(model.parameters(), lr=0.01)
+    step = transpile(model, opt, "none", nn.CrossEntropyLoss(), world_size=1, rank=0)
+    for x, y in batches[:3]:
+        step(x, y)
+    checkpoint = step.state_dict()
+    for x, y in batches[3:]:
+        step(x, y)
+    resumed_model = _model()
+    resumed_opt = torch.optim.NAdam(resumed_model.parameters(), lr=0.01)
+    resumed = transpile(resumed_model, resumed_opt, "none", nn.CrossEntropyLoss(), world_size=1, rank=0)
+    resumed.load_state_dict(checkpoint)
+    for x, y in batches[3:]:
+        resumed(x, y)
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
