@@ -142,3 +142,25 @@ def plain_sgd_factory():
     """FACTORY for ``transpiler dump --mode dim_reduce``: DimReduce's plain SGD with lr=1, as Boost uses."""
     model, _, loss_fn, batch = tiny_factory()
     return model, torch.optim.SGD(model.parameters(), lr=1.0), loss_fn, batch
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023), written as a user would: sign of an interpolated momentum, decoupled decay."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                update = state["exp_avg"].mul(beta1).add(p.grad, alpha=1 - beta1).sign_()
+                p.add_(update, alpha=-group["lr"])
+                state["exp_avg"].mul_(beta2).add_(p.grad, alpha=1 - beta2)
