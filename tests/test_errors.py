@@ -164,3 +164,11 @@ def test_cli_reports_a_failing_factory_plainly(tmp_path, capsys):
     assert "make() in" in err and "RuntimeError: no data here" in err and "Traceback" not in err
     assert cli_main(["dump", f"{tmp_path}/missing.py:make"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_allgather_refuses_an_optimizer_without_a_twin_at_transpile():
+    model = nn.Linear(3, 2)
+    with pytest.raises(ConfigurationError, match="allgather.*RMSprop has none"):
+        transpile(
+            model, torch.optim.RMSprop(model.parameters()), "allgather", nn.CrossEntropyLoss(), world_size=2, rank=0
+        )

@@ -108,3 +108,22 @@ def test_state_dict_round_trip_resumes_bitwise():
         resumed(x, y)
     for a, b in zip(model.parameters(), resumed_model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_muon_on_a_model_of_matrices_matches_eager():
+    """Muon takes 2-D parameters only; torch pairs it with another optimizer for the rest, which transpile()
+    (one optimizer) cannot take yet, so the model here has matrices only."""
+
+    def matrices() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 8, bias=False), nn.Tanh(), nn.Linear(8, 3, bias=False))
+
+    ours, eager = matrices(), matrices()
+    ours_opt, eager_opt = torch.optim.Muon(ours.parameters(), lr=0.02), torch.optim.Muon(eager.parameters(), lr=0.02)
+    step = transpile(ours, ours_opt, "none", nn.CrossEntropyLoss(), world_size=1, rank=0)
+    for x, y in _batches():
+        step(x, y)
+        eager_opt.zero_grad()
+        nn.functional.cross_entropy(eager(x), y).backward()
+        eager_opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), eager.parameters()))

@@ -34,6 +34,7 @@ from .composition import (
     compose,
 )
 from .errors import ConfigurationError
+from .optimizers import TWINS
 from .options import OptionSpec, field_options, parse_options
 from .pipeline import Pass, parse_spec
 from .schedules import LocalSGDSchedule, RoundRobinSchedule
@@ -144,7 +145,17 @@ def _adasum(target: str) -> Callable[..., Recipe]:
 
 def _allgather(bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:
     gather = AllGatherGrads(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
-    return Recipe({"step": [gather]}, _prefix(), [ScaleLossGrad()], _tail())
+    return Recipe({"step": [gather]}, _prefix(), [ScaleLossGrad()], _tail(), check=_twin_only)
+
+
+def _twin_only(optimizer: torch.optim.Optimizer) -> None:
+    """The all-gather mode copies the optimizer's update once per rank's gradient: it needs a functional twin."""
+    if type(optimizer) not in TWINS:
+        raise ConfigurationError(
+            f"mode 'allgather' applies the optimizer once per rank's gradient, by copying its functional twin; "
+            f"{type(optimizer).__name__} has none (only torch.optim.SGD, Adam and AdamW do). Use another mode, "
+            "or one of those optimizers."
+        )
 
 
 def _partial_sync(partitions: int, bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:

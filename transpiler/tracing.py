@@ -181,6 +181,13 @@ def trace_step(
     )
     used = [n for n, ok in zip(state.names, grad_present) if ok]
     program = _finish(functional, ports, plan, n_model_out[0], used)
+    if generic:
+        how = (
+            "its capturable (tensor) form, since its default path branches on the step count"
+            if plan.tensor_path
+            else "its default path, Python scalars traced symbolically"
+        )
+        program.decisions["optimizer"] = f"{type(optimizer).__name__}.step() traced in {how}"
     return program, state, plan
 
 
