@@ -37,6 +37,7 @@ DEFAULT_LR = {  # learning rates that train this MLP on digits in 30 epochs
     "adadelta": 1.0,
     "rprop": 1e-3,
     "adafactor": 1e-2,
+    "asgd": 0.2,
     "sgd": 0.05,
 }
 

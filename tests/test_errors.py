@@ -24,9 +24,8 @@ BATCH = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
     [
         (lambda p: torch.optim.LBFGS(p), "closure"),
         (lambda p: torch.optim.SparseAdam(p), "sparse gradients"),
-        (lambda p: torch.optim.ASGD(p), "branches in Python on a value of its state"),
     ],
-    ids=["LBFGS", "SparseAdam", "ASGD"],
+    ids=["LBFGS", "SparseAdam"],
 )
 def test_optimizers_one_step_graph_cannot_hold_are_refused_with_the_reason(make, why):
     model = nn.Linear(3, 2)

@@ -3,8 +3,9 @@
 Each trains 5 steps through ``transpile(mode="none")`` against eager ``optimizer.step()`` from the same
 weights and batches, with non-default options where they change the code path, under an LR scheduler.
 Bitwise where the traced step runs the optimizer's own default path (the Python arithmetic on the step
-count and lr is recorded and re-run in doubles); RAdam takes its capturable (tensor) form, because its
-default path branches on the step count, so it is compared within ``TENSOR_PATH_TOL``.
+count and lr is recorded and re-run in doubles); RAdam and ASGD take their capturable (tensor) forms,
+because their default paths branch on the step count or on ``mu``, so they are compared within
+``TENSOR_PATH_TOL``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 from tests.models import Lion
 from transpiler import UnsupportedOptimizerError, transpile
 
-TENSOR_PATH_TOL = 1e-6  # float32 tensor arithmetic for RAdam's rectification term, instead of Python doubles
+TENSOR_PATH_TOL = 1e-6  # float32 tensor arithmetic (RAdam's rectification, ASGD's eta and mu), not Python doubles
 
 
 OPTIMIZERS = {
@@ -31,11 +32,12 @@ OPTIMIZERS = {
     "NAdam decoupled": lambda p: torch.optim.NAdam(p, lr=0.01, weight_decay=0.01, decoupled_weight_decay=True),
     "RAdam": lambda p: torch.optim.RAdam(p, lr=0.01, weight_decay=0.01),
     "Rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
+    "ASGD": lambda p: torch.optim.ASGD(p, lr=0.01, t0=2, weight_decay=0.01),
     "Adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01),
     "Adam amsgrad subclass": lambda p: type("MyAdam", (torch.optim.Adam,), {})(p, lr=0.01, amsgrad=True),
     "Lion (custom)": lambda p: Lion(p, lr=0.01, weight_decay=0.1),
 }
-TOLERANT = {"RAdam"}
+TOLERANT = {"RAdam", "ASGD"}
 SCHEDULERS = {
     "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, 2, 0.5),
     "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e)),

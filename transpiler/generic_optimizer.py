@@ -156,7 +156,7 @@ class GenericPlan(OptimizerPlan):
             for g, lr in zip(self.groups, lrs):
                 group = opt.param_groups[g.index]
                 group["params"] = [traced[i] for i in g.param_positions]
-                group["lr"] = lr.item()
+                group["lr"] = lr if self.tensor_path else lr.item()  # capturable forms take a tensor lr
             for i, (t, grad) in enumerate(zip(traced, grads)):
                 t.grad = grad
                 opt.state[t] = {k: s.clone() for k, s in zip(keys[i], states[i])}

@@ -183,7 +183,7 @@ def trace_step(
     program = _finish(functional, ports, plan, n_model_out[0], used)
     if generic:
         how = (
-            "its capturable (tensor) form, since its default path branches on the step count"
+            "its capturable (tensor) form, since its default path branches on a value of its state"
             if plan.tensor_path
             else "its default path, Python scalars traced symbolically"
         )
@@ -321,17 +321,24 @@ def _ident(port: Port) -> str:
 
 
 def _scalar_inputs_as_floats(graph: fx.Graph) -> None:
-    """The generic path traced each lr as a 0-d tensor read with ``.item()``; the runtime feeds the float
-    itself, so the read goes. Profiler markers of ``Optimizer.step`` go too: they would only cost time."""
+    """The generic path traced each lr as a 0-d float64 tensor; the runtime feeds the float itself. A read
+    of it with ``.item()`` goes; a reader of the tensor (a capturable form) gets one made from the float.
+    Profiler markers of ``Optimizer.step`` go too: they would only cost time."""
+    local_scalar = torch.ops.aten._local_scalar_dense.default
     for node in list(graph.nodes):
-        if node.op != "call_function":
+        if node.op != "placeholder" or node.meta.get("port", Port("", "")).kind != "scalar" or "val" not in node.meta:
             continue
-        source = node.args[0] if node.args else None
-        if node.target is torch.ops.aten._local_scalar_dense.default and source.op == "placeholder":
-            if source.meta.get("port", Port("", "")).kind == "scalar":
-                node.replace_all_uses_with(source)
-                graph.erase_node(node)
-                source.meta.pop("val", None)
+        tensor_readers = [u for u in node.users if u.target is not local_scalar]
+        if tensor_readers:
+            with graph.inserting_after(node):
+                tensor = graph.call_function(torch.ops.aten.scalar_tensor.default, (node,), {"dtype": torch.float64})
+            tensor.meta.update(val=node.meta["val"], role="optimizer")
+            for reader in tensor_readers:
+                reader.replace_input_with(node, tensor)
+        for reader in [u for u in node.users if u.target is local_scalar]:
+            reader.replace_all_uses_with(node)
+            graph.erase_node(reader)
+        node.meta.pop("val")
     for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and getattr(node.target, "namespace", "") == "profiler" and not node.users:
             graph.erase_node(node)
