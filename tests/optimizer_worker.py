@@ -31,6 +31,10 @@ OPTIMIZERS = {
     "Adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01),
     "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05),
     "RAdam": lambda p: torch.optim.RAdam(p, lr=0.01),
+    "Adadelta": lambda p: torch.optim.Adadelta(p, weight_decay=0.01),
+    "Adamax": lambda p: torch.optim.Adamax(p, lr=0.01),
+    "Rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
+    "ASGD": lambda p: torch.optim.ASGD(p, lr=0.01, t0=2),
     "Lion": lambda p: Lion(p, lr=0.01, weight_decay=0.1),
 }
 
