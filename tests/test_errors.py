@@ -171,3 +171,19 @@ def test_allgather_refuses_an_optimizer_without_a_twin_at_transpile():
         transpile(
             model, torch.optim.RMSprop(model.parameters()), "allgather", nn.CrossEntropyLoss(), world_size=2, rank=0
         )
+
+
+def test_an_optimizer_whose_step_fails_while_traced_is_named():
+    class Fragile(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.add_(p.grad.numpy().sum())  # leaves torch: cannot be traced
+
+    model = nn.Linear(3, 2)
+    with pytest.raises(UnsupportedOptimizerError, match=r"Fragile.step\(\) failed while the step was traced"):
+        transpile(model, Fragile(model.parameters()), loss_fn=nn.CrossEntropyLoss(), example_inputs=BATCH)

@@ -171,7 +171,14 @@ class GenericPlan(OptimizerPlan):
                         + ("" if self.tensor_path else " and it has no capturable (tensor-only) form")
                         + f". Torch said: {str(exc).strip().splitlines()[0][:200]}"
                     ) from exc
-                raise
+                if isinstance(exc, UnsupportedOptimizerError):
+                    raise
+                first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+                raise UnsupportedOptimizerError(
+                    f"{type(opt).__name__}.step() failed while the step was traced ({type(exc).__name__}: {first}). "
+                    "The generic path runs the optimizer's own step on traced tensors: it must use tensor ops on "
+                    "p, p.grad and tensors in self.state."
+                ) from exc
             new_states = []
             for i, t in enumerate(traced):
                 self.output_keys[i] = list(opt.state[t])
