@@ -164,3 +164,12 @@ class Lion(torch.optim.Optimizer):
                 update = state["exp_avg"].mul(beta1).add(p.grad, alpha=1 - beta1).sign_()
                 p.add_(update, alpha=-group["lr"])
                 state["exp_avg"].mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+def muon_and_adamw(params) -> torch.optim.Optimizer:
+    """Muon on the matrices and AdamW on the rest, as torch documents Muon, chained into one optimizer."""
+    from transpiler.optimizer_chain import OptimizerChain
+
+    params = list(params)
+    matrices, rest = [p for p in params if p.ndim == 2], [p for p in params if p.ndim != 2]
+    return OptimizerChain([torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=0.01)])

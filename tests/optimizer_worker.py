@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.distributed import leave  # noqa: E402
-from tests.models import MLP, Lion, make_batch  # noqa: E402
+from tests.models import MLP, Lion, make_batch, muon_and_adamw  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 STEPS, PER_RANK = 4, 8
@@ -35,6 +35,7 @@ OPTIMIZERS = {
     "Adamax": lambda p: torch.optim.Adamax(p, lr=0.01),
     "Rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
     "ASGD": lambda p: torch.optim.ASGD(p, lr=0.01, t0=2),
+    "Muon+AdamW": muon_and_adamw,
     "Lion": lambda p: Lion(p, lr=0.01, weight_decay=0.1),
 }
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.models import Lion
-from transpiler import UnsupportedOptimizerError, transpile
+from tests.models import Lion, muon_and_adamw
+from transpiler import ConfigurationError, UnsupportedOptimizerError, transpile
 
 TENSOR_PATH_TOL = 1e-6  # float32 tensor arithmetic (RAdam's rectification, ASGD's eta and mu), not Python doubles
 
@@ -36,6 +36,7 @@ OPTIMIZERS = {
     "Adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01),
     "Adam amsgrad subclass": lambda p: type("MyAdam", (torch.optim.Adam,), {})(p, lr=0.01, amsgrad=True),
     "Lion (custom)": lambda p: Lion(p, lr=0.01, weight_decay=0.1),
+    "Muon + AdamW (chained)": muon_and_adamw,
 }
 TOLERANT = {"RAdam", "ASGD"}
 SCHEDULERS = {
@@ -129,3 +130,44 @@ def test_muon_on_a_model_of_matrices_matches_eager():
         nn.functional.cross_entropy(eager(x), y).backward()
         eager_opt.step()
         assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), eager.parameters()))
+
+
+def test_a_list_of_optimizers_steps_as_one_and_each_keeps_its_own_state_and_scheduler():
+    """transpile(model, [muon, adamw]): each member's scheduler sets its own lr, each member's state_dict()
+    holds only its parameters, and step.state_dict() resumes bitwise."""
+    batches = _batches(6)
+
+    def members(model: nn.Module) -> list:
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        return [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW([p for p in model.parameters() if p.ndim != 2])]
+
+    ours, eager = _model(), _model()
+    ours_opts, eager_opts = members(ours), members(eager)
+    schedules = [torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in ours_opts + eager_opts]
+    step = transpile(ours, ours_opts, "none", nn.CrossEntropyLoss(), world_size=1, rank=0)
+    for x, y in batches[:3]:
+        step(x, y)
+        for o in eager_opts:
+            o.zero_grad()
+        nn.functional.cross_entropy(eager(x), y).backward()
+        for o in eager_opts:
+            o.step()
+        for s in schedules:
+            s.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), eager.parameters()))
+    assert [len(o.state_dict()["state"]) for o in ours_opts] == [2, 2]
+    checkpoint = step.state_dict()
+    for x, y in batches[3:]:
+        step(x, y)
+    again = _model()
+    resumed = transpile(again, members(again), "none", nn.CrossEntropyLoss(), world_size=1, rank=0)
+    resumed.load_state_dict(checkpoint)
+    for x, y in batches[3:]:
+        resumed(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), again.parameters()))
+
+
+def test_a_parameter_in_two_optimizers_is_refused():
+    model = _model()
+    with pytest.raises(ConfigurationError, match="in two of the optimizers"):
+        transpile(model, [torch.optim.Adam(model.parameters()), torch.optim.RMSprop(model.parameters())], "none")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ from .compile import CompiledProgram
 from .errors import ConfigurationError
 from .handshake import Setup, describe_model, describe_optimizer
 from .modes import build_strategy
+from .optimizer_chain import as_optimizer
 from .options import parse_options
 from .pipeline import Pipeline
 from .process_group import Placement, as_timeout, resolve_placement, subgroup_names
@@ -31,7 +32,7 @@ CROSS_RANK_LIMIT = 16  # beyond this many ranks, the static check compares ranks
 
 def transpile(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     mode: str = "fused_allreduce",
     loss_fn: LossFn = None,
     example_inputs: tuple | None = None,
@@ -60,12 +61,12 @@ def transpile(
     ``trajectory_every=m`` (any mode) make rank 0 save the flattened weights
     every m updates, for ``transpiler pca`` (see ``transpiler/trajectory.py``). ``compile=True`` compiles
     each rewritten program with ``torch.compile`` (Inductor) on its first call (``transpiler/compile.py``;
-    ``step.compile_seconds`` says how long that took).
+    ``step.compile_seconds`` says how long that took). ``optimizer`` may be a list of optimizers over disjoint
+    parameters (Muon for the matrices, AdamW for the rest): they are stepped as one (``optimizer_chain.py``).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigurationError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    optimizer = as_optimizer(optimizer)
     if not isinstance(compile, bool):
         raise ConfigurationError(f"compile must be True or False, got {compile!r}.")
     if isinstance(max_cached_programs, bool) or not isinstance(max_cached_programs, int) or max_cached_programs < 1:

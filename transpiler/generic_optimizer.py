@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .errors import UnsupportedOptimizerError
+from .optimizer_chain import OptimizerChain
 from .optimizers import TWINS, OptimizerPlan
 
 REFUSED = {
@@ -150,9 +151,11 @@ class GenericPlan(OptimizerPlan):
         keys = [self.state_keys(i) for i in range(len(params))]  # read before the state is swapped out
         traced = [p.detach().clone() for p in params]
         saved = [(group["params"], group["lr"]) for group in opt.param_groups]
-        saved_state = opt.state
+        holders = opt.members if isinstance(opt, OptimizerChain) else [opt]  # who keeps the state
+        saved_state = [holder.state for holder in holders]
         try:
-            opt.state = defaultdict(dict)
+            for holder in holders:
+                holder.state = defaultdict(dict)
             for g, lr in zip(self.groups, lrs):
                 group = opt.param_groups[g.index]
                 group["params"] = [traced[i] for i in g.param_positions]
@@ -186,7 +189,8 @@ class GenericPlan(OptimizerPlan):
         finally:
             for group, (group_params, lr) in zip(opt.param_groups, saved):
                 group["params"], group["lr"] = group_params, lr
-            opt.state = saved_state
+            for holder, state in zip(holders, saved_state):
+                holder.state = state
         loose = {k for i, t in enumerate(new_states) for k, v in zip(self.output_keys[i], t) if not torch.is_tensor(v)}
         if loose:
             raise UnsupportedOptimizerError(
