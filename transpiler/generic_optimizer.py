@@ -164,7 +164,9 @@ class GenericPlan(OptimizerPlan):
                 t.grad = grad
                 opt.state[t] = {k: s.clone() for k, s in zip(keys[i], states[i])}
             try:
-                with torch.no_grad(), self._tensor_path_if_chosen(), _symbolic_min_max(type(opt)):
+                with torch.no_grad(), self._tensor_path_if_chosen(), contextlib.ExitStack() as patches:
+                    for kind in {type(holder) for holder in holders}:  # a chain's members, or the optimizer
+                        patches.enter_context(_symbolic_min_max(kind))
                     opt.step()
             except Exception as exc:
                 if "GuardOnDataDependent" in type(exc).__name__ or "data-dependent" in str(exc):
