@@ -54,7 +54,8 @@ def render(steps: dict, passes: list[dict]) -> str:
         "",
         "See also [serial_limit.md](serial_limit.md) (`python bench/limit.py`): the fused step against DDP and the "
         "serial limit on four workloads, where its time goes, and `compile=True` against "
-        "`torch.compile(DDP(model))`.",
+        '`torch.compile(DDP(model))`, persistent bucket buffers and `bucket_cap_mb="auto"`; '
+        "[performance.md](performance.md) reads it against issue 9's goals, met and missed.",
         "",
         f"Produced by `{COMMAND}` on {platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}, "
         "gloo over loopback, 2 processes with one thread each, SGD with momentum. Step times are medians over "

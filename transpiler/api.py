@@ -21,7 +21,7 @@ from .options import parse_options
 from .pipeline import Pipeline
 from .process_group import Placement, as_timeout, resolve_placement, subgroup_names
 from .program import StepProgram
-from .runtime import Built, DistributedStep
+from .runtime import Built, DistributedStep, batch_key
 from .tracing import LossFn, trace_step
 from .trajectory import TRAJECTORY_OPTIONS, TrajectoryWriter
 from .verify import DEFAULT_VERIFIERS, check_communication, check_cross_rank
@@ -86,11 +86,15 @@ def transpile(
     specs = {variant: ",".join(p.spec() for p in passes) for variant, passes in strategy.variants.items()}
     schedule = strategy.schedule()
     wants_cost_model = any(getattr(p, "wants_cost_model", False) for ps in strategy.variants.values() for p in ps)
+    measured: dict[tuple, cost_model.CostModel] = {}  # per batch shape: a retrace (model mode, new state) reuses it
 
     def build(batch: tuple) -> Built:
         traced, state, plan = trace_step(model, optimizer, loss_fn, batch)
         if placement.live and placement.world_size > 1 and wants_cost_model:
-            traced.cost_model = cost_model.measure(model, loss_fn, batch, placement.group_name)
+            key = batch_key(batch)
+            if key not in measured:
+                measured[key] = cost_model.measure(model, loss_fn, batch, placement.group_name)
+            traced.cost_model = measured[key]
         programs = {
             variant: rewrite(traced, passes, placement, verify=verify, on_pass=on_pass, subgroups=subgroups)
             for variant, passes in strategy.variants.items()

@@ -79,12 +79,7 @@ class GenericPlan(OptimizerPlan):
                 group["capturable"] = value
 
     def _check_group(self, group: dict, gi: int) -> None:
-        for flag in ("capturable", "differentiable", "fused"):
-            if group.get(flag):
-                raise UnsupportedOptimizerError(
-                    f"param group {gi} sets {flag}=True; the transpiler traces the optimizer's default path, so "
-                    f"create it with {flag}=False (the traced graph is compiled with compile=True instead)."
-                )
+        super()._check_group(group, gi)
         if isinstance(group.get("lr"), torch.Tensor) and group["lr"].numel() != 1:
             raise UnsupportedOptimizerError(f"param group {gi} has a tensor lr of {group['lr'].numel()} elements.")
 
@@ -100,13 +95,7 @@ class GenericPlan(OptimizerPlan):
 
     def state_keys(self, position: int) -> list[str]:
         state = self.optimizer.state.get(self.params[position], {})
-        loose = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
-        if loose:
-            raise UnsupportedOptimizerError(
-                f"{type(self.optimizer).__name__} keeps {loose[:3]} of parameter '{self.names[position]}' as "
-                "Python values, which a traced step cannot update; keep optimizer state in tensors "
-                "(state['step'] = torch.tensor(0.0), as torch.optim does)."
-            )
+        _refuse_python_values(self.optimizer, [k for k, v in state.items() if not isinstance(v, torch.Tensor)])
         return list(state)
 
     def output_state_keys(self, position: int) -> list[str]:
@@ -194,12 +183,16 @@ class GenericPlan(OptimizerPlan):
             for holder, state in zip(holders, saved_state):
                 holder.state = state
         loose = {k for i, t in enumerate(new_states) for k, v in zip(self.output_keys[i], t) if not torch.is_tensor(v)}
-        if loose:
-            raise UnsupportedOptimizerError(
-                f"{type(opt).__name__}.step() stores {sorted(loose)[:3]} as Python values; keep optimizer state "
-                "in tensors (state['step'] = torch.tensor(0.0), as torch.optim does)."
-            )
+        _refuse_python_values(opt, sorted(loose))
         return traced, new_states
+
+
+def _refuse_python_values(optimizer: torch.optim.Optimizer, keys: list[str]) -> None:
+    if keys:
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__name__} keeps optimizer state {keys[:3]} as Python values, which a traced step "
+            "cannot update; keep it in tensors (state['step'] = torch.tensor(0.0), as torch.optim does)."
+        )
 
 
 def _sym_aware(builtin: Callable, symbolic: Callable) -> Callable:

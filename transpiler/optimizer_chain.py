@@ -36,7 +36,16 @@ class RoutedState(MutableMapping):
         raise KeyError(param)
 
     def __getitem__(self, param: Any) -> Any:
-        return self._owner(param).state[param]
+        for member in self.members:  # dict lookups first: read every step (runtime cache key)
+            if param in member.state:
+                return member.state[param]
+        return self._owner(param).state[param]  # a new entry, in the owner's defaultdict
+
+    def __contains__(self, param: object) -> bool:
+        return any(param in member.state for member in self.members)
+
+    def get(self, param: Any, default: Any = None) -> Any:
+        return self[param] if param in self else default
 
     def __setitem__(self, param: Any, value: Any) -> None:
         self._owner(param).state[param] = value

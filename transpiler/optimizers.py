@@ -98,8 +98,8 @@ class OptimizerPlan:
         for flag in ("capturable", "differentiable", "fused"):
             if group.get(flag):
                 raise UnsupportedOptimizerError(
-                    f"param group {gi} sets {flag}=True; the transpiler mirrors the default CPU "
-                    f"single-tensor path, so create the optimizer with {flag}=False."
+                    f"param group {gi} sets {flag}=True; the transpiler traces the optimizer's default path "
+                    f"(compile=True fuses the update instead), so create the optimizer with {flag}=False."
                 )
         if self.kind == "adam" and torch.is_tensor(group.get("betas", (0,))[0]):
             raise UnsupportedOptimizerError("tensor betas are not supported; pass floats.")
