@@ -2,9 +2,14 @@
 
 Not a pass: ``fuse-allreduce`` lays a bucket out through :func:`write_into_buffer` when its option
 ``gradient-as-bucket-view`` is on (the default; DDP's option of that name). The buffer is a constant of
-the program, allocated once (uninitialised: the writes cover it every step, so memory is only touched
-when a step runs) and reused every step (never saved in checkpoints), so no step allocates a
-fresh bucket (``cat``) and the reduced gradients are views of it, with no copy back. A gradient whose
+the program, allocated once (zeroed) and reused every step (never saved in checkpoints), so no step
+allocates a fresh bucket (``cat``) and the reduced gradients are views of it, with no copy back.
+
+Every view starts on a :data:`SLOT_ALIGN_BYTES` boundary, as a tensor of its own would. MKL's ``gemm``
+takes other code paths for an output that is not 16-byte aligned, and on an AVX2-only CPU those round
+differently from eager's ``mm`` into a fresh (64-byte aligned) tensor: 7.45e-9 on a 12-24-5 MLP (issue 16).
+Aligned, ``mm.out`` into a view gives eager's bits. The few bytes of padding stay zero: nothing writes
+them, and their sum over ranks is zero. A gradient whose
 producer has an ``out=`` form (``mm`` for weight gradients, ``sum`` for bias gradients) and which nothing
 else reads is *produced* into its view; any other gradient is copied into it (``copy_``), as DDP copies
 gradients into its buckets. ``transpiler::bucket_ready`` takes the buffer and every write and returns the
@@ -28,6 +33,8 @@ from .gradient_flow import add_constant, reads_raw_gradient
 
 aten = torch.ops.aten
 OUT_FORMS = {aten.mm.default: aten.mm.out, aten.sum.dim_IntList: aten.sum.IntList_out}
+# At least the CPU allocator's 64 bytes (what eager's outputs get) and cuBLASLt's largest alignment preference.
+SLOT_ALIGN_BYTES = 256
 _lib = torch.library.Library("transpiler", "FRAGMENT")
 _lib.define("bucket_ready(Tensor(a) buffer, Tensor[] written) -> Tensor(a)")
 
@@ -92,24 +99,40 @@ def _slot_name(program: StepProgram, tag: str, index: int) -> str:
     return name
 
 
-def write_into_buffer(program: StepProgram, nodes: list[fx.Node], tag: str, index: int, cursor: Cursor) -> fx.Node:
-    """Lay ``nodes`` out in a persistent buffer, in order, copies emitted at ``cursor``; the returned node is
-    the buffer, once all are in."""
+def aligned(offset: int, itemsize: int) -> int:
+    """The first element offset at or after ``offset`` that lies on a :data:`SLOT_ALIGN_BYTES` boundary."""
+    step = max(SLOT_ALIGN_BYTES // itemsize, 1)
+    return -(-offset // step) * step
+
+
+def slot_offsets(sizes: list[int], itemsize: int) -> list[int]:
+    """Where each of ``sizes`` elements starts in a bucket buffer: packed in order, each start aligned."""
+    starts, end = [], 0
+    for n in sizes:
+        starts.append(aligned(end, itemsize))
+        end = starts[-1] + n
+    return starts
+
+
+def write_into_buffer(
+    program: StepProgram, nodes: list[fx.Node], tag: str, index: int, cursor: Cursor
+) -> tuple[fx.Node, list[int]]:
+    """Lay ``nodes`` out in a persistent buffer, in order, copies emitted at ``cursor``. Returns the buffer
+    once all are in, and the offset each node starts at."""
     first = nodes[0].meta["val"]
-    numel = sum(n.meta["val"].numel() for n in nodes)
+    sizes = [n.meta["val"].numel() for n in nodes]
+    starts = slot_offsets(sizes, first.element_size())
     comm = {"role": "communication", "bucket": (tag, index)}
     buffer = add_constant(
         program,
         _slot_name(program, tag, index),
-        torch.empty(numel, dtype=first.dtype, device=first.device),
+        torch.zeros(starts[-1] + sizes[-1], dtype=first.dtype, device=first.device),
         bucket=comm["bucket"],
     )
-    slots, offset, at = [], 0, Cursor(program.graph, buffer)
-    for node in nodes:
-        n = node.meta["val"].numel()
-        piece = at.emit(aten.slice.Tensor, (buffer, 0, offset, offset + n), **comm)
+    slots, at = [], Cursor(program.graph, buffer)
+    for node, start, n in zip(nodes, starts, sizes):
+        piece = at.emit(aten.slice.Tensor, (buffer, 0, start, start + n), **comm)
         slots.append(at.emit(aten.view.default, (piece, list(node.meta["val"].shape)), **comm))
-        offset += n
     writes = []
     for node, slot in zip(nodes, slots):
         producer = _producer(node)
@@ -123,37 +146,44 @@ def write_into_buffer(program: StepProgram, nodes: list[fx.Node], tag: str, inde
         producer.target = OUT_FORMS[producer.target]
         producer.kwargs = {**producer.kwargs, "out": slot}
         writes.append(node)
-    return cursor.emit(BUCKET_READY, (buffer, writes), **comm)
+    return cursor.emit(BUCKET_READY, (buffer, writes), **comm), starts
 
 
-def _slot_of(write: fx.Node) -> fx.Node | None:
-    """The bucket view a write fills: ``copy_``'s destination, or the ``out=`` of the producer under views."""
+def slot_span(write: fx.Node, buffer: fx.Node) -> tuple[int, int] | None:
+    """The element range of ``buffer`` that a write fills (``copy_``'s destination, or the ``out=`` of the
+    producer under views), or None when it does not write into a slice of that buffer."""
     if write.target is aten.copy_.default:
-        return write.args[0]
-    node = write
-    while is_view(node):
-        node = node.args[0]
-    return node.kwargs.get("out")
+        slot = write.args[0]
+    else:
+        node = write
+        while is_view(node):
+            node = node.args[0]
+        slot = node.kwargs.get("out")
+    while slot is not None and slot.target is aten.view.default:
+        slot = slot.args[0]
+    if slot is None or slot.target is not aten.slice.Tensor or slot.args[0] is not buffer:
+        return None
+    return slot.args[2], slot.args[3]
 
 
 def check_bucket_views(program: StepProgram, final: bool) -> None:
-    """Every bucket buffer is filled exactly: its writes fill disjoint views that cover it in order, nothing
-    else touches it, and no gradient lives in two buckets."""
+    """Every bucket buffer is filled exactly: its writes fill disjoint views that cover it in order, each
+    starting at the first aligned offset after the last (the gaps are padding), nothing else touches it,
+    and no gradient lives in two buckets."""
     owner: dict[str, str] = {}
     for ready in (n for n in program.graph.nodes if n.op == "call_function" and n.target is BUCKET_READY):
         buffer, writes = ready.args
         where = f"bucket buffer '{buffer.name}'"
         offset = 0
+        itemsize = buffer.meta["val"].element_size()
         for write in writes:
-            slot = _slot_of(write)
-            while slot is not None and slot.target is aten.view.default:
-                slot = slot.args[0]
-            piece = slot
-            if piece is None or piece.target is not aten.slice.Tensor or piece.args[0] is not buffer:
+            span = slot_span(write, buffer)
+            if span is None:
                 raise VerificationError(f"{where}: '{write.name}' is not written into a view of it.")
-            start, end = piece.args[2], piece.args[3]
-            if start != offset or end - start != write.meta["val"].numel():
-                raise VerificationError(f"{where}: '{write.name}' fills [{start}, {end}), expected it at {offset}.")
+            start, end = span
+            if start != aligned(offset, itemsize) or end - start != write.meta["val"].numel():
+                expected = aligned(offset, itemsize)
+                raise VerificationError(f"{where}: '{write.name}' fills [{start}, {end}), expected it at {expected}.")
             offset = end
         if offset != buffer.meta["val"].numel():
             raise VerificationError(f"{where}: its writes fill {offset} of {buffer.meta['val'].numel()} elements.")

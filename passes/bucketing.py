@@ -7,6 +7,7 @@ there is one way a value gets all-reduced.
 
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
@@ -123,13 +124,15 @@ def _reduce_bucket(
     if wire != dtype:
         info["compressed"] = str(wire).removeprefix("torch.")
     comm = {"role": "communication", "bucket": (tag, index)}
+    starts = None  # packed; a persistent buffer aligns each start
     if len(nodes) == 1 and wire == dtype:
         reduced = cursor.emit(C10D.all_reduce.default, (nodes[0], "sum", program.group_name), collective=info, **comm)
         return {nodes[0]: cursor.emit(WAIT, (reduced,), **comm)}
     if len(nodes) == 1:
         flat = nodes[0]
     elif bucket_views and wire == dtype and not any(aliased_to_output(n) for n in nodes):
-        flat = write_into_buffer(program, nodes, tag, index, cursor)
+        flat, starts = write_into_buffer(program, nodes, tag, index, cursor)
+        info["padding_bytes"] = flat.args[0].meta["val"].nbytes - info["bytes"]  # aligned slots; sent too
     else:
         pieces = [cursor.emit(aten.reshape.default, (n, [-1]), **comm) for n in nodes]
         flat = cursor.emit(aten.cat.default, (pieces,), **comm)
@@ -142,14 +145,26 @@ def _reduce_bucket(
         waited = cursor.emit(aten._to_copy.default, (waited,), {"dtype": dtype}, **comm)
     if len(nodes) == 1:
         return {nodes[0]: waited}
-    return unflatten(cursor, waited, nodes, comm)
+    return unflatten(cursor, waited, nodes, comm, starts)
 
 
-def unflatten(cursor: Cursor, flat: fx.Node, like: list[fx.Node], meta: dict) -> dict[fx.Node, fx.Node]:
-    """Views of a flat buffer shaped as the ``like`` nodes, in order (the inverse of reshape + cat)."""
-    chunks = cursor.emit(aten.split_with_sizes.default, (flat, [n.meta["val"].numel() for n in like]), **meta)
+def unflatten(
+    cursor: Cursor, flat: fx.Node, like: list[fx.Node], meta: dict, starts: list[int] | None = None
+) -> dict[fx.Node, fx.Node]:
+    """Views of a flat buffer shaped as the ``like`` nodes, in order (the inverse of reshape + cat). With
+    ``starts``, each node begins at its offset and the gaps between are padding that no view covers."""
+    sizes = [n.meta["val"].numel() for n in like]
+    starts = starts if starts is not None else [0, *itertools.accumulate(sizes)][:-1]
+    chunks, index, end = [], [], 0
+    for start, n in zip(starts, sizes):
+        if start > end:
+            chunks.append(start - end)
+        index.append(len(chunks))
+        chunks.append(n)
+        end = start + n
+    split = cursor.emit(aten.split_with_sizes.default, (flat, chunks), **meta)
     views = {}
-    for i, n in enumerate(like):
-        piece = cursor.emit(operator.getitem, (chunks, i), **meta)
+    for i, n in zip(index, like):
+        piece = cursor.emit(operator.getitem, (split, i), **meta)
         views[n] = cursor.emit(aten.view.default, (piece, list(n.meta["val"].shape)), **meta)
     return views

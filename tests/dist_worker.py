@@ -70,6 +70,8 @@ def run_scenario(model_name: str, opt_name: str, mode: str, rank: int, world: in
     options = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.001} if mode == "fused_allreduce" else {}
     if mode == "fused_auto":  # caps chosen on the cost model the ranks measure at startup
         mode, options = "fused_allreduce", {"bucket_cap_mb": "auto"}
+    if mode == "fused_flat":  # buckets concatenated each step, as before persistent buffers
+        mode, options = "fused_allreduce", {**options, "bucket_cap_mb": 0.002, "gradient_as_bucket_view": False}
     step = transpile(
         ours,
         ours_opt,

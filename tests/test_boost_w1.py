@@ -18,6 +18,8 @@ from tests.models import MLP, make_batch
 from transpiler import ConfigurationError, transpile
 from transpiler.schedules import continuous_freeze_cycle
 
+pytestmark = pytest.mark.bitwise  # claims eager's or DDP's bits: run again under narrower kernels in .ci/run
+
 LOSS = nn.CrossEntropyLoss()
 
 

@@ -17,6 +17,8 @@ from torch import nn
 from tests.models import Lion, muon_and_adamw
 from transpiler import ConfigurationError, UnsupportedOptimizerError, transpile
 
+pytestmark = pytest.mark.bitwise  # claims eager's or DDP's bits: run again under narrower kernels in .ci/run
+
 TENSOR_PATH_TOL = 1e-6  # float32 tensor arithmetic (RAdam's rectification, ASGD's eta and mu), not Python doubles
 
 

@@ -22,6 +22,8 @@ from tests.helpers import assert_same_training_state, eager_step, eager_twin
 from tests.models import Checkpointed, make_batch, make_model
 from transpiler import UnsupportedModelError, transpile
 
+pytestmark = pytest.mark.bitwise  # claims eager's or DDP's bits: run again under narrower kernels in .ci/run
+
 
 def _sgd(m):
     return torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1, momentum=0.9)

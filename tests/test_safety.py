@@ -18,6 +18,8 @@ from transpiler import CheckpointError, ConfigurationError, UnsupportedOptimizer
 from transpiler.cli import main as cli_main
 from transpiler.errors import RetraceWarning
 
+pytestmark = pytest.mark.bitwise  # claims eager's or DDP's bits: run again under narrower kernels in .ci/run
+
 LOSS = nn.CrossEntropyLoss()
 
 

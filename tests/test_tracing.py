@@ -10,6 +10,8 @@ from tests.helpers import assert_same_training_state, eager_step, eager_twin
 from tests.models import MLP, SmallCNN, TiedLM, make_batch
 from transpiler import transpile
 
+pytestmark = pytest.mark.bitwise  # claims eager's or DDP's bits: run again under narrower kernels in .ci/run
+
 OPTIMIZERS = {
     "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4),
     "sgd_nesterov_dampening": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.8, nesterov=True),

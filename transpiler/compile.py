@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.exc import TorchDynamoException
 
-from passes.bucket_views import BUCKET_READY, OUT_FORMS, is_view
+from passes.bucket_views import BUCKET_READY, OUT_FORMS, is_view, slot_span
 
 from .collectives import C10D
 from .errors import ConfigurationError
@@ -52,8 +52,14 @@ def functional_copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _functional_buckets(graph: fx.Graph) -> None:
     """Persistent bucket buffers back to the functional form: producers lose ``out=``, copies into the
-    buffer go, and the buffer a bucket's writes fill becomes a ``cat`` of them (Inductor plans buffers)."""
+    buffer go, and the buffer a bucket's writes fill becomes a ``cat`` of them, with zeros where the buffer
+    pads a slot to its alignment (Inductor plans buffers)."""
     functional = {out: op for op, out in OUT_FORMS.items()}
+    spans = {
+        n: [slot_span(w, n.args[0]) for w in n.args[1]]
+        for n in graph.nodes
+        if n.op == "call_function" and n.target is BUCKET_READY
+    }
     for node in list(graph.nodes):
         if node.target in functional and "out" in node.kwargs:
             node.target = functional[node.target]
@@ -63,9 +69,13 @@ def _functional_buckets(graph: fx.Graph) -> None:
             graph.erase_node(node)
         elif node.target is BUCKET_READY:
             with graph.inserting_before(node):
-                flat = graph.call_function(
-                    aten.cat.default, ([graph.call_function(aten.reshape.default, (w, [-1])) for w in node.args[1]],)
-                )
+                pieces, end = [], 0
+                for write, (start, stop) in zip(node.args[1], spans[node]):
+                    if start > end:
+                        pieces.append(graph.call_function(aten.new_zeros.default, (write, [start - end])))
+                    pieces.append(graph.call_function(aten.reshape.default, (write, [-1])))
+                    end = stop
+                flat = graph.call_function(aten.cat.default, (pieces,))
             flat.meta.update(node.meta)
             node.replace_all_uses_with(flat)
             graph.erase_node(node)
