@@ -56,13 +56,14 @@ def measure(step, batch) -> list[tuple[str, int, float, float]]:
     """Per bucket: name, bytes, median ms in flight, median share of that time overlapped with compute."""
     program = step.program
     built = step.prepare(batch)
+    variant = next(v for v, p in built.programs.items() if p is program)
     buckets = {n.name: n.meta["collective"].get("bytes", 0) for n in program.graph.nodes if is_collective(n)}
     flight: dict[str, list[float]] = {name: [] for name in buckets}
     share: dict[str, list[float]] = {name: [] for name in buckets}
     for _ in range(RUNS):
         interpreter = Stamps(program.graph_module)
         dist.barrier()
-        interpreter.run(*step._inputs(program, built, batch))
+        interpreter.run(*step._inputs(program, built, batch, variant))
         for name, (issued, waiting, done) in interpreter.times.items():
             flight[name].append(done - issued)
             share[name].append((waiting - issued) / max(done - issued, 1e-9))

@@ -121,7 +121,7 @@ def test_rewritten_graph_computes_the_original_at_world_size_one(widths, spec):
         *(b for b in state.buffers),
         *(t for i in range(len(state.params)) for t in plan.state_tensors(i)),
         *data,
-        *plan.scalar_values(),
+        *(torch.tensor(v, dtype=torch.float64) for v in plan.scalar_values()),
     ]
     with torch.no_grad():
         expected = traced.graph_module(*copy.deepcopy(inputs))
@@ -230,7 +230,7 @@ def test_bucket_views_hold_each_gradient_once_and_are_reused_safely(widths, cap,
             *(p.detach() for p in state.params),
             *(t for i in range(len(state.params)) for t in plan.state_tensors(i)),
             *batch,
-            *plan.scalar_values(),
+            *(torch.tensor(v, dtype=torch.float64) for v in plan.scalar_values()),
         ]
         with torch.no_grad():
             expected = traced.graph_module(*copy.deepcopy(inputs))

@@ -22,6 +22,7 @@ from .pipeline import Pipeline
 from .process_group import Placement, as_timeout, resolve_placement, subgroup_names
 from .program import StepProgram
 from .runtime import Built, DistributedStep, batch_key
+from .trace_env import AutocastState
 from .tracing import LossFn, trace_step
 from .trajectory import TRAJECTORY_OPTIONS, TrajectoryWriter
 from .verify import DEFAULT_VERIFIERS, check_communication, check_cross_rank
@@ -88,8 +89,8 @@ def transpile(
     wants_cost_model = any(getattr(p, "wants_cost_model", False) for ps in strategy.variants.values() for p in ps)
     measured: dict[tuple, cost_model.CostModel] = {}  # per batch shape: a retrace (model mode, new state) reuses it
 
-    def build(batch: tuple) -> Built:
-        traced, state, plan = trace_step(model, optimizer, loss_fn, batch)
+    def build(batch: tuple, autocast: AutocastState) -> Built:
+        traced, state, plan = trace_step(model, optimizer, loss_fn, batch, autocast)
         if placement.live and placement.world_size > 1 and wants_cost_model:
             key = batch_key(batch)
             if key not in measured:

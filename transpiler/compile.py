@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
-from torch._dynamo.exc import TorchDynamoException
+from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
 from passes.bucket_views import BUCKET_READY, OUT_FORMS, is_view, slot_span
 
@@ -94,7 +94,16 @@ class CompiledProgram:
 
     def __call__(self, *inputs):
         if self.seconds is not None:
-            return self.fn(*inputs)
+            try:
+                return self.fn(*inputs)
+            except FailOnRecompileLimitHit as exc:  # Dynamo checks its guards before running anything
+                raise ConfigurationError(
+                    f"compile=True: the '{self.variant}' program recompiled on every call until torch's limit. "
+                    "A Python float input changed from call to call: the lr of an optimizer on the generic path "
+                    "(every optimizer but SGD, Adam and AdamW), which is fed as a float, under a scheduler that "
+                    "changes it each step. Use SGD, Adam or AdamW (their per-step values are tensors), a "
+                    "scheduler that changes lr rarely, or compile=False."
+                ) from exc
         start = time.perf_counter()
         try:
             out = self.fn(*inputs)

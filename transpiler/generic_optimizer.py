@@ -48,6 +48,7 @@ class GenericPlan(OptimizerPlan):
     """Traces ``optimizer.step()`` itself; ``lr`` of every group is a per-step scalar input."""
 
     kind = "generic"
+    scalars_as_tensors = False  # each lr is fed as a float; Python arithmetic on it is traced symbolically
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], names: list[str]):
         why = next((why for kind, why in REFUSED.items() if isinstance(optimizer, kind)), None)

@@ -3,12 +3,17 @@
 
 The traced step must update parameters bit for bit as eager
 ``optimizer.step()`` does on CPU (the single-tensor code path), so each update
-below issues the same aten ops with the same scalar arguments, only out of
-place. Values that eager computes in Python doubles every step (``-lr``, Adam's
-step size and bias correction) are *scalar slots*: float inputs of the graph
-that the runtime fills from ``optimizer.param_groups`` before each call, so LR
-schedulers keep working without re-tracing. While tracing, each slot holds a
-unique sentinel float that is swapped for a placeholder afterwards.
+below issues the same arithmetic as eager, only out of place. Values that eager
+computes in Python doubles every step (``-lr``, Adam's step size and bias
+correction) are *scalar slots*: 0-d float64 tensor inputs of the graph that the
+runtime fills in place from ``optimizer.param_groups`` before each call, so LR
+schedulers keep working, and a compiled or captured program serves every step
+(a Python float would be baked into either). Where eager passes the double as
+``alpha=``/``value=``, which take no tensor, the update uses the form that
+carries the same bits (measured on CPU, and checked by the bitwise tests):
+``add(p, g, alpha=s)`` is ``addcmul(p, g, s)``, and ``addcdiv(p, a, d, value=s)``
+is ``addcdiv(p, a * s, d)``; ``mul``/``div`` by a 0-d float64 tensor equal
+``mul``/``div`` by the float.
 """
 
 from __future__ import annotations
@@ -21,15 +26,13 @@ import torch
 from .errors import UnsupportedOptimizerError
 
 TWINS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}  # exact classes only
-_SENTINEL_BASE = -7.3786976294838206e-19
 
 
 @dataclass(frozen=True)
 class ScalarSlot:
-    """A per-step float input of the graph: its name and its tracing sentinel."""
+    """A per-step scalar input of the graph (named ``g<group>_<what>``)."""
 
     name: str
-    sentinel: float
 
 
 @dataclass
@@ -59,7 +62,6 @@ class OptimizerPlan:
         self.names = names
         position = {id(p): i for i, p in enumerate(params)}
         self.groups: list[GroupPlan] = []
-        counter = 0
         seen: set[int] = set()
         for gi, group in enumerate(optimizer.param_groups):
             self._check_group(group, gi)
@@ -77,10 +79,7 @@ class OptimizerPlan:
                     raise UnsupportedOptimizerError(f"a parameter appears in more than one param group ({gi}).")
                 seen.add(id(p))
                 positions.append(position[id(p)])
-            slots = {}
-            for slot_name in self._slot_names(group):
-                slots[slot_name] = ScalarSlot(f"g{gi}_{slot_name}", _SENTINEL_BASE * (1.0 + counter / 1024.0))
-                counter += 1
+            slots = {slot_name: ScalarSlot(f"g{gi}_{slot_name}") for slot_name in self._slot_names(group)}
             self.groups.append(GroupPlan(gi, positions, slots, self._frozen(group)))
         missing = [names[i] for i in range(len(params)) if id(params[i]) not in seen]
         if missing:
@@ -146,6 +145,9 @@ class OptimizerPlan:
             out.append(value.detach())
         return out
 
+    #: the slots are fed as 0-d float64 tensors that the runtime fills in place (the generic path: floats)
+    scalars_as_tensors = True
+
     def scalar_slots(self) -> list[ScalarSlot]:
         return [slot for g in self.groups for slot in g.slots.values()]
 
@@ -204,12 +206,18 @@ class OptimizerPlan:
 
     # ---------------------------------------------------------------- update
     def update(
-        self, position: int, param: torch.Tensor, grad: torch.Tensor, state: list[torch.Tensor]
+        self,
+        position: int,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state: list[torch.Tensor],
+        scalars: dict[str, torch.Tensor],
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Traced update of one parameter; returns the new parameter and state."""
+        """Traced update of one parameter, reading its group's slots from ``scalars`` (by slot name); returns
+        the new parameter and state."""
         g = self.group_of[position]
         group = self.optimizer.param_groups[g.index]
-        slot = {k: s.sentinel for k, s in g.slots.items()}
+        slot = {k: scalars[s.name] for k, s in g.slots.items()}
         step_fn: Callable = _sgd_update if self.kind == "sgd" else _adam_update
         return step_fn(param, grad, state, group, slot)
 
@@ -220,10 +228,10 @@ def _sgd_update(p, grad, state, group, slot):
         g = torch.add(g, p, alpha=group["weight_decay"])
     new_state = []
     if group["momentum"] != 0:
-        buf = torch.add(torch.mul(state[0], slot["buf_decay"]), g, alpha=slot["grad_weight"])
+        buf = torch.addcmul(torch.mul(state[0], slot["buf_decay"]), g, slot["grad_weight"])
         new_state = [buf]
         g = torch.add(g, buf, alpha=group["momentum"]) if group["nesterov"] else buf
-    return torch.add(p, g, alpha=slot["neg_lr"]), new_state
+    return torch.addcmul(p, g, slot["neg_lr"]), new_state
 
 
 def _adam_update(p, grad, state, group, slot):
@@ -244,4 +252,4 @@ def _adam_update(p, grad, state, group, slot):
         second = torch.maximum(state[3], exp_avg_sq)
         new_state.append(second)
     denom = torch.add(torch.div(torch.sqrt(second), slot["bias_correction2_sqrt"]), group["eps"])
-    return torch.addcdiv(p, exp_avg, denom, value=slot["neg_step_size"]), new_state
+    return torch.addcdiv(p, torch.mul(exp_avg, slot["neg_step_size"]), denom), new_state

@@ -10,7 +10,8 @@ by their ports, so a pass can add either.
 
 What a program depends on is its cache key: the batch's shapes, which modules
 are in training mode, which parameters require grad, the model's parameter
-and buffer objects and the optimizer's param groups. A call whose key is new
+and buffer objects, the optimizer's param groups and the caller's autocast
+state. A call whose key is new
 traces again (bounded cache, warning when it keeps happening); before a
 program with a new setup first runs, the ranks compare setups (handshake.py).
 """
@@ -36,8 +37,9 @@ from .handshake import Handshake, Setup
 from .optimizers import TWINS, OptimizerPlan
 from .process_group import LOCAL_GROUP, Placement, ensure_local_group
 from .program import StepProgram
+from .scalar_bank import ScalarBank
 from .schedules import EveryStep
-from .trace_env import running_environment
+from .trace_env import AutocastState, running_environment
 from .tracing import ModelState, check_batch
 
 log = logging.getLogger("transpiler")
@@ -53,6 +55,7 @@ class Built:
     plan: OptimizerPlan
     setup: Setup | None = None  # what the ranks compare before this program first runs
     runners: dict[str, Callable] = field(default_factory=dict)  # variant -> what runs it (compiled); default: graph
+    scalar_banks: dict[str, ScalarBank] = field(default_factory=dict)  # variant -> its per-step scalar tensors
     params: dict[str, torch.nn.Parameter] = field(init=False)  # name maps, made once, read every step
     frozen: dict[str, torch.nn.Parameter] = field(init=False)
     buffers: dict[str, torch.Tensor] = field(init=False)
@@ -70,7 +73,7 @@ class Built:
         self.digest = hashlib.sha256(pickle.dumps(self.setup)).digest()
 
 
-Builder = Callable[[tuple], Built]
+Builder = Callable[[tuple, AutocastState], Built]
 
 
 def initial_extra(rule: str, source: str, params: dict[str, torch.nn.Parameter]) -> torch.Tensor:
@@ -179,15 +182,17 @@ class DistributedStep:
         """The rewritten torch.fx.GraphModule this rank runs (see ``programs`` for multi-variant modes)."""
         return self.program.graph_module
 
-    def prepare(self, batch: tuple) -> Built:
-        """The programs for this batch and the model's current modes and structure (traced once, cached)."""
+    def prepare(self, batch: tuple, autocast: AutocastState | None = None) -> Built:
+        """The programs for this batch, the model's current modes and structure and the autocast state (the
+        caller's unless given), traced once and cached."""
         batch = tuple(batch)
         check_batch(batch, loss_fn=self.loss_fn)
         self._check_batch_types(batch)
-        key = (batch_key(batch), structure_key(self.model, self.optimizer))
+        autocast = AutocastState.current() if autocast is None else autocast
+        key = (batch_key(batch), structure_key(self.model, self.optimizer), autocast)
         built = self._built.get(key)
         if built is None:
-            built = self._trace(key, batch)
+            built = self._trace(key, batch, autocast)
         self._built.move_to_end(key)
         self._last = built
         return built
@@ -211,12 +216,14 @@ class DistributedStep:
             "Convert it (e.g. x.to(dtype)) before the step, or call transpile() again for the new types."
         )
 
-    def _trace(self, key: tuple, batch: tuple) -> Built:
+    def _trace(self, key: tuple, batch: tuple, autocast: AutocastState) -> Built:
         if self._built:
-            changed = "batch shapes" if any(k[1] == key[1] for k in self._built) else "model modes or structure"
-            log.info("%s changed: tracing the step again", changed)
+            last = next(reversed(self._built))
+            parts = ("batch shapes", "model modes or structure", f"autocast (now {autocast})")
+            changed = [what for what, was, now in zip(parts, last, key) if was != now]
+            log.info("%s changed: tracing the step again", " and ".join(changed))
         start = time.perf_counter()
-        built = self._build(batch)
+        built = self._build(batch, autocast)
         seconds = time.perf_counter() - start
         self.traces += 1
         if self.traces >= 4 and self.traces & (self.traces - 1) == 0:  # 4, 8, 16...: say it, without flooding
@@ -235,12 +242,14 @@ class DistributedStep:
 
     # ------------------------------------------------------------- execution
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
-        # grad mode as traced, and no inference tensors in the state the step creates or writes back
+        # grad mode as traced, no inference tensors in the state the step creates or writes back, and autocast
+        # off (the graph holds the casts the caller's autocast made while tracing)
+        autocast = AutocastState.current()
         with running_environment():
-            return self._step(batch)
+            return self._step(batch, autocast)
 
-    def _step(self, batch: tuple) -> torch.Tensor:
-        built = self.prepare(batch)
+    def _step(self, batch: tuple, autocast: AutocastState) -> torch.Tensor:
+        built = self.prepare(batch, autocast)
         self._require_live()
         if self._handshake is not None and built.digest != self._agreed:
             self._handshake.agree(built.setup)
@@ -250,7 +259,8 @@ class DistributedStep:
         variant = self.schedule.variant()
         program = built.programs[variant]
         self._init_extra(built)
-        outputs = self._run(program.graph_module, self._inputs(program, built, batch), variant, built.runners[variant])
+        inputs = self._inputs(program, built, batch, variant)
+        outputs = self._run(program.graph_module, inputs, variant, built.runners[variant])
         metrics = self._write_back(program, built, outputs)
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.schedule.observe(variant, metrics, lr)
@@ -277,7 +287,7 @@ class DistributedStep:
                 ) from exc
             raise
 
-    def _inputs(self, program: StepProgram, built: Built, batch: tuple) -> list:
+    def _inputs(self, program: StepProgram, built: Built, batch: tuple, variant: str) -> list:
         state, plan = built.state, built.plan
         tensors = {
             "param": {n: p.detach() for n, p in built.params.items()},
@@ -289,10 +299,23 @@ class DistributedStep:
                 for k, t in zip(plan.state_keys(i), plan.state_tensors(i))
             },
             "batch": {f"batch{i}": t for i, t in enumerate(batch)},
-            "scalar": plan.scalar_inputs([port.name for port in program.inputs if port.kind == "scalar"]),
+            "scalar": self._scalars(program, built, variant),
             "extra": self.extra,
         }
         return [tensors[port.kind][port.name] for port in program.inputs]
+
+    @staticmethod
+    def _scalars(program: StepProgram, built: Built, variant: str) -> dict:
+        """This step's scalar inputs: floats for the generic path, the twins' persistent tensors filled in place."""
+        names = [port.name for port in program.inputs if port.kind == "scalar"]
+        values = built.plan.scalar_inputs(names)
+        if not built.plan.scalars_as_tensors:
+            return values
+        bank = built.scalar_banks.get(variant)
+        if bank is None:
+            device = next(iter(built.params.values())).device if built.params else torch.device("cpu")
+            bank = built.scalar_banks[variant] = ScalarBank(names, device)
+        return bank.fill(values)
 
     def _write_back(self, program: StepProgram, built: Built, outputs: tuple) -> dict[str, float]:
         plan = built.plan

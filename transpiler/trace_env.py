@@ -12,12 +12,19 @@
 * Reentrant checkpointing (``use_reentrant=True``) runs its own backward with
   ``torch.autograd.backward``, which one traced ``autograd.grad`` cannot
   contain: it is refused with the form that works.
+* Autocast, which is a dispatch state at call time. The caller's
+  (:class:`AutocastState`, read when the step is called) is part of a
+  program's cache key and is applied around the forward and the loss while
+  tracing, as eager autocast is meant to wrap them. The graph then holds every
+  cast it made, so it runs with autocast off: run inside autocast, its ``mm``
+  would be cast again (and ``mm.out`` into a float32 bucket would fail).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint as checkpoint_module
@@ -25,6 +32,33 @@ import torch.utils.checkpoint as checkpoint_module
 from .errors import UnsupportedModelError
 
 _CPU_GENERATOR = torch.default_generator
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """The device types autocast is on for, each with its dtype (empty: autocast off everywhere)."""
+
+    enabled: tuple[tuple[str, torch.dtype], ...] = ()
+
+    @classmethod
+    def current(cls) -> AutocastState:
+        """The caller's autocast state."""
+        return cls(tuple((d, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES if torch.is_autocast_enabled(d)))
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Autocast as it was for the caller (what the forward and the loss are traced under)."""
+        with contextlib.ExitStack() as stack:
+            for device, dtype in self.enabled:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            yield
+
+    def __str__(self) -> str:
+        return ", ".join(f"{d} {str(t).removeprefix('torch.')}" for d, t in self.enabled) or "off"
+
+
+AUTOCAST_OFF = AutocastState()
 
 
 @torch.library.custom_op("transpiler::rng_get_state", mutates_args=())
@@ -63,13 +97,18 @@ def _refuse_reentrant(*args, **kwargs):
 
 @contextlib.contextmanager
 def running_environment() -> Iterator[None]:
-    """Grad mode on, inference mode off, as the graph was traced.
+    """Grad mode on, inference mode off, autocast off, as the graph was traced.
 
     Some backward kernels (CPU LSTM) need what forward saves with grad mode on;
     no input of the graph requires grad, so autograd records nothing. Off
-    inference mode, the state the step creates is ordinary tensors.
+    inference mode, the state the step creates is ordinary tensors. The graph
+    holds autocast's casts already (see :class:`AutocastState`).
     """
-    with torch.inference_mode(False), torch.enable_grad():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        for device in AUTOCAST_DEVICES:
+            stack.enter_context(torch.autocast(device, enabled=False))
         yield
 
 

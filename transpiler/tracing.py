@@ -13,7 +13,6 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx as fx
@@ -28,7 +27,7 @@ from .errors import ConfigurationError, UnsupportedModelError, UnsupportedOptimi
 from .generic_optimizer import DataDependentStep, GenericPlan, make_plan
 from .optimizers import OptimizerPlan
 from .program import Port, StepProgram
-from .trace_env import tracing_environment
+from .trace_env import AUTOCAST_OFF, AutocastState, tracing_environment
 
 LossFn = Callable[..., torch.Tensor] | None
 _DATA_DEPENDENT = (
@@ -89,9 +88,14 @@ def check_batch(batch: tuple, *, loss_fn: LossFn) -> None:
 
 
 def trace_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn, batch: tuple
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    batch: tuple,
+    autocast: AutocastState = AUTOCAST_OFF,
 ) -> tuple[StepProgram, ModelState, OptimizerPlan]:
-    """Trace forward, loss, backward and optimizer update of one step into a StepProgram."""
+    """Trace forward, loss, backward and optimizer update of one step into a StepProgram; the forward and the
+    loss under ``autocast`` (the caller's), the backward and the update without it, as eager autocast runs."""
     check_batch(batch, loss_fn=loss_fn)
     state = collect_model_state(model)
     plan = make_plan(optimizer, state.params, state.names)
@@ -101,7 +105,10 @@ def trace_step(
     n_p, n_f, n_b = len(state.params), len(state.frozen), len(state.buffers)
     n_model_out: list[int] = []
     grad_present: list[bool] = []
-    n_lr = len(plan.groups) if generic else 0
+    slots = [slot.name for slot in plan.scalar_slots()]
+    # the twins' slots live where the parameters are (a captured program reads them there); the generic
+    # path's lrs become floats after tracing
+    scalar_device = state.params[0].device if plan.scalars_as_tensors and state.params else torch.device("cpu")
 
     def step_fn(*flat: torch.Tensor):
         params, rest = list(flat[:n_p]), flat[n_p:]
@@ -110,7 +117,7 @@ def trace_step(
         for c in counts:
             states.append(list(rest[pos : pos + c]))
             pos += c
-        data, lrs = rest[pos : len(rest) - n_lr], rest[len(rest) - n_lr :]  # lrs: the generic path's inputs
+        data, scalars = rest[pos : len(rest) - len(slots)], rest[len(rest) - len(slots) :]
         tensors = dict(zip(state.names, params))
         tensors.update(zip(state.frozen_names, frozen))
         tensors.update(zip(state.buffer_names, buffers))
@@ -118,8 +125,9 @@ def trace_step(
         # The backward runs inside the re-parametrisation too: activation checkpointing recomputes the forward
         # there and must see the traced parameters, not the module's real ones.
         with _reparametrize_module(model, tensors, tie_weights=True, strict=False):
-            out = model(*inputs)
-            loss = loss_fn(out, data[-1]) if loss_fn is not None else out
+            with autocast.applied():
+                out = model(*inputs)
+                loss = loss_fn(out, data[-1]) if loss_fn is not None else out
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
                 raise UnsupportedModelError(
                     "the loss must be a floating-point tensor with one element; "
@@ -129,9 +137,9 @@ def trace_step(
             grads = _distinct(torch.autograd.grad(loss, params, seed, allow_unused=True))
         grad_present[:] = [g is not None for g in grads]
         if generic:
-            new_params, updated = plan.step_all(params, grads, states, list(lrs))
+            new_params, updated = plan.step_all(params, grads, states, list(scalars))
         else:
-            new_params, updated = _twin_updates(plan, params, grads, states)
+            new_params, updated = _twin_updates(plan, params, grads, states, dict(zip(slots, scalars)))
         new_states = [t for s in updated for t in s]
         out_leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] if loss_fn else []
         n_model_out[:] = [len(out_leaves)]
@@ -143,7 +151,7 @@ def trace_step(
         *state.buffers,
         *[t for s in opt_states for t in s],
         *batch,
-        *[torch.tensor(lr, dtype=torch.float64) for lr in (plan.scalar_values() if generic else ())],
+        *[torch.tensor(v, dtype=torch.float64, device=scalar_device) for v in plan.scalar_values()],
     ]
     snapshot = [t.clone() for t in state.buffers]  # tracing must not touch real buffers
 
@@ -177,7 +185,7 @@ def trace_step(
         + [Port("buffer", n) for n in state.buffer_names]
         + [Port("state", f"{state.names[i]}.{k}") for i in range(n_p) for k in plan.state_keys(i)]
         + [Port("batch", f"batch{i}") for i in range(len(batch))]
-        + [Port("scalar", slot.name) for slot in (plan.scalar_slots() if generic else ())]
+        + [Port("scalar", name) for name in slots]
     )
     used = [n for n, ok in zip(state.names, grad_present) if ok]
     program = _finish(functional, ports, plan, n_model_out[0], used)
@@ -203,7 +211,9 @@ def _make_fx(fn: Callable, inputs: list, *, symbolic_scalars: bool) -> fx.GraphM
         return make_fx(fn, tracing_mode="real")(*fakes)
 
 
-def _twin_updates(plan: OptimizerPlan, params: list, grads: list, states: list) -> tuple[list, list]:
+def _twin_updates(
+    plan: OptimizerPlan, params: list, grads: list, states: list, scalars: dict[str, torch.Tensor]
+) -> tuple[list, list]:
     """Each parameter through its functional twin; an unused parameter (no gradient) is left as it is."""
     new_params, new_states = [], []
     for i, (p, g) in enumerate(zip(params, grads)):
@@ -211,7 +221,7 @@ def _twin_updates(plan: OptimizerPlan, params: list, grads: list, states: list) 
             new_params.append(p.detach())
             new_states.append(states[i])
             continue
-        new_p, new_s = plan.update(i, p.detach(), g, states[i])
+        new_p, new_s = plan.update(i, p.detach(), g, states[i], scalars)
         new_params.append(new_p)
         new_states.append(new_s)
     return new_params, new_states
@@ -247,7 +257,7 @@ def _explain_trace_failure(exc: Exception) -> Exception:
 def _finish(
     gm: fx.GraphModule, in_ports: list[Port], plan: OptimizerPlan, n_out: int, grads_of: list[str]
 ) -> StepProgram:
-    """Clean the functional trace, name its inputs, swap sentinels, tag roles."""
+    """Clean the functional trace, name its inputs, tag roles."""
     graph = gm.graph
     graph._codegen = fx.graph.CodeGen()  # plain positional signature instead of pytree
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -276,21 +286,17 @@ def _finish(
     results = list(pytree.tree_leaves(output.args[0]))
 
     renamed: list[fx.Node] = []
-    sentinels = [] if any(p.kind == "scalar" for p in in_ports) else plan.scalar_slots()  # generic: inputs
     with graph.inserting_before(placeholders[0]):
         for port in in_ports:
             renamed.append(graph.placeholder(_ident(port)))
-        slot_nodes = {s.sentinel: graph.placeholder(_ident(Port("scalar", s.name))) for s in sentinels}
     for old, new, port in zip(placeholders, renamed, in_ports):
         new.meta.update(old.meta)
         new.meta["port"] = port
         old.replace_all_uses_with(new)
         graph.erase_node(old)
     results = [renamed[slot[r]] if r in slot else r for r in results]
-    for slot in sentinels:
-        slot_nodes[slot.sentinel].meta["port"] = Port("scalar", slot.name)
-    _swap_sentinels(graph, slot_nodes)
-    _scalar_inputs_as_floats(graph)
+    if not plan.scalars_as_tensors:
+        _scalar_inputs_as_floats(graph)
 
     loss, model_out = results[0], results[1 : 1 + n_out]
     grads = results[1 + n_out : 1 + n_out + len(grads_of)]
@@ -308,8 +314,7 @@ def _finish(
     _tag_roles(graph, loss, model_out, grads)
     graph.lint()
     gm.recompile()
-    ports_in = in_ports + [Port("scalar", s.name) for s in sentinels]
-    program = StepProgram(gm, ports_in, out_ports)
+    program = StepProgram(gm, in_ports, out_ports)
     program.snapshot("traced")
     return program
 
@@ -342,21 +347,6 @@ def _scalar_inputs_as_floats(graph: fx.Graph) -> None:
     for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and getattr(node.target, "namespace", "") == "profiler" and not node.users:
             graph.erase_node(node)
-
-
-def _swap_sentinels(graph: fx.Graph, slot_nodes: dict[float, fx.Node]) -> None:
-    def swap(arg: Any) -> Any:
-        if isinstance(arg, float) and arg in slot_nodes:
-            return slot_nodes[arg]
-        return arg
-
-    for node in graph.nodes:
-        if node.op == "call_function":
-            node.args = fx.node.map_aggregate(node.args, swap)
-            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
-    first = next(n for n in graph.nodes if n.op != "placeholder")
-    for node in slot_nodes.values():  # keep placeholders together, before any op
-        first.prepend(node)
 
 
 def _tag_roles(graph: fx.Graph, loss: fx.Node, model_out: list[fx.Node], grads: list[fx.Node]) -> None:
