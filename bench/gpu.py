@@ -1,4 +1,4 @@
-"""Step time on one GPU: eager, DDP, the transpiled step and its compiled form, in a world of one (issue 17).
+"""Step time on one GPU: eager, DDP, the transpiled step, captured, compiled, in a world of one (issue 17).
 
     PYTHONPATH=$PWD python3 bench/gpu.py [--models mlp,resnet50,gpt2] [--compile] [--out docs/gpu_bench.md]
 
@@ -60,7 +60,7 @@ def workload(name: str, cuda: bool) -> tuple[nn.Module, tuple, Callable, Callabl
             def forward(self, tokens):
                 return self.inner(input_ids=tokens, labels=tokens, use_cache=False).loss
 
-        adamw = lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=False)  # noqa: E731
+        adamw = lambda p: torch.optim.AdamW(p, lr=1e-4)  # noqa: E731 (torch's default: foreach on CUDA)
         return LM(), (ids,), None, adamw
     raise SystemExit(f"unknown model '{name}': choose from mlp, resnet50, gpt2")
 
@@ -88,7 +88,12 @@ def variants(name: str, device: torch.device, compile_: bool) -> dict[str, Calla
 
     out["eager"] = eager_like(model.to(device))
     out["DDP"] = eager_like(DDP(workload(name, cuda)[0].to(device)))
-    modes = {"fused": {}, **({"compiled": {"compile": True}} if compile_ else {})}
+    modes = {"fused": {}, **({"captured": {"cuda_graph": True}} if cuda else {})}
+    if compile_:
+        modes |= {
+            "compiled": {"compile": True},
+            **({"compiled+captured": {"compile": True, "cuda_graph": True}} if cuda else {}),
+        }
     for label, options in modes.items():
         mine = workload(name, cuda)[0].to(device)
         step = transpile(mine, make_opt(mine.parameters()), "fused_allreduce", loss_fn, **options)
@@ -99,7 +104,13 @@ def variants(name: str, device: torch.device, compile_: bool) -> dict[str, Calla
 
         start = time.perf_counter()
         run()  # trace (and compile) outside the timing
-        print(f"  {name} {label}: first call {time.perf_counter() - start:.1f} s", flush=True)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(2):  # with cuda_graph=True: the second warm-up, then the capture and first replay
+            run()
+        torch.cuda.synchronize() if cuda else None
+        print(f"  {name} {label}: first call {first:.1f} s, next two {time.perf_counter() - start:.2f} s", flush=True)
+        run.runners = step._last.runners
         out[label] = run
     return out
 
@@ -136,19 +147,27 @@ def profiled(step: Callable, device: torch.device) -> tuple[float, float]:
 
 
 def peak_mib(step: Callable, device: torch.device) -> float:
+    """Peak allocated bytes over one step. A captured step allocates nothing when it replays: its workspace
+    is its graphs' private pool, counted whole (reserved, not only what the replay uses) on top of what is
+    allocated outside the pool."""
     if device.type != "cuda":
         return 0.0
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**20
+    pools = {tuple(r.pool) for r in getattr(step, "runners", {}).values() if hasattr(r, "pool")}
+    if not pools:
+        return torch.cuda.max_memory_allocated() / 2**20
+    segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) in pools]
+    outside = torch.cuda.max_memory_allocated() - sum(s["allocated_size"] for s in segments)
+    return (outside + sum(s["total_size"] for s in segments)) / 2**20
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,resnet50,gpt2")
-    parser.add_argument("--compile", action="store_true", help="also time compile=True (slow first call)")
+    parser.add_argument("--compile", action="store_true", help="also time compile=True, uncaptured and captured")
     parser.add_argument("--out", default=None, help="write the markdown table there too")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()

@@ -60,6 +60,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--init", metavar="PATH", help="start from these model weights (a --save-model file)")
     parser.add_argument("--save-model", metavar="PATH", help="rank 0 saves the trained model's weights here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL")
+    parser.add_argument(
+        "--cuda-graph", action="store_true", help="capture the step as a CUDA graph (needs --device cuda)"
+    )
+    parser.add_argument("--compile", action="store_true", help="compile the step with torch.compile")
     parser.add_argument(
         "--option",
         "-O",
@@ -70,7 +75,10 @@ def parse_args() -> argparse.Namespace:
         "-O max_grad_norm=1, -O compress=fp16, -O sparsify=0.05, -O freeze_groups=3 (with --optimizer sgd), "
         "-O save_trajectory=DIR (any mode), -O pca_path=FILE (dim_reduce)",
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.cuda_graph and args.device != "cuda":
+        parser.error("--cuda-graph captures the step on a GPU: add --device cuda")
+    return args
 
 
 def load_data(seed: int):
@@ -84,11 +92,24 @@ def load_data(seed: int):
 def main() -> None:
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
+    device = torch.device("cpu")
+    if args.device == "cuda":  # NCCL, also for one process: a captured step needs it
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(
+            "nccl",
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=world,
+            timeout=timedelta(seconds=120),
+            device_id=device,
+        )
+    elif world > 1:
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    rank = dist.get_rank() if world > 1 else 0
+    rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(args.seed)  # every rank builds the same model; broadcast-params makes sure
-    x_train, x_test, y_train, y_test = load_data(args.seed)
+    x_train, x_test, y_train, y_test = (t.to(device) for t in load_data(args.seed))
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} must be divisible by the world size {world}")
     per_rank = args.global_batch // world
@@ -97,6 +118,7 @@ def main() -> None:
     )
     if args.init:
         model.load_state_dict(torch.load(args.init, weights_only=True))
+    model.to(device)
     optimizer = make_optimizer(model, args)
     loss_fn = torch.nn.CrossEntropyLoss()
     steps_per_epoch = len(x_train) // args.global_batch
@@ -106,6 +128,8 @@ def main() -> None:
         mode=args.mode,
         loss_fn=loss_fn,
         example_inputs=(x_train[:per_rank], y_train[:per_rank]),
+        compile=args.compile,
+        cuda_graph=args.cuda_graph,
         **key_values(args.option),
     )
     if rank == 0:
@@ -143,7 +167,7 @@ def main() -> None:
     if rank == 0 and args.save_model:
         os.makedirs(os.path.dirname(os.path.abspath(args.save_model)), exist_ok=True)
         torch.save(model.state_dict(), args.save_model)
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -117,3 +117,13 @@ def test_compile_takes_a_bool():
     model = MLP()
     with pytest.raises(ConfigurationError, match="compile must be True or False"):
         transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), compile="yes")
+
+
+def test_cuda_graph_takes_a_bool_and_a_gpu():
+    """What can be checked without a GPU (the rest of the refusals: tests/test_gpu.py)."""
+    model = MLP()
+    with pytest.raises(ConfigurationError, match="cuda_graph must be True or False"):
+        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), cuda_graph=1)
+    where = "model's tensors are on" if torch.cuda.is_available() else "needs a CUDA device"
+    with pytest.raises(ConfigurationError, match=where):
+        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), cuda_graph=True)

@@ -105,3 +105,137 @@ def test_compile_with_adamw_compiles_once_over_30_steps():
     param, _ = _train_both("mlp", "adamw", "fused_allreduce", None, steps=30, compile=True)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert param <= 1e-5
+
+
+# ------------------------------------------------------------------ cuda_graph=True (captured programs)
+CAPTURED_CASES = {  # label: (model, optimizer, mode, options, autocast)
+    "fused_sgd": ("mlp", "sgd", "fused_allreduce", {}, None),
+    "fused_adamw": ("mlp", "adamw", "fused_allreduce", {}, None),
+    "cnn_bn_bf16": ("cnn", "sgd", "fused_allreduce", {}, torch.bfloat16),
+    "tied_adamw": ("tied", "adamw", "fused_allreduce", {}, None),
+    "none": ("mlp", "adamw", "none", {}, None),
+    "local_sgd": ("mlp", "sgd", "local_sgd", {"k_steps": 3}, None),
+    "accumulate": ("mlp", "adamw", "fused_allreduce", {"accumulate_steps": 2}, None),
+    "clip_loss_scale_fp16": (
+        "mlp",
+        "sgd",
+        "fused_allreduce",
+        {"max_grad_norm": 1.0, "loss_scale": "dynamic"},
+        torch.float16,
+    ),
+}
+
+
+def _pair(model_name, opt_name, mode, options, **flags):
+    """The same model twice, one transpiled plainly and one with ``flags`` (cuda_graph=True, compile=True)."""
+    torch.manual_seed(0)
+    plain_model = make_model(model_name).to(DEVICE)
+    captured_model = copy.deepcopy(plain_model)
+    plain_opt, captured_opt = (
+        OPTIMIZERS[opt_name](plain_model.parameters()),
+        OPTIMIZERS[opt_name](captured_model.parameters()),
+    )
+    loss_fn = nn.CrossEntropyLoss()
+    plain = transpile(plain_model, plain_opt, mode, loss_fn, compile=flags.get("compile", False), **options)
+    captured = transpile(captured_model, captured_opt, mode, loss_fn, **flags, **options)
+    return (plain_model, plain_opt, plain), (captured_model, captured_opt, captured)
+
+
+def _state_addresses(model, optimizer) -> list[int]:
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return [t.data_ptr() for t in tensors]
+
+
+def _same_steps(plain, captured, model_name, autocast, steps, gen) -> list[float]:
+    """Run both ``steps`` times on the same batches; the largest difference per step (losses, parameters,
+    optimizer state and buffers)."""
+    worst = []
+    for _ in range(steps):
+        batch = tuple(t.to(DEVICE) for t in make_batch(model_name, 16, gen))
+        with torch.autocast("cuda", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            a, b = plain[2](*batch), captured[2](*batch)
+        diffs = [(a - b).abs().max().item()]
+        diffs += [
+            (x - y).abs().max().item()
+            for x, y in zip(plain[0].state_dict().values(), captured[0].state_dict().values())
+        ]
+        for s1, s2 in zip(plain[1].state.values(), captured[1].state.values()):
+            diffs += [(s1[k].float() - s2[k].float()).abs().max().item() for k in s1]
+        assert plain[2].last_metrics == captured[2].last_metrics
+        worst.append(max(diffs))
+    return worst
+
+
+@pytest.mark.parametrize("case", list(CAPTURED_CASES))
+def test_captured_step_is_bitwise_the_uncaptured_step(case):
+    """12 steps: 2 warm-ups, the capture, then replays; every variant captured once; the user's parameters,
+    buffers and optimizer state stay where they were from the first replay on."""
+    model_name, opt_name, mode, options, autocast = CAPTURED_CASES[case]
+    plain, captured = _pair(model_name, opt_name, mode, options, cuda_graph=True)
+    gen = torch.Generator().manual_seed(1)
+    worst = _same_steps(plain, captured, model_name, autocast, 3, gen)
+    addresses = _state_addresses(captured[0], captured[1])
+    worst += _same_steps(plain, captured, model_name, autocast, 9, gen)
+    print(f"GPU captured {case}: largest difference per step {max(worst)}; captures {captured[2].captures}")
+    assert max(worst) == 0.0
+    assert _state_addresses(captured[0], captured[1]) == addresses
+    assert set(captured[2].captures.values()) == {1}
+
+
+def test_captured_program_issues_the_same_collectives():
+    """Statically (the captured device part holds the program's collectives in order) and on the GPU (the
+    profiler counts the same NCCL kernels in a replay as in an uncaptured step)."""
+    from transpiler.collectives import communication_plan
+
+    plain, captured = _pair("mlp", "sgd", "fused_allreduce", {"bucket_cap_mb": 0.01}, cuda_graph=True)
+    gen = torch.Generator().manual_seed(1)
+    _same_steps(plain, captured, "mlp", None, 4, gen)
+    runner = captured[2]._last.runners["step"]
+    assert communication_plan(runner.device.graph) == communication_plan(plain[2].graph_module.graph)
+    batch = tuple(t.to(DEVICE) for t in make_batch("mlp", 16, gen))
+    counts = []
+    for step in (plain[2], captured[2]):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step(*batch)
+            torch.cuda.synchronize()
+        counts.append(sum(1 for e in prof.events() if "nccl" in e.name.lower() and e.device_type.name == "CUDA"))
+    print(f"GPU NCCL kernels per step, uncaptured / captured: {counts}")
+    assert counts[0] == counts[1] > 0
+
+
+def test_captured_step_recaptures_on_retrace_and_new_state():
+    """A new batch shape or model mode is a new program, captured after its own warm-up; a loaded optimizer
+    state (new tensors) is captured again. Each stays bitwise the uncaptured step."""
+    plain, captured = _pair("cnn", "adamw", "fused_allreduce", {}, cuda_graph=True)
+    gen = torch.Generator().manual_seed(2)
+    worst = _same_steps(plain, captured, "cnn", None, 4, gen)
+    for step in (plain, captured):  # the same checkpoint into both: new optimizer-state tensors
+        step[1].load_state_dict(copy.deepcopy(plain[1].state_dict()))
+    worst += _same_steps(plain, captured, "cnn", None, 2, gen)
+    assert captured[2].captures == {"step": 2}
+    for step in (plain, captured):
+        step[0].eval()
+    worst += _same_steps(plain, captured, "cnn", None, 4, gen)
+    assert captured[2].captures == {"step": 1}  # the eval program's own runner
+    print(f"GPU captured retrace: largest difference {max(worst)}")
+    assert max(worst) == 0.0
+
+
+def test_captured_and_compiled_is_bitwise_compiled():
+    torch._dynamo.reset()
+    plain, captured = _pair("mlp", "adamw", "fused_allreduce", {}, compile=True, cuda_graph=True)
+    worst = _same_steps(plain, captured, "mlp", None, 8, torch.Generator().manual_seed(3))
+    print(f"GPU captured+compiled vs compiled: {max(worst)}; compile s {captured[2].compile_seconds}")
+    assert max(worst) == 0.0
+
+
+def test_cuda_graph_refuses_what_a_capture_cannot_hold():
+    from transpiler.errors import ConfigurationError, UnsupportedOptimizerError
+
+    model = make_model("mlp").to(DEVICE)
+    with pytest.raises(UnsupportedOptimizerError, match="generic path"):
+        transpile(model, torch.optim.RMSprop(model.parameters()), cuda_graph=True)
+    with pytest.raises(ConfigurationError, match="model's tensors are on"):
+        cpu_model = make_model("mlp")
+        transpile(cpu_model, torch.optim.SGD(cpu_model.parameters(), lr=0.1), cuda_graph=True)

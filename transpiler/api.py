@@ -11,8 +11,10 @@ from typing import Any
 import torch
 
 from . import cost_model
+from . import cuda_graph as cuda_graph_module
 from .collectives import communication_plan
 from .compile import CompiledProgram
+from .cuda_graph import CapturedProgram
 from .errors import ConfigurationError
 from .handshake import Setup, describe_model, describe_optimizer
 from .modes import build_strategy
@@ -45,6 +47,7 @@ def transpile(
     timeout: timedelta | float | None = None,
     max_cached_programs: int = 8,
     compile: bool = False,
+    cuda_graph: bool = False,
     **options: Any,
 ) -> DistributedStep:
     """Trace one training step and rewrite it into this rank's distributed program.
@@ -62,14 +65,18 @@ def transpile(
     ``trajectory_every=m`` (any mode) make rank 0 save the flattened weights
     every m updates, for ``transpiler pca`` (see ``transpiler/trajectory.py``). ``compile=True`` compiles
     each rewritten program with ``torch.compile`` (Inductor) on its first call (``transpiler/compile.py``;
-    ``step.compile_seconds`` says how long that took). ``optimizer`` may be a list of optimizers over disjoint
-    parameters (Muon for the matrices, AdamW for the rest): they are stepped as one (``optimizer_chain.py``).
+    ``step.compile_seconds`` says how long that took). ``cuda_graph=True`` (NCCL, a model on the GPU, SGD,
+    Adam or AdamW) captures each program as a CUDA graph after two warm-up steps and replays it every step,
+    bitwise the uncaptured step (``transpiler/cuda_graph.py``); it composes with ``compile=True``.
+    ``optimizer`` may be a list of optimizers over disjoint parameters (Muon for the matrices, AdamW for the
+    rest): they are stepped as one (``optimizer_chain.py``).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     optimizer = as_optimizer(optimizer)
-    if not isinstance(compile, bool):
-        raise ConfigurationError(f"compile must be True or False, got {compile!r}.")
+    for flag, value in (("compile", compile), ("cuda_graph", cuda_graph)):
+        if not isinstance(value, bool):
+            raise ConfigurationError(f"{flag} must be True or False, got {value!r}.")
     if isinstance(max_cached_programs, bool) or not isinstance(max_cached_programs, int) or max_cached_programs < 1:
         raise ConfigurationError(f"max_cached_programs must be an int >= 1, got {max_cached_programs!r}.")
     saving = parse_options(
@@ -80,6 +87,8 @@ def transpile(
     strategy = build_strategy(mode, options)
     strategy.check(optimizer)
     placement = resolve_placement(world_size, rank, as_timeout(timeout))
+    if cuda_graph:
+        cuda_graph_module.check_capturable_setup(model, optimizer, placement)
     observers = []
     if saving.get("save_trajectory") and placement.rank == 0:
         observers.append(TrajectoryWriter(Path(saving["save_trajectory"]), saving.get("trajectory_every", 1)))
@@ -114,8 +123,7 @@ def transpile(
             sources={name: digest for p in programs.values() for name, digest in p.sources.items()},
             compiled=compile,
         )
-        runners = {v: CompiledProgram(p.graph_module, v) for v, p in programs.items()} if compile else {}
-        return Built(programs, state, plan, setup, runners)
+        return Built(programs, state, plan, setup, runners_for(programs, compile=compile, cuda_graph=cuda_graph))
 
     step = DistributedStep(
         model,
@@ -131,6 +139,16 @@ def transpile(
     if example_inputs is not None:
         step.prepare(tuple(example_inputs))
     return step
+
+
+def runners_for(programs: dict[str, StepProgram], *, compile: bool, cuda_graph: bool) -> dict[str, Callable]:
+    """What runs each variant other than its graph module: compiled, captured (one memory pool for all
+    variants), or both (the captured device part compiled)."""
+    if cuda_graph:
+        pool = cuda_graph_module.CAPTURER.new_pool()
+        wrap = CompiledProgram if compile else None
+        return {v: CapturedProgram(p, v, pool, wrap, cuda_graph_module.CAPTURER) for v, p in programs.items()}
+    return {v: CompiledProgram(p.graph_module, v) for v, p in programs.items()} if compile else {}
 
 
 def rewrite(

@@ -54,7 +54,7 @@ class Built:
     state: ModelState
     plan: OptimizerPlan
     setup: Setup | None = None  # what the ranks compare before this program first runs
-    runners: dict[str, Callable] = field(default_factory=dict)  # variant -> what runs it (compiled); default: graph
+    runners: dict[str, Callable] = field(default_factory=dict)  # variant -> what runs it (compiled, captured)
     scalar_banks: dict[str, ScalarBank] = field(default_factory=dict)  # variant -> its per-step scalar tensors
     params: dict[str, torch.nn.Parameter] = field(init=False)  # name maps, made once, read every step
     frozen: dict[str, torch.nn.Parameter] = field(init=False)
@@ -176,6 +176,12 @@ class DistributedStep:
         """With ``compile=True``: per variant, how long its first call took, compiling included."""
         runners = self._last.runners if self._last is not None else {}
         return {v: r.seconds for v, r in runners.items() if getattr(r, "seconds", None) is not None}
+
+    @property
+    def captures(self) -> dict[str, int]:
+        """With ``cuda_graph=True``: per variant, how many times it was captured (again after a state swap)."""
+        runners = self._last.runners if self._last is not None else {}
+        return {v: r.captures for v, r in runners.items() if hasattr(r, "captures")}
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
