@@ -12,12 +12,23 @@ def eager_twin(model: torch.nn.Module, make_opt):
     return twin, make_opt(twin)
 
 
-def eager_step(model, optimizer, loss_fn, batch) -> torch.Tensor:
+def eager_step(model, optimizer, loss_fn, batch, autocast: tuple[str, torch.dtype | None] = ("cpu", None)):
+    """One eager step; ``autocast=(device_type, dtype)`` puts the forward and the loss under autocast (dtype
+    None: off), the backward and the update outside it, as torch documents autocast."""
     optimizer.zero_grad()
-    loss = loss_fn(model(*batch[:-1]), batch[-1])
+    device_type, dtype = autocast
+    with torch.autocast(device_type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        loss = loss_fn(model(*batch[:-1]), batch[-1])
     loss.backward()
     optimizer.step()
     return loss.detach()
+
+
+def state_addresses(model, optimizer) -> list[int]:
+    """Where the parameters, buffers and optimizer-state tensors live: equal lists, the same storage."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    return [t.data_ptr() for t in tensors]
 
 
 def assert_same_training_state(model_a, opt_a, model_b, opt_b) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import assert_same_training_state
+from tests.helpers import assert_same_training_state, eager_step
 from tests.models import make_batch, make_model
 from transpiler import transpile
 
@@ -23,15 +23,6 @@ OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01),
 }
-
-
-def _eager_autocast_step(model, optimizer, loss_fn, batch, dtype: torch.dtype | None) -> torch.Tensor:
-    optimizer.zero_grad()
-    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-        loss = loss_fn(model(*batch[:-1]), batch[-1])
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
 
 
 @pytest.mark.parametrize("mode", ["none", "fused_allreduce"])
@@ -49,7 +40,7 @@ def test_bf16_autocast_around_the_step_is_bitwise_eager_autocast(mode, model_nam
         batch = make_batch(model_name, 8, gen)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = step(*batch)
-        expected = _eager_autocast_step(ref, ref_opt, loss_fn, batch, torch.bfloat16)
+        expected = eager_step(ref, ref_opt, loss_fn, batch, ("cpu", torch.bfloat16))
         assert torch.equal(loss, expected)
         assert_same_training_state(model, optimizer, ref, ref_opt)
     assert any(n.target is torch.ops.aten._to_copy.default for n in step.program.graph.nodes)  # the casts
@@ -68,7 +59,7 @@ def test_switching_autocast_traces_each_state_once_and_follows_eager():
         batch = make_batch("mlp", 8, gen)
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = step(*batch)
-        assert torch.equal(loss, _eager_autocast_step(ref, ref_opt, loss_fn, batch, dtype))
+        assert torch.equal(loss, eager_step(ref, ref_opt, loss_fn, batch, ("cpu", dtype)))
         assert_same_training_state(model, optimizer, ref, ref_opt)
     assert step.traces == 2
 

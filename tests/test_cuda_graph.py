@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from tests.helpers import state_addresses
 from tests.models import make_batch, make_model
 from transpiler import ConfigurationError, transpile
 from transpiler import cuda_graph as cg
@@ -72,12 +73,6 @@ def _pair(model_name, opt_name, mode, options):
     return (model, plain_opt, plain), (twin, captured_opt, captured)
 
 
-def _addresses(model, optimizer) -> list[int]:
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    return [t.data_ptr() for t in tensors]
-
-
 def _run_both(plain, captured, model_name, steps, gen) -> list[torch.Tensor]:
     """``steps`` steps of both on the same batches, checked bitwise after each; returns the captured losses."""
     losses = []
@@ -102,9 +97,9 @@ def test_replayed_steps_are_the_uncaptured_steps_and_keep_the_users_tensors(case
     plain, captured = _pair(model_name, opt_name, mode, options)
     gen = torch.Generator().manual_seed(1)
     losses = _run_both(plain, captured, model_name, 3, gen)
-    addresses = _addresses(captured[0], captured[1])
+    addresses = state_addresses(captured[0], captured[1])
     losses += _run_both(plain, captured, model_name, 9, gen)
-    assert _addresses(captured[0], captured[1]) == addresses
+    assert state_addresses(captured[0], captured[1]) == addresses
     assert set(captured[2].captures.values()) == {1}
     assert len({loss.data_ptr() for loss in losses}) == len(losses)  # each loss handed out is its own copy
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.distributed import free_port
+from tests.helpers import eager_step, state_addresses
 from tests.models import make_batch, make_model
 from transpiler import transpile
 
@@ -43,15 +44,6 @@ def nccl_world_of_one():
     dist.destroy_process_group()
 
 
-def _eager_step(model, optimizer, loss_fn, batch, autocast: torch.dtype | None) -> torch.Tensor:
-    optimizer.zero_grad()
-    with torch.autocast("cuda", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        loss = loss_fn(model(*batch[:-1]), batch[-1])
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
-
-
 def _train_both(model_name, opt_name, mode, autocast, steps=5, **options) -> tuple[float, float]:
     """Largest differences (parameters, loss) between the transpiled step and eager over ``steps`` steps."""
     torch.manual_seed(0)
@@ -66,7 +58,7 @@ def _train_both(model_name, opt_name, mode, autocast, steps=5, **options) -> tup
         batch = tuple(t.to(DEVICE) for t in make_batch(model_name, 16, gen))
         with torch.autocast("cuda", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             loss = step(*batch)
-        expected = _eager_step(ref, ref_opt, loss_fn, batch, autocast)
+        expected = eager_step(ref, ref_opt, loss_fn, batch, ("cuda", autocast))
         worst_loss = max(worst_loss, (loss - expected).abs().item())
         worst_param = max(
             worst_param, *((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
@@ -141,12 +133,6 @@ def _pair(model_name, opt_name, mode, options, **flags):
     return (plain_model, plain_opt, plain), (captured_model, captured_opt, captured)
 
 
-def _state_addresses(model, optimizer) -> list[int]:
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    return [t.data_ptr() for t in tensors]
-
-
 def _same_steps(plain, captured, model_name, autocast, steps, gen) -> list[float]:
     """Run both ``steps`` times on the same batches; the largest difference per step (losses, parameters,
     optimizer state and buffers)."""
@@ -175,11 +161,11 @@ def test_captured_step_is_bitwise_the_uncaptured_step(case):
     plain, captured = _pair(model_name, opt_name, mode, options, cuda_graph=True)
     gen = torch.Generator().manual_seed(1)
     worst = _same_steps(plain, captured, model_name, autocast, 3, gen)
-    addresses = _state_addresses(captured[0], captured[1])
+    addresses = state_addresses(captured[0], captured[1])
     worst += _same_steps(plain, captured, model_name, autocast, 9, gen)
     print(f"GPU captured {case}: largest difference per step {max(worst)}; captures {captured[2].captures}")
     assert max(worst) == 0.0
-    assert _state_addresses(captured[0], captured[1]) == addresses
+    assert state_addresses(captured[0], captured[1]) == addresses
     assert set(captured[2].captures.values()) == {1}
 
 
