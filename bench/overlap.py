@@ -26,7 +26,7 @@ import torch.fx as fx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.limit import WORKLOADS  # noqa: E402
 from transpiler import transpile  # noqa: E402
-from transpiler.collectives import is_collective, is_wait  # noqa: E402
+from transpiler.graph.collectives import is_collective, is_wait  # noqa: E402
 
 CAPS = {"default caps (25 MiB, first 1 MiB)": {}, "1 MiB caps": {"bucket_cap_mb": 1.0}}
 RUNS = 8

@@ -11,10 +11,10 @@ import time
 import torch
 from torch import nn
 
-from transpiler.modes import build_passes
-from transpiler.pipeline import Pipeline
-from transpiler.tracing import trace_step
-from transpiler.verify import DEFAULT_VERIFIERS
+from transpiler.graph.pipeline import Pipeline
+from transpiler.graph.verify import DEFAULT_VERIFIERS
+from transpiler.strategies.modes import build_passes
+from transpiler.trace.tracer import trace_step
 
 LAYERS = (45, 225, 450, 1100, 2250)  # about 1k, 5k, 10k, 25k and 50k nodes
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from tests.models import plain_sgd_factory  # noqa: E402
 from transpiler.cli import main  # noqa: E402
-from transpiler.trajectory import layout  # noqa: E402
+from transpiler.graph.basis import layout  # noqa: E402
 
 BASIS = "{basis}"  # replaced by a basis file written for the run
 

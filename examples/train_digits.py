@@ -23,8 +23,8 @@ from sklearn.model_selection import train_test_split
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transpiler import transpile  # noqa: E402
-from transpiler.modes import MODES  # noqa: E402
-from transpiler.options import key_values  # noqa: E402
+from transpiler.graph.options import key_values  # noqa: E402
+from transpiler.strategies.modes import MODES  # noqa: E402
 
 DEFAULT_LR = {  # learning rates that train this MLP on digits in 30 epochs
     "adam": 3e-3,

@@ -168,7 +168,7 @@ class Lion(torch.optim.Optimizer):
 
 def muon_and_adamw(params) -> torch.optim.Optimizer:
     """Muon on the matrices and AdamW on the rest, as torch documents Muon, chained into one optimizer."""
-    from transpiler.optimizer_chain import OptimizerChain
+    from transpiler.trace.optimizers import OptimizerChain
 
     params = list(params)
     matrices, rest = [p for p in params if p.ndim == 2], [p for p in params if p.ndim != 2]

@@ -183,7 +183,7 @@ def group_timeouts() -> dict:
     """Seconds of timeout of every group an AdaSum step uses (its world group and subgroups)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    from transpiler.process_group import group_timeout
+    from transpiler.runtime.process_group import group_timeout
 
     out = {}
     for label, options in (("default", {}), ("explicit", {"timeout": 7})):

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.distributed import ROOT, launch
-from transpiler.schedules import continuous_freeze_cycle
+from transpiler.strategies.schedules import continuous_freeze_cycle
 
 ATOL = 1e-6
 LR = 0.05

@@ -10,14 +10,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from passes.freeze_groups import group_bounds
-from passes.partial_average import partition_of
 from transpiler import transpile
 from transpiler.api import rewrite
-from transpiler.modes import build_strategy
-from transpiler.process_group import Placement
-from transpiler.schedules import EveryStep, FreezeSchedule, continuous_freeze_cycle
-from transpiler.tracing import trace_step
+from transpiler.passes.freeze_groups import group_bounds
+from transpiler.passes.partial_average import partition_of
+from transpiler.runtime.process_group import Placement
+from transpiler.strategies.modes import build_strategy
+from transpiler.strategies.schedules import EveryStep, FreezeSchedule, continuous_freeze_cycle
+from transpiler.trace.tracer import trace_step
 
 SLOW = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 widths_strategy = st.lists(st.integers(1, 12), min_size=2, max_size=4)

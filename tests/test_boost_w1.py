@@ -16,7 +16,7 @@ from torch import nn
 from tests.helpers import assert_same_training_state
 from tests.models import MLP, make_batch
 from transpiler import ConfigurationError, transpile
-from transpiler.schedules import continuous_freeze_cycle
+from transpiler.strategies.schedules import continuous_freeze_cycle
 
 pytestmark = pytest.mark.bitwise  # claims eager's or DDP's bits: run again under narrower kernels in .ci/run
 

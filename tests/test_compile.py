@@ -15,8 +15,8 @@ from torch import nn
 
 from tests.models import MLP, make_batch
 from transpiler import ConfigurationError, transpile
-from transpiler.collectives import C10D
-from transpiler.compile import CompiledProgram, functional_copy
+from transpiler.graph.collectives import C10D
+from transpiler.runtime.compile import CompiledProgram, functional_copy
 
 
 def test_world_size_1_with_wrappers_matches_the_uncompiled_step():

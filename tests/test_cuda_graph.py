@@ -20,7 +20,7 @@ from torch import nn
 from tests.helpers import state_addresses
 from tests.models import make_batch, make_model
 from transpiler import ConfigurationError, transpile
-from transpiler import cuda_graph as cg
+from transpiler.runtime import cuda_graph as cg
 
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),

@@ -31,11 +31,11 @@ from tests.models import plain_sgd_factory
 from transpiler import ConfigurationError, transpile
 from transpiler.api import rewrite
 from transpiler.cli import main
-from transpiler.handshake import differences
-from transpiler.modes import build_strategy
-from transpiler.process_group import Placement
-from transpiler.tracing import trace_step
-from transpiler.trajectory import layout
+from transpiler.graph.basis import layout
+from transpiler.runtime.handshake import differences
+from transpiler.runtime.process_group import Placement
+from transpiler.strategies.modes import build_strategy
+from transpiler.trace.tracer import trace_step
 
 ATOL = 2e-6
 DECISION_MARGIN = 1e-4  # relative: Armijo tests closer than this to their bound would make the test fragile

@@ -25,7 +25,7 @@ from torch.func import functional_call
 
 from tests.models import make_batch, make_model
 from transpiler import transpile
-from transpiler.trajectory import layout
+from transpiler.graph.basis import layout
 
 ATOL = 1e-5
 

@@ -172,7 +172,7 @@ def test_captured_step_is_bitwise_the_uncaptured_step(case):
 def test_captured_program_issues_the_same_collectives():
     """Statically (the captured device part holds the program's collectives in order) and on the GPU (the
     profiler counts the same NCCL kernels in a replay as in an uncaptured step)."""
-    from transpiler.collectives import communication_plan
+    from transpiler.graph.collectives import communication_plan
 
     plain, captured = _pair("mlp", "sgd", "fused_allreduce", {"bucket_cap_mb": 0.01}, cuda_graph=True)
     gen = torch.Generator().manual_seed(1)

@@ -8,7 +8,7 @@ import torch.fx as fx
 from hypothesis import given
 from hypothesis import strategies as st
 
-from transpiler.graph_edit import repair_order
+from transpiler.graph.edit import repair_order
 
 
 @given(n=st.integers(3, 12), moved=st.data())

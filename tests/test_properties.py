@@ -10,14 +10,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from passes import PASSES
-from passes.bucket_views import BUCKET_READY, slot_offsets
-from passes.bucketing import MB, assign_buckets
 from transpiler.api import rewrite
-from transpiler.collectives import collective_sequence, is_collective
-from transpiler.modes import build_passes
-from transpiler.process_group import LOCAL_GROUP, Placement, ensure_local_group
-from transpiler.tracing import trace_step
+from transpiler.graph.bucket_layout import BUCKET_READY, slot_offsets
+from transpiler.graph.collectives import collective_sequence, is_collective
+from transpiler.passes import PASSES
+from transpiler.passes.bucketing import MB, assign_buckets
+from transpiler.runtime.process_group import LOCAL_GROUP, Placement, ensure_local_group
+from transpiler.strategies.modes import build_passes
+from transpiler.trace.tracer import trace_step
 
 sizes_and_keys = st.lists(
     st.tuples(st.integers(1, 3000), st.sampled_from(["f32", "f64", "f16"])), min_size=1, max_size=40
@@ -158,9 +158,9 @@ def test_every_pass_reports_no_change_when_it_has_nothing_to_do():
 )
 def test_adasum_sends_pair_with_receives_across_ranks(widths, log_participants, local_size, target):
     """Every rank's exchanges meet their partner's with swapped sizes, and the whole world cannot deadlock."""
-    from transpiler.modes import build_strategy
-    from transpiler.process_group import subgroup_names
-    from transpiler.verify import check_communication
+    from transpiler.graph.verify import check_communication
+    from transpiler.runtime.process_group import subgroup_names
+    from transpiler.strategies.modes import build_strategy
 
     world = (1 << log_participants) * local_size
     torch.manual_seed(0)

@@ -58,7 +58,7 @@ def test_bitwise_eager(name, mode):
 
 def test_checkpoint_recomputation_draws_the_forward_masks():
     """Without restoring the RNG state in the graph, the recomputed dropout would draw new masks."""
-    from transpiler.trace_env import RNG_OPS
+    from transpiler.trace.environment import RNG_OPS
 
     torch.manual_seed(0)
     model = Checkpointed()

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from transpiler.schedules import LocalSGDSchedule
+from transpiler.strategies.schedules import LocalSGDSchedule
 
 
 def documented_syncs(k: int, begin_step: int, steps: int) -> list[int]:

@@ -9,7 +9,7 @@ from torch import nn
 from tests.models import MLP, make_batch
 from transpiler import ConfigurationError, transpile
 from transpiler.cli import main
-from transpiler.trajectory import flat_weights, layout, load_basis
+from transpiler.graph.basis import flat_weights, layout, load_basis
 
 
 def train(tmp_path, steps=8, every=2, **options):

@@ -6,19 +6,19 @@ import pytest
 import torch
 from torch import nn
 
-from passes.bucket_views import BUCKET_READY
 from transpiler.api import rewrite
-from transpiler.collectives import is_collective
 from transpiler.errors import VerificationError
-from transpiler.modes import build_passes
-from transpiler.process_group import Placement
-from transpiler.tracing import trace_step
-from transpiler.verify import (
+from transpiler.graph.bucket_layout import BUCKET_READY
+from transpiler.graph.collectives import is_collective
+from transpiler.graph.verify import (
     check_bucket_views,
     check_collectives_waited,
     check_cross_rank,
     check_gradient_reductions,
 )
+from transpiler.runtime.process_group import Placement
+from transpiler.strategies.modes import build_passes
+from transpiler.trace.tracer import trace_step
 
 BATCH = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
 
@@ -56,8 +56,8 @@ def test_ranks_that_disagree_are_caught_before_anything_runs():
 
 
 def _adasum_programs(world=4):
-    from transpiler.modes import build_strategy
-    from transpiler.process_group import subgroup_names
+    from transpiler.runtime.process_group import subgroup_names
+    from transpiler.strategies.modes import build_strategy
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
@@ -77,8 +77,8 @@ def _adasum_programs(world=4):
 
 
 def test_send_receive_simulation_accepts_adasum_and_catches_a_wrong_partner():
-    from transpiler.p2p import is_exchange
-    from transpiler.verify import check_communication
+    from transpiler.graph.p2p import is_exchange
+    from transpiler.graph.verify import check_communication
 
     programs, members = _adasum_programs()
     check_communication(programs, members)  # every exchange pairs up, no deadlock
@@ -89,8 +89,8 @@ def test_send_receive_simulation_accepts_adasum_and_catches_a_wrong_partner():
 
 
 def test_send_receive_simulation_catches_a_size_mismatch():
-    from transpiler.p2p import is_exchange
-    from transpiler.verify import check_communication
+    from transpiler.graph.p2p import is_exchange
+    from transpiler.graph.verify import check_communication
 
     programs, members = _adasum_programs(world=2)
     node = next(n for n in programs[1].graph.nodes if is_exchange(n))

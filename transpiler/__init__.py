@@ -1,12 +1,12 @@
 """Distributed-training transpiler for PyTorch: trace a training step, rewrite it with passes.
 
-``transpile`` and ``DistributedStep`` are loaded on first use, so that the
-pass modules (``passes/``) can import the pass infrastructure from this
-package without a circular import through the modes that list them.
+The package is layered (``docs/design.md``): ``graph`` (the step program, passes' toolkit) at the bottom,
+``trace`` and ``passes`` on it, ``strategies`` (modes to passes and schedules), ``runtime`` (running a
+rank's programs), then ``api`` and ``cli``. ``errors`` sits below them all. Each layer imports only the
+ones below it; ``tests/test_layers.py`` holds the package to that with import-linter.
 """
 
-from typing import Any
-
+from .api import transpile
 from .errors import (
     CheckpointError,
     CommunicationError,
@@ -20,6 +20,7 @@ from .errors import (
     UnsupportedOptimizerError,
     VerificationError,
 )
+from .runtime import DistributedStep
 
 __all__ = [
     "CheckpointError",
@@ -36,15 +37,3 @@ __all__ = [
     "VerificationError",
     "transpile",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "transpile":
-        from .api import transpile
-
-        return transpile
-    if name == "DistributedStep":
-        from .runtime import DistributedStep
-
-        return DistributedStep
-    raise AttributeError(f"module 'transpiler' has no attribute {name!r}")

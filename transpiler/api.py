@@ -10,24 +10,26 @@ from typing import Any
 
 import torch
 
-from . import cost_model
-from . import cuda_graph as cuda_graph_module
-from .collectives import communication_plan
-from .compile import CompiledProgram
-from .cuda_graph import CapturedProgram
+from transpiler.graph.collectives import communication_plan
+from transpiler.graph.cost_model import CostModel
+from transpiler.graph.options import parse_options
+from transpiler.graph.pipeline import Pipeline
+from transpiler.graph.program import StepProgram
+from transpiler.graph.verify import DEFAULT_VERIFIERS, check_communication, check_cross_rank
+from transpiler.runtime import cost_probe
+from transpiler.runtime import cuda_graph as cuda_graph_module
+from transpiler.runtime.compile import CompiledProgram
+from transpiler.runtime.cuda_graph import CapturedProgram
+from transpiler.runtime.distributed_step import Built, DistributedStep, batch_key
+from transpiler.runtime.handshake import Setup, describe_model, describe_optimizer
+from transpiler.runtime.process_group import Placement, as_timeout, resolve_placement, subgroup_names
+from transpiler.runtime.trajectory import TRAJECTORY_OPTIONS, TrajectoryWriter
+from transpiler.strategies.modes import build_strategy
+from transpiler.trace.environment import AutocastState
+from transpiler.trace.optimizers import as_optimizer
+from transpiler.trace.tracer import LossFn, trace_step
+
 from .errors import ConfigurationError
-from .handshake import Setup, describe_model, describe_optimizer
-from .modes import build_strategy
-from .optimizer_chain import as_optimizer
-from .options import parse_options
-from .pipeline import Pipeline
-from .process_group import Placement, as_timeout, resolve_placement, subgroup_names
-from .program import StepProgram
-from .runtime import Built, DistributedStep, batch_key
-from .trace_env import AutocastState
-from .tracing import LossFn, trace_step
-from .trajectory import TRAJECTORY_OPTIONS, TrajectoryWriter
-from .verify import DEFAULT_VERIFIERS, check_communication, check_cross_rank
 
 log = logging.getLogger("transpiler")
 CROSS_RANK_LIMIT = 16  # beyond this many ranks, the static check compares ranks 0, 1 and W-1
@@ -63,13 +65,13 @@ def transpile(
     default is 30 minutes). ``max_cached_programs`` bounds the programs kept
     for different batch shapes and model modes. ``save_trajectory=DIR`` and
     ``trajectory_every=m`` (any mode) make rank 0 save the flattened weights
-    every m updates, for ``transpiler pca`` (see ``transpiler/trajectory.py``). ``compile=True`` compiles
-    each rewritten program with ``torch.compile`` (Inductor) on its first call (``transpiler/compile.py``;
+    every m updates, for ``transpiler pca`` (see ``transpiler/runtime/trajectory.py``). ``compile=True`` compiles
+    each rewritten program with ``torch.compile`` (Inductor) on its first call (``transpiler/runtime/compile.py``;
     ``step.compile_seconds`` says how long that took). ``cuda_graph=True`` (NCCL, a model on the GPU, SGD,
     Adam or AdamW) captures each program as a CUDA graph after two warm-up steps and replays it every step,
-    bitwise the uncaptured step (``transpiler/cuda_graph.py``); it composes with ``compile=True``.
+    bitwise the uncaptured step (``transpiler/runtime/cuda_graph.py``); it composes with ``compile=True``.
     ``optimizer`` may be a list of optimizers over disjoint parameters (Muon for the matrices, AdamW for the
-    rest): they are stepped as one (``optimizer_chain.py``).
+    rest): they are stepped as one (``trace/optimizers/chain.py``).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -96,14 +98,14 @@ def transpile(
     specs = {variant: ",".join(p.spec() for p in passes) for variant, passes in strategy.variants.items()}
     schedule = strategy.schedule()
     wants_cost_model = any(getattr(p, "wants_cost_model", False) for ps in strategy.variants.values() for p in ps)
-    measured: dict[tuple, cost_model.CostModel] = {}  # per batch shape: a retrace (model mode, new state) reuses it
+    measured: dict[tuple, CostModel] = {}  # per batch shape: a retrace (model mode, new state) reuses it
 
     def build(batch: tuple, autocast: AutocastState) -> Built:
         traced, state, plan = trace_step(model, optimizer, loss_fn, batch, autocast)
         if placement.live and placement.world_size > 1 and wants_cost_model:
             key = batch_key(batch)
             if key not in measured:
-                measured[key] = cost_model.measure(model, loss_fn, batch, placement.group_name)
+                measured[key] = cost_probe.measure(model, loss_fn, batch, placement.group_name)
             traced.cost_model = measured[key]
         programs = {
             variant: rewrite(traced, passes, placement, verify=verify, on_pass=on_pass, subgroups=subgroups)

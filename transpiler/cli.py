@@ -10,16 +10,16 @@ from pathlib import Path
 
 import torch
 
-from passes import PASSES
+from transpiler.graph.basis import compute_basis
+from transpiler.graph.options import key_values
+from transpiler.graph.pipeline import format_value
+from transpiler.graph.program import StepProgram
+from transpiler.graph.render import to_dot, to_json, to_svg, unified_diff
+from transpiler.strategies.modes import MODES
 
 from .api import transpile
 from .errors import FactoryError, TranspilerError
-from .modes import MODES
-from .options import key_values
-from .pipeline import format_value
-from .program import StepProgram
-from .render import to_dot, to_json, to_svg, unified_diff
-from .trajectory import compute_basis
+from .passes import PASSES
 
 
 def load_factory(spec: str) -> tuple:

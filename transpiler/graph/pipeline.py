@@ -1,0 +1,143 @@
+"""Pass base class, text specs, and the pipeline that verifies between passes.
+
+A pass is a frozen dataclass with a kebab-case ``name``; its fields are its
+options, written in a spec as ``name{field-name=value,...}``, e.g.
+``scale-loss-grad,fuse-allreduce{bucket-cap-mb=25}``. ``run`` rewrites a
+:class:`StepProgram` and returns whether it changed the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from transpiler.errors import ConfigurationError, PipelineSpecError, TranspilerError, VerificationError
+
+from .options import field_options, parse_options
+from .program import StepProgram
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Base of every rewrite pass (see the module docstring)."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    reduces_gradients: ClassVar[bool] = False  # after it, every gradient must be reduced exactly once
+
+    def run(self, program: StepProgram) -> bool:
+        raise NotImplementedError
+
+    def __post_init__(self) -> None:
+        """Options are parsed strictly, whether the pass is built from Python or from a spec."""
+        for name, spec in field_options(type(self)).items():
+            object.__setattr__(self, name, spec.parse(name, getattr(self, name), f"pass '{self.name}'"))
+
+    def spec(self) -> str:
+        opts = [
+            f"{f.name.replace('_', '-')}={format_value(getattr(self, f.name))}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default
+        ]
+        return self.name + ("{" + ",".join(opts) + "}" if opts else "")
+
+
+def format_value(value: object) -> str:
+    """An option value as a spec writes it (``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+_ITEM = re.compile(r"\s*([a-z0-9-]+)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
+
+
+def parse_spec(spec: str, registry: dict[str, type[Pass]]) -> list[Pass]:
+    """Parse ``a,b{opt=1}`` into pass instances, with errors that name the bad part."""
+    passes: list[Pass] = []
+    pos = 0
+    spec = spec.strip()
+    while pos < len(spec):
+        m = _ITEM.match(spec, pos)
+        if not m or m.end() == pos:
+            raise PipelineSpecError(f"cannot parse pipeline spec at character {pos}: '{spec[pos:]}'.")
+        name, body = m.group(1), m.group(2)
+        if name not in registry:
+            raise PipelineSpecError(f"unknown pass '{name}'; known passes: {', '.join(sorted(registry))}.")
+        raw: dict[str, str] = {}
+        for item in filter(None, (s.strip() for s in (body or "").split(","))):
+            if "=" not in item:
+                raise PipelineSpecError(f"option '{item}' of pass '{name}' needs the form key=value.")
+            key, value = (s.strip() for s in item.split("=", 1))
+            raw[key] = value
+        cls = registry[name]
+        specs = {f.replace("_", "-"): spec for f, spec in field_options(cls).items()}
+        try:
+            kwargs = {k.replace("-", "_"): v for k, v in parse_options(specs, raw, f"pass '{name}'").items()}
+        except ConfigurationError as exc:
+            raise PipelineSpecError(str(exc)) from None
+        passes.append(registry[name](**kwargs))
+        pos = m.end()
+    if not passes:
+        raise PipelineSpecError("the pipeline spec is empty.")
+    return passes
+
+
+Verifier = Callable[[StepProgram, bool], None]
+
+
+@dataclass
+class PassRecord:
+    name: str
+    modified: bool
+    seconds: float
+
+
+@dataclass
+class Pipeline:
+    """An ordered list of passes, verified after each one unless ``verify`` is off."""
+
+    passes: list[Pass]
+    verifiers: list[Verifier] = field(default_factory=list)
+    verify: bool = True
+    on_pass: Callable[[str, StepProgram], None] | None = None
+
+    def spec(self) -> str:
+        return ",".join(p.spec() for p in self.passes)
+
+    def run(self, program: StepProgram) -> list[PassRecord]:
+        records = []
+        done: list[str] = []
+        final_reduction = any(p.reduces_gradients for p in self.passes) and program.world_size > 1
+        for i, p in enumerate(self.passes):
+            start = time.perf_counter()
+            try:
+                modified = bool(p.run(program))
+            except TranspilerError:
+                raise
+            except Exception as exc:
+                raise VerificationError(
+                    f"pass '{p.name}' failed: {type(exc).__name__}: {exc}", pass_name=p.name, passes_before=tuple(done)
+                ) from exc
+            program.recompile()
+            last = i == len(self.passes) - 1
+            if self.verify:
+                self.check(program, p.name, tuple(done), final=last and final_reduction)
+            records.append(PassRecord(p.name, modified, time.perf_counter() - start))
+            program.snapshot(p.spec())
+            if self.on_pass is not None:
+                self.on_pass(p.spec(), program)
+            done.append(p.name)
+        return records
+
+    def check(self, program: StepProgram, pass_name: str, before: tuple[str, ...], *, final: bool) -> None:
+        try:
+            program.graph.lint()
+            for verifier in self.verifiers:
+                verifier(program, final)
+        except VerificationError as exc:
+            raise VerificationError(str(exc), pass_name=pass_name, passes_before=before) from exc
+        except Exception as exc:  # graph.lint raises RuntimeError
+            raise VerificationError(f"{type(exc).__name__}: {exc}", pass_name=pass_name, passes_before=before) from exc

@@ -1,0 +1,184 @@
+"""Invariants checked between passes (see ARCHITECTURE.md), and across ranks.
+
+Each verifier takes the program and whether the pipeline has finished, and
+raises :class:`VerificationError` with a message that names the node at fault.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch.fx as fx
+
+from transpiler.errors import VerificationError
+
+from .bucket_layout import check_bucket_views
+from .collectives import CommOp, collective_sequence, communication_plan, is_collective, is_wait
+from .program import ROLES, StepProgram
+
+
+def check_roles(program: StepProgram, final: bool) -> None:
+    """Every op node says which part of the step it belongs to."""
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.meta.get("role") not in ROLES:
+            raise VerificationError(f"node '{node.name}' has no role (meta['role'] = {node.meta.get('role')!r}).")
+
+
+def check_collectives_waited(program: StepProgram, final: bool) -> None:
+    """Each collective is waited exactly once, and only its wait reads it."""
+    for node in program.graph.nodes:
+        if not is_collective(node):
+            continue
+        waits = [u for u in node.users if is_wait(u)]
+        others = [u.name for u in node.users if not is_wait(u)]
+        if len(waits) != 1 or others:
+            raise VerificationError(
+                f"collective '{node.name}' must be read by exactly one wait_tensor and nothing else; "
+                f"it has {len(waits)} waits and other users {others}."
+            )
+
+
+def check_gradient_reductions(program: StepProgram, final: bool) -> None:
+    """Along every path from a gradient to the optimizer, count the all-reduces.
+
+    Between passes a gradient may be reduced at most once; once the pipeline
+    has finished with a reducing pass, exactly once on every path. One sweep
+    in graph order gives, for each communication node, the set of reduction
+    counts over all paths reaching it; only on failure is the guilty gradient
+    traced path by path, for the message.
+    """
+    counts: dict[fx.Node, set[int]] = {}
+    for node in program.graph.nodes:
+        if "grad_of" in node.meta:
+            counts[node] = {0}
+        elif node.meta.get("role") == "communication":
+            reaching = [counts[i] for i in node.all_input_nodes if i in counts]
+            if reaching:
+                step = 1 if _is_all_reduce(node) else 0
+                counts[node] = {c + step for s in reaching for c in s}
+    bad = any(
+        max(c) > 1 or (final and c != {1})
+        for node, c in counts.items()
+        if any(u.meta.get("role") == "optimizer" for u in node.users)
+    )
+    if final and not bad:  # every gradient must reach the optimizer: one sweep backwards
+        reaches: set[fx.Node] = set()
+        for node in reversed(program.graph.nodes):
+            if node in counts and any(u.meta.get("role") == "optimizer" or u in reaches for u in node.users):
+                reaches.add(node)
+        bad = any(g not in reaches for g in counts if "grad_of" in g.meta)
+    if not bad:
+        return
+    for grad in (n for n in program.graph.nodes if "grad_of" in n.meta):
+        found = _reductions_to_optimizer(grad)
+        name = grad.meta["grad_of"]
+        if any(c > 1 for c in found):
+            raise VerificationError(f"gradient of '{name}' is all-reduced {max(found)} times before the optimizer.")
+        if final and found != {1}:
+            missing = "never reaches the optimizer" if not found else "reaches the optimizer un-reduced"
+            raise VerificationError(f"gradient of '{name}' {missing}; it must be all-reduced exactly once.")
+
+
+def _is_all_reduce(node: fx.Node) -> bool:
+    """A collective that reduces gradient values (an all-reduce, or the all-gathers of a sparse or gathered
+    reduction); AdaSum's all-reduces of dot products and norms, and flags, are not."""
+    return is_collective(node) and "grads" in node.meta.get("collective", {})
+
+
+def _reductions_to_optimizer(grad: fx.Node) -> set[int]:
+    """Reduction counts on the paths from ``grad`` through communication nodes into the optimizer."""
+    seen: dict[fx.Node, set[int]] = {grad: {0}}
+    found: set[int] = set()
+    queue = deque([grad])
+    while queue:
+        node = queue.popleft()
+        for user in node.users:
+            role = user.meta.get("role")
+            if role == "optimizer":
+                found |= seen[node]
+                continue
+            if role != "communication":
+                continue
+            new = {c + _is_all_reduce(user) for c in seen[node]} - seen.get(user, set())
+            if new:
+                seen.setdefault(user, set()).update(new)
+                queue.append(user)
+    return found
+
+
+DEFAULT_VERIFIERS = [check_roles, check_collectives_waited, check_gradient_reductions, check_bucket_views]
+
+
+def check_cross_rank(programs: list[StepProgram]) -> None:
+    """All ranks of one world size issue the same collectives in the same order."""
+    if not programs:
+        return
+    reference = collective_sequence(programs[0].graph)
+    for program in programs[1:]:
+        sequence = collective_sequence(program.graph)
+        for i, (a, b) in enumerate(zip(reference, sequence)):
+            if a != b:
+                raise VerificationError(
+                    f"rank {program.rank} issues collective #{i} as {b}, but rank {programs[0].rank} issues {a}: "
+                    "the ranks would deadlock or reduce mismatched data."
+                )
+        if len(reference) != len(sequence):
+            raise VerificationError(
+                f"rank {program.rank} issues {len(sequence)} collectives, "
+                f"rank {programs[0].rank} issues {len(reference)}."
+            )
+
+
+def check_communication(programs: list[StepProgram], members: dict[str, tuple[int, ...]]) -> None:
+    """Statically: simulate every rank's communication in order (see :func:`simulate_communication`)."""
+    simulate_communication({p.rank: communication_plan(p.graph) for p in programs}, members)
+
+
+def simulate_communication(plans: dict[int, list[CommOp]], members: dict[str, tuple[int, ...]]) -> None:
+    """Run the ranks' communication plans against each other; raise if they would mismatch or deadlock.
+
+    An exchange of rank r with peer p completes when p's next operation is an
+    exchange with r whose send size is r's receive size and vice versa (same
+    dtype); a collective completes when every member of its group has the same
+    collective (op, shape, dtype) next. If no rank can move while some still
+    have operations left, the ranks would deadlock, and the error says where.
+    The same simulation runs on programs built in one process and on the plans
+    the ranks exchange at startup.
+    """
+    heads = dict.fromkeys(plans, 0)
+
+    def head(rank: int) -> CommOp | None:
+        ops = plans.get(rank)
+        return ops[heads[rank]] if ops is not None and heads[rank] < len(ops) else None
+
+    def describe(rank: int) -> str:
+        op = head(rank)
+        return f"rank {rank}: " + ("done" if op is None else str(op))
+
+    while any(head(r) is not None for r in plans):
+        moved = False
+        for rank in plans:
+            op = head(rank)
+            if op is None:
+                continue
+            if op.collective is None:
+                other = head(op.peer)
+                if other is None or other.collective is not None or other.peer != rank:
+                    continue
+                if op.send != other.recv or other.send != op.recv or op.dtype != other.dtype:
+                    raise VerificationError(f"mismatched exchange: {describe(rank)}; {describe(op.peer)}.")
+                heads[rank] += 1
+                heads[op.peer] += 1
+                moved = True
+                continue
+            group = members.get(op.collective.group)
+            if group is None:
+                raise VerificationError(f"rank {rank} uses unknown process group '{op.collective.group}'.")
+            present = [r for r in group if r in plans]
+            if all(head(r) is not None and head(r).collective == op.collective for r in present):
+                for r in present:
+                    heads[r] += 1
+                moved = True
+        if not moved:
+            stuck = "; ".join(describe(r) for r in sorted(plans) if head(r) is not None)
+            raise VerificationError(f"the ranks' communication would deadlock or mismatch: {stuck}.")

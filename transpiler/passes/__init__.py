@@ -1,0 +1,62 @@
+"""Rewrite passes, one per module. ``PASSES`` is the registry, listed by hand."""
+
+from transpiler.graph.pipeline import Pass
+
+from .accumulate_grads import AccumulateGrads
+from .adasum import AdaSum
+from .allgather_grads import AllGatherGrads
+from .allreduce_grads import AllReduceGrads
+from .broadcast_params import BroadcastParams
+from .clip_grad_norm import ClipGradNorm
+from .dim_reduce import DimReduce
+from .freeze_groups import FreezeGroups
+from .fuse_allreduce import FuseAllReduce
+from .local_sgd import LocalSGDAverage
+from .loss_scale import LossScale
+from .partial_average import PartialAverage
+from .reinplace_optimizer import ReinplaceOptimizer
+from .scale_loss_grad import ScaleLossGrad
+from .schedule_collectives import ScheduleCollectives
+from .sparse_allreduce import SparseAllReduce
+
+PASSES: dict[str, type[Pass]] = {
+    cls.name: cls
+    for cls in (
+        BroadcastParams,
+        FreezeGroups,
+        ScaleLossGrad,
+        AccumulateGrads,
+        AdaSum,
+        AllReduceGrads,
+        FuseAllReduce,
+        SparseAllReduce,
+        AllGatherGrads,
+        LocalSGDAverage,
+        PartialAverage,
+        LossScale,
+        ClipGradNorm,
+        DimReduce,
+        ScheduleCollectives,
+        ReinplaceOptimizer,
+    )
+}
+
+__all__ = [
+    "PASSES",
+    "AccumulateGrads",
+    "AdaSum",
+    "AllGatherGrads",
+    "AllReduceGrads",
+    "BroadcastParams",
+    "ClipGradNorm",
+    "DimReduce",
+    "FreezeGroups",
+    "FuseAllReduce",
+    "LocalSGDAverage",
+    "LossScale",
+    "PartialAverage",
+    "ReinplaceOptimizer",
+    "ScaleLossGrad",
+    "ScheduleCollectives",
+    "SparseAllReduce",
+]

@@ -1,0 +1,68 @@
+"""``accumulate-grads``: gradient accumulation (Boost ``grad_accumulation``, DDP's ``no_sync``).
+
+Requires: traced gradients not yet reduced (run it before the reducing pass).
+Guarantees: the loss-gradient seed is scaled by ``1/steps``, so ``steps``
+micro-batches add up to the gradient of their mean loss; each gradient ``g``
+becomes ``accum.<param> + g``, where ``accum.<param>`` is extra state that
+starts at zero. With ``apply`` (the last micro-step of a cycle) the sum goes on
+to the reduction and the optimizer as the gradient did, and the accumulator is
+reset to zero; without it (the other micro-steps) the sum is the accumulator's
+new value and the optimizer is removed, so parameters and optimizer state pass
+through unchanged and nothing is communicated (dead code elimination drops the
+update). Buffers (BatchNorm statistics) update every micro-step, as in eager.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from transpiler.graph.edit import Cursor
+from transpiler.graph.options import option
+from transpiler.graph.pipeline import Pass
+from transpiler.graph.program import Port, StepProgram
+
+from .gradient_flow import (
+    add_input,
+    add_outputs,
+    before_output,
+    gradient_nodes,
+    keep_inputs,
+    reads_raw_gradient,
+    scale_seed,
+)
+
+aten = torch.ops.aten
+PREFIX = "accum."
+
+
+@dataclass(frozen=True)
+class AccumulateGrads(Pass):
+    name = "accumulate-grads"
+    summary = "gradient accumulation: micro-steps add into accumulators; the last one reduces and updates once"
+    steps: int = option(2, minimum=1, help="micro-steps per optimizer update")
+    apply: bool = option(True, help="this is the cycle's last micro-step (reduce and update); false: accumulate only")
+
+    def run(self, program: StepProgram) -> bool:
+        if any(p.kind == "extra" and p.name.startswith(PREFIX) for p in program.inputs):
+            return False
+        if self.steps > 1:
+            scale_seed(program, 1.0 / self.steps, accumulate_scale=1.0 / self.steps)
+        new_values, new_ports = [], []
+        for grad in gradient_nodes(program):
+            name = grad.meta.pop("grad_of")
+            port = Port("extra", PREFIX + name)
+            acc = add_input(program, port, grad)
+            program.extra_init[port.name] = ("zeros_like_param", name)
+            total = Cursor(program.graph, grad).emit(aten.add.Tensor, (acc, grad), role="backward", grad_of=name)
+            grad.replace_all_uses_with(total, delete_user_cb=lambda u: not reads_raw_gradient(u))  # total has grad_of
+            new_ports.append(port)
+            new_values.append(total if not self.apply else acc)
+        if self.apply:  # the accumulators restart from zero after the update
+            cursor = before_output(program)
+            new_values = [cursor.emit(aten.zeros_like.default, (acc,), role="optimizer") for acc in new_values]
+        add_outputs(program, new_values, new_ports)
+        if not self.apply:
+            keep_inputs(program, ("param", "state"))
+        return True

@@ -1,0 +1,108 @@
+"""Persistent bucket buffers: gradients written straight into views of one buffer per bucket.
+
+Not a pass: ``fuse-allreduce`` lays a bucket out through :func:`write_into_buffer` when its option
+``gradient-as-bucket-view`` is on (the default; DDP's option of that name). The buffer is a constant of
+the program, allocated once (zeroed) and reused every step (never saved in checkpoints), so no step
+allocates a fresh bucket (``cat``) and the reduced gradients are views of it, with no copy back.
+
+The slots are laid out as ``transpiler/graph/bucket_layout.py`` says (each on an aligned start, so that
+``mm.out`` into a view carries eager's bits), which its verifier checks. A gradient whose
+producer has an ``out=`` form (``mm`` for weight gradients, ``sum`` for bias gradients) and which nothing
+else reads is *produced* into its view; any other gradient is copied into it (``copy_``), as DDP copies
+gradients into its buckets. ``transpiler::bucket_ready`` then orders the all-reduce after the writes.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from transpiler.graph.bucket_layout import BUCKET_READY, OUT_FORMS, is_view, slot_offsets
+from transpiler.graph.edit import Cursor, emit
+from transpiler.graph.program import StepProgram
+
+from .gradient_flow import add_constant, reads_raw_gradient
+
+aten = torch.ops.aten
+
+
+def aliased_to_output(grad: fx.Node) -> bool:
+    """Whether a reader of ``grad`` (other than the raw readers that keep the unreduced value) passes it, or a
+    view of it, out of the graph: then it cannot live in a buffer the next step overwrites."""
+    stack = [u for u in grad.users if not reads_raw_gradient(u)]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "output":
+            return True
+        if is_view(node) or node.target is operator.getitem:
+            stack.extend(node.users)
+    return False
+
+
+def _producer(grad: fx.Node) -> fx.Node | None:
+    """The op that computes ``grad`` through views only, when it can write into the bucket instead: it has an
+    ``out=`` form, every node between it and ``grad`` has one reader, both are contiguous, and nothing but
+    the readers ``replace_gradient`` moves to the reduced value reads ``grad``."""
+    if any(reads_raw_gradient(u) for u in grad.users):
+        return None
+    node = grad
+    while is_view(node):
+        node = node.args[0]
+        if len(node.users) != 1:
+            return None
+    if node.op != "call_function" or node.target not in OUT_FORMS or "out" in node.kwargs:
+        return None
+    values = (node.meta.get("val"), grad.meta.get("val"))
+    if not all(isinstance(v, torch.Tensor) and v.is_contiguous() for v in values):
+        return None
+    return node
+
+
+def _slot_name(program: StepProgram, tag: str, index: int) -> str:
+    name, n = f"bucket_{tag}_{index}", 1
+    while hasattr(program.graph_module, name):
+        name, n = f"bucket_{tag}_{index}_{n}", n + 1
+    return name
+
+
+def write_into_buffer(
+    program: StepProgram, nodes: list[fx.Node], tag: str, index: int, cursor: Cursor
+) -> tuple[fx.Node, list[int]]:
+    """Lay ``nodes`` out in a persistent buffer, in order, copies emitted at ``cursor``. Returns the buffer
+    once all are in, and the offset each node starts at."""
+    first = nodes[0].meta["val"]
+    sizes = [n.meta["val"].numel() for n in nodes]
+    starts = slot_offsets(sizes, first.element_size())
+    comm = {"role": "communication", "bucket": (tag, index)}
+    buffer = add_constant(
+        program,
+        _slot_name(program, tag, index),
+        torch.zeros(starts[-1] + sizes[-1], dtype=first.dtype, device=first.device),
+        bucket=comm["bucket"],
+    )
+    slots, at = [], Cursor(program.graph, buffer)
+    for node, start, n in zip(nodes, starts, sizes):
+        piece = at.emit(aten.slice.Tensor, (buffer, 0, start, start + n), **comm)
+        slots.append(at.emit(aten.view.default, (piece, list(node.meta["val"].shape)), **comm))
+    writes = []
+    for node, slot in zip(nodes, slots):
+        producer = _producer(node)
+        if producer is None:
+            writes.append(cursor.emit(aten.copy_.default, (slot, node), **comm))
+            continue
+        shape = list(producer.meta["val"].shape)  # sum(keepdim=True) is [1, n] where the gradient is [n]
+        if shape != list(node.meta["val"].shape):
+            with program.graph.inserting_after(slot):
+                slot = emit(program.graph, aten.view.default, (slot, shape), **comm)
+        producer.target = OUT_FORMS[producer.target]
+        producer.kwargs = {**producer.kwargs, "out": slot}
+        writes.append(node)
+    return cursor.emit(BUCKET_READY, (buffer, writes), **comm), starts
+
+

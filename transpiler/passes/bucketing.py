@@ -1,0 +1,170 @@
+"""Shared by the reducing passes: assign buckets, emit bucketed all-reduces.
+
+Not a pass: ``allreduce-grads`` (one gradient per bucket), ``fuse-allreduce``
+and ``local-sgd-average`` all reduce through :func:`reduce_in_buckets`, so
+there is one way a value gets all-reduced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+
+import torch
+import torch.fx as fx
+
+from transpiler.graph.collectives import C10D, WAIT
+from transpiler.graph.edit import Cursor, node_bytes, position
+from transpiler.graph.options import option
+from transpiler.graph.program import StepProgram
+
+from .bucket_views import aliased_to_output, write_into_buffer
+
+
+def bucket_cap_option() -> float:
+    """The ``bucket-cap-mb`` field of a bucketing pass (DDP's default cap)."""
+    return option(25.0, minimum=0, help="bucket size cap in MiB; 0 puts each gradient in its own bucket")
+
+
+def first_bucket_option() -> float:
+    """The ``first-bucket-mb`` field of a bucketing pass (DDP's smaller first bucket)."""
+    return option(1.0, minimum=0, help="cap in MiB of the first bucket, issued earliest")
+
+
+def compress_option() -> str:
+    """The ``compress`` field of a reducing pass: the wire format of its all-reduces."""
+    return option("none", choices=tuple(WIRE), help="all-reduce in half precision (SINGA fp16, DDP fp16/bf16 hooks)")
+
+
+WIRE: dict[str, torch.dtype | None] = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+MB = 1024 * 1024
+aten = torch.ops.aten
+
+
+def bucket_key(node: fx.Node) -> tuple[str, str]:
+    val = node.meta["val"]
+    return str(val.dtype), str(val.device)
+
+
+def assign_buckets(sizes: list[int], keys: list[tuple], cap_bytes: int, first_cap_bytes: int) -> list[list[int]]:
+    """Partition item indices into buckets, in order, one open bucket per key.
+
+    An item joins its key's open bucket unless that would exceed the cap; the
+    first bucket of each key has ``first_cap_bytes``. ``cap_bytes <= 0`` puts
+    every item alone. Buckets come back ordered by their last item.
+    """
+    open_bucket: dict[tuple, list[int]] = {}
+    open_bytes: dict[tuple, int] = {}
+    closed: dict[tuple, int] = {}
+    done: list[list[int]] = []
+    for i, (size, key) in enumerate(zip(sizes, keys)):
+        if cap_bytes <= 0:
+            done.append([i])
+            continue
+        cap = first_cap_bytes if closed.get(key, 0) == 0 else cap_bytes
+        if key in open_bucket and open_bytes[key] + size > cap:
+            done.append(open_bucket.pop(key))
+            closed[key] = closed.get(key, 0) + 1
+        if key not in open_bucket:
+            open_bucket[key], open_bytes[key] = [], 0
+        open_bucket[key].append(i)
+        open_bytes[key] += size
+    done.extend(open_bucket.values())
+    return sorted(done, key=lambda b: b[-1])
+
+
+def reduce_in_buckets(
+    program: StepProgram,
+    items: list[tuple[str, fx.Node]],
+    cap_bytes: int,
+    first_cap_bytes: int,
+    *,
+    tag: str,
+    compress: torch.dtype | None = None,
+    bucket_views: bool = False,
+) -> list[fx.Node]:
+    """Sum all-reduce the named values in dtype/size buckets, each bucket right after its last member.
+
+    Returns, in the order of ``items``, the node that holds each reduced value;
+    replacing readers is the caller's business. ``tag`` names what is reduced
+    (``grads``, ``deltas``...) in ``meta["collective"]``. With ``compress``
+    (float16 or bfloat16) each bucket is cast to it, reduced, and cast back:
+    callers scale values to their share *before* (no overflow in the sum). With ``bucket_views`` a bucket
+    of several uncompressed values is a persistent buffer they are written into (``bucket_views.py``).
+    """
+    nodes = [node for _, node in items]
+    buckets = assign_buckets([node_bytes(n) for n in nodes], [bucket_key(n) for n in nodes], cap_bytes, first_cap_bytes)
+    order = position(program.graph)  # members keep their order; computed once for linear time
+    reduced: dict[fx.Node, fx.Node] = {}
+    for index, members in enumerate(buckets):
+        last = max((nodes[i] for i in members), key=order.__getitem__)
+        reduced.update(_reduce_bucket(program, [items[i] for i in members], index, last, tag, compress, bucket_views))
+    return [reduced[n] for n in nodes]
+
+
+def _reduce_bucket(
+    program: StepProgram,
+    members: list[tuple[str, fx.Node]],
+    index: int,
+    last: fx.Node,
+    tag: str,
+    compress: torch.dtype | None,
+    bucket_views: bool,
+) -> dict[fx.Node, fx.Node]:
+    cursor = Cursor(program.graph, last)
+    nodes = [node for _, node in members]
+    dtype = nodes[0].meta["val"].dtype
+    wire = compress if compress is not None and dtype.is_floating_point else dtype
+    info = {
+        "kind": "all_reduce",
+        "bucket": index,
+        tag: tuple(n for n, _ in members),
+        "bytes": sum(n.meta["val"].numel() for n in nodes) * wire.itemsize,
+    }
+    if wire != dtype:
+        info["compressed"] = str(wire).removeprefix("torch.")
+    comm = {"role": "communication", "bucket": (tag, index)}
+    starts = None  # packed; a persistent buffer aligns each start
+    if len(nodes) == 1 and wire == dtype:
+        reduced = cursor.emit(C10D.all_reduce.default, (nodes[0], "sum", program.group_name), collective=info, **comm)
+        return {nodes[0]: cursor.emit(WAIT, (reduced,), **comm)}
+    if len(nodes) == 1:
+        flat = nodes[0]
+    elif bucket_views and wire == dtype and not any(aliased_to_output(n) for n in nodes):
+        flat, starts = write_into_buffer(program, nodes, tag, index, cursor)
+        info["padding_bytes"] = flat.args[0].meta["val"].nbytes - info["bytes"]  # aligned slots; sent too
+    else:
+        pieces = [cursor.emit(aten.reshape.default, (n, [-1]), **comm) for n in nodes]
+        flat = cursor.emit(aten.cat.default, (pieces,), **comm)
+    if wire != dtype:
+        flat = cursor.emit(aten._to_copy.default, (flat,), {"dtype": wire}, **comm)
+    # a fused or cast buffer is ours alone, so it is reduced in place (no clone); a lone value is not
+    reduced = cursor.emit(C10D.all_reduce_.default, (flat, "sum", program.group_name), collective=info, **comm)
+    waited = cursor.emit(WAIT, (reduced,), **comm)
+    if wire != dtype:
+        waited = cursor.emit(aten._to_copy.default, (waited,), {"dtype": dtype}, **comm)
+    if len(nodes) == 1:
+        return {nodes[0]: waited}
+    return unflatten(cursor, waited, nodes, comm, starts)
+
+
+def unflatten(
+    cursor: Cursor, flat: fx.Node, like: list[fx.Node], meta: dict, starts: list[int] | None = None
+) -> dict[fx.Node, fx.Node]:
+    """Views of a flat buffer shaped as the ``like`` nodes, in order (the inverse of reshape + cat). With
+    ``starts``, each node begins at its offset and the gaps between are padding that no view covers."""
+    sizes = [n.meta["val"].numel() for n in like]
+    starts = starts if starts is not None else [0, *itertools.accumulate(sizes)][:-1]
+    chunks, index, end = [], [], 0
+    for start, n in zip(starts, sizes):
+        if start > end:
+            chunks.append(start - end)
+        index.append(len(chunks))
+        chunks.append(n)
+        end = start + n
+    split = cursor.emit(aten.split_with_sizes.default, (flat, chunks), **meta)
+    views = {}
+    for i, n in zip(index, like):
+        piece = cursor.emit(operator.getitem, (split, i), **meta)
+        views[n] = cursor.emit(aten.view.default, (piece, list(n.meta["val"].shape)), **meta)
+    return views

@@ -1,0 +1,55 @@
+"""``freeze-groups``: one program variant of gradient freezing (MindSpore Boost ``GradientFreeze``).
+
+Requires: traced gradients (run it first, before accumulation and reduction).
+Guarantees: the trainable parameters, in model order, are split into
+``groups`` consecutive groups of near-equal counts (group ``j`` holds
+positions ``round(j*P/groups)`` to ``round((j+1)*P/groups)``). The
+parameters of groups ``< index`` get no gradient, no reduction and no update:
+their gradients lose their tag, their parameter and optimizer-state outputs
+return the inputs, and dead code elimination then removes every backward op
+that only they needed (the truncated backward). ``index=0`` trains everything
+and changes nothing. Which index runs at which step is the schedule's choice
+(``transpiler/strategies/schedules.py``, ``FreezeSchedule``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transpiler.errors import ConfigurationError
+from transpiler.graph.options import option
+from transpiler.graph.pipeline import Pass
+from transpiler.graph.program import StepProgram
+
+from .gradient_flow import gradient_nodes, keep_inputs
+
+
+def group_bounds(count: int, groups: int) -> list[int]:
+    """Start of each of ``groups`` consecutive groups over ``count`` items, then ``count``."""
+    return [round(j * count / groups) for j in range(groups + 1)]
+
+
+@dataclass(frozen=True)
+class FreezeGroups(Pass):
+    name = "freeze-groups"
+    summary = "gradient freeze: parameter groups before `index` get no gradient, reduction or update"
+    groups: int = option(2, minimum=1, help="consecutive parameter groups in model order")
+    index: int = option(0, minimum=0, help="groups 0..index-1 are frozen in this variant")
+
+    def run(self, program: StepProgram) -> bool:
+        names = [p.name for p in program.inputs if p.kind == "param"]
+        if self.groups > len(names):
+            raise ConfigurationError(
+                f"freeze_groups={self.groups}, but the model has {len(names)} trainable parameters; "
+                f"use at most {len(names)} groups."
+            )
+        if self.index >= self.groups:
+            raise ConfigurationError(f"freeze index {self.index} is not below freeze_groups={self.groups}.")
+        frozen = set(names[: group_bounds(len(names), self.groups)[self.index]])
+        hit = [g for g in gradient_nodes(program) if g.meta["grad_of"] in frozen]
+        if not hit:
+            return False
+        for grad in hit:
+            del grad.meta["grad_of"]
+        keep_inputs(program, ("param", "state"), frozen)
+        return True

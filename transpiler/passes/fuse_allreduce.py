@@ -1,0 +1,93 @@
+"""``fuse-allreduce``: coalesce gradients into buckets, one all-reduce per bucket.
+
+Requires: gradient nodes tagged ``grad_of`` (not yet reduced).
+Guarantees: gradients are grouped in production order into buckets that
+never mix dtypes or devices and stay within the byte cap (a gradient larger
+than the cap gets a bucket of its own); the first bucket of each dtype uses
+``first-bucket-mb`` as DDP does. A bucket is flattened into one buffer, reduced
+once and read back through views; a one-gradient bucket is reduced in place of
+the gradient, without copies. With ``gradient-as-bucket-view`` (the default) a bucket is a persistent
+buffer the gradients are produced or copied into (``bucket_views.py``), so no step allocates one.
+``bucket-cap-mb=0`` gives one bucket per gradient; ``bucket-cap-mb=auto`` picks both caps on the cost
+model measured at startup (``transpiler/graph/cost_model.py``, ``bucket_plan.py``) and says what it chose in
+``program.decisions``. Each all-reduce carries ``meta["collective"]`` with its members.
+With ``compress=fp16|bf16`` each bucket is cast to half precision, reduced
+and cast back; the gradients are already each rank's share (``scale-loss-grad``
+ran before), so the sum cannot overflow where the mean does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from transpiler.graph.options import option
+from transpiler.graph.pipeline import Pass
+from transpiler.graph.program import StepProgram
+
+from .bucket_plan import choose_caps
+from .bucketing import MB, WIRE, bucket_key, compress_option, first_bucket_option, reduce_in_buckets
+from .gradient_flow import replace_gradient, unreduced_gradients
+
+
+@dataclass(frozen=True)
+class FuseAllReduce(Pass):
+    name = "fuse-allreduce"
+    summary = "coalesce gradients into dtype/size buckets, one all-reduce per bucket"
+    reduces_gradients = True
+    bucket_cap_mb: float | str = option(
+        25.0,
+        minimum=0,
+        words=(("auto", "auto"),),
+        help="bucket size cap in MiB; 0 puts each gradient in its own bucket; auto picks both caps from a "
+        "cost model measured at startup",
+    )
+    first_bucket_mb: float = first_bucket_option()
+    compress: str = compress_option()
+    gradient_as_bucket_view: bool = option(
+        True, help="write gradients into persistent bucket buffers and read them back as views (DDP's option)"
+    )
+
+    def run(self, program: StepProgram) -> bool:
+        grads = unreduced_gradients(program)
+        if not grads:
+            return False
+        items = [(g.meta["grad_of"], g) for g in grads]
+        cap, first = self._caps(program, grads)
+        for grad, reduced in zip(
+            grads,
+            reduce_in_buckets(
+                program,
+                items,
+                cap,
+                first,
+                tag="grads",
+                compress=WIRE[self.compress],
+                bucket_views=self.gradient_as_bucket_view,
+            ),
+        ):
+            replace_gradient(grad, reduced)
+        return True
+
+    @property
+    def wants_cost_model(self) -> bool:
+        return self.bucket_cap_mb == "auto"
+
+    def _caps(self, program: StepProgram, grads: list[fx.Node]) -> tuple[int, int]:
+        """The caps in bytes: as given, or chosen on the program's cost model (defaults without one)."""
+        if not self.wants_cost_model:
+            return int(self.bucket_cap_mb * MB), int(self.first_bucket_mb * MB)
+        if program.cost_model is None:
+            program.decisions[self.name] = (
+                "bucket_cap_mb=auto fell back to 25 MiB (first 1 MiB): no cost model, which is measured only "
+                "when the step runs in a world of more than one process"
+            )
+            return 25 * MB, MB
+        wire = WIRE[self.compress]
+        nbytes = [g.meta["val"].numel() * (wire or g.meta["val"].dtype).itemsize for g in grads]
+        choice = choose_caps(
+            program.cost_model, [g.meta["grad_of"] for g in grads], nbytes, [bucket_key(g) for g in grads]
+        )
+        program.decisions[self.name] = choice.describe()
+        return int(choice.bucket_cap_mb * MB), int(choice.first_bucket_mb * MB)

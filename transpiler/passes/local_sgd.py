@@ -1,0 +1,102 @@
+"""``local-sgd-average``: LocalSGD's sync step, Paddle's op sequence as a graph rewrite.
+
+Requires: a traced step whose optimizer updates each parameter locally (no
+gradient reduction before it).
+Guarantees: after the local update ``p'`` of each trainable parameter,
+``delta = snapshot - p'``; the deltas are sum all-reduced in dtype/size buckets
+(as ``fuse-allreduce`` does); ``p = snapshot - delta / world_size`` becomes the
+new parameter and a copy of it the new snapshot. Snapshots are extra inputs and
+outputs (``snapshot.<param>``), created as copies of the broadcast parameters.
+With ``average-state``, optimizer state (all but Adam's step count) and
+floating-point buffers are averaged in the same buckets; otherwise they stay
+local. With ``compress=fp16|bf16`` each delta is first multiplied by
+``1/world_size`` (so the half-precision sum cannot overflow), then reduced in
+half precision and cast back, and the mean is that sum. With
+``report-loss``, the loss summed over ranks / world_size comes out as the
+metric ``avg_loss`` (adaptive LocalSGD reads it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from transpiler.graph.collectives import C10D, WAIT
+from transpiler.graph.edit import Cursor
+from transpiler.graph.options import option
+from transpiler.graph.pipeline import Pass
+from transpiler.graph.program import Port, StepProgram
+
+from .bucketing import MB, WIRE, bucket_cap_option, compress_option, first_bucket_option, reduce_in_buckets
+from .gradient_flow import add_input
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class LocalSGDAverage(Pass):
+    name = "local-sgd-average"
+    summary = "LocalSGD sync: average parameters through snapshot deltas (Paddle LocalSGD)"
+    average_state: bool = option(False, help="also average optimizer state and floating-point buffers")
+    report_loss: bool = option(False, help="also all-reduce the loss, for adaptive LocalSGD")
+    bucket_cap_mb: float = bucket_cap_option()
+    first_bucket_mb: float = first_bucket_option()
+    compress: str = compress_option()
+
+    def run(self, program: StepProgram) -> bool:
+        if any(p.kind == "extra" and p.name.startswith("snapshot.") for p in program.inputs):
+            return False
+        output = program.graph.output_node()
+        values = list(output.args[0])
+        ports = list(program.outputs)
+        scale = 1.0 / program.world_size
+        wire = WIRE[self.compress]
+        items, targets = [], []  # what to all-reduce, and how to rebuild the output from the sum
+        for i, port in enumerate(ports):
+            node = values[i]
+            if port.kind == "param":
+                snapshot = add_input(program, Port("extra", f"snapshot.{port.name}"), node)
+                program.extra_init[f"snapshot.{port.name}"] = ("copy_param", port.name)
+                cursor = Cursor(program.graph, node)
+                delta = cursor.emit(aten.sub.Tensor, (snapshot, node), role="communication")
+                if wire is not None:  # share first: the half-precision sum is then the mean
+                    delta = cursor.emit(aten.mul.Tensor, (delta, scale), role="communication")
+                items.append((port.name, delta))
+                targets.append((i, snapshot))
+            elif self.average_state and port.kind in ("state", "buffer") and self._averaged(port, node):
+                if wire is not None:
+                    node = Cursor(program.graph, node).emit(aten.mul.Tensor, (node, scale), role="communication")
+                items.append((port.name, node))
+                targets.append((i, None))
+        reduced = reduce_in_buckets(
+            program, items, int(self.bucket_cap_mb * MB), int(self.first_bucket_mb * MB), tag="deltas", compress=wire
+        )
+        extra_values, extra_ports = [], []
+        for (i, snapshot), total in zip(targets, reduced):
+            cursor = Cursor(program.graph, total)
+            mean = total if wire is not None else cursor.emit(aten.mul.Tensor, (total, scale), role="communication")
+            if snapshot is None:
+                values[i] = mean
+                continue
+            values[i] = cursor.emit(aten.sub.Tensor, (snapshot, mean), role="communication")
+            extra_values.append(cursor.emit(aten.clone.default, (values[i],), role="communication"))
+            extra_ports.append(Port("extra", f"snapshot.{ports[i].name}"))
+        if self.report_loss:
+            cursor = Cursor(program.graph, values[0])
+            info = {"kind": "all_reduce", "metric": ("avg_loss",), "bytes": 4}
+            total = cursor.emit(
+                C10D.all_reduce.default, (values[0], "sum", program.group_name), role="communication", collective=info
+            )
+            waited = cursor.emit(WAIT, (total,), role="communication")
+            extra_values.append(cursor.emit(aten.mul.Tensor, (waited, scale), role="communication"))
+            extra_ports.append(Port("metric", "avg_loss"))
+        output.args = (tuple(values + extra_values),)
+        program.outputs = ports + extra_ports
+        return True
+
+    @staticmethod
+    def _averaged(port: Port, node: fx.Node) -> bool:
+        val = node.meta.get("val")
+        return isinstance(val, torch.Tensor) and val.is_floating_point() and not port.name.endswith(".step")

@@ -1,0 +1,92 @@
+"""``schedule-collectives``: issue collectives early, wait for them late.
+
+Requires: communication nodes tagged ``role="communication"``.
+Guarantees: every node on the issuing side of a collective (flatten, cat,
+the collective) sits right after its latest input, so communication overlaps
+the rest of backward; the optimizer's updates run in the order their
+collectives complete (a stable sort by the last collective each depends on),
+so the parameters of the first buckets update while the last bucket is still
+being reduced; every wait and the unpacking after it sits right before its
+first reader. Collectives keep their order, so all ranks keep the same
+collective sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from transpiler.graph.collectives import is_collective, is_wait
+from transpiler.graph.edit import position, repair_order
+from transpiler.graph.pipeline import Pass
+from transpiler.graph.program import StepProgram
+
+
+def _completion_side(nodes: list[fx.Node]) -> set[fx.Node]:
+    after: set[fx.Node] = set()
+    for node in nodes:
+        if is_wait(node) or any(i in after for i in node.all_input_nodes):
+            after.add(node)
+    return after
+
+
+def _only_between(node: fx.Node, reader: fx.Node, allowed: set[fx.Node]) -> bool:
+    """Whether every node between ``node`` and its later ``reader`` is in ``allowed`` (already sunk there):
+    then moving ``node`` would only reorder that block, and a second run must find nothing to do."""
+    cursor = node.next
+    while cursor is not reader:
+        if cursor not in allowed or cursor.op == "output":
+            return False
+        cursor = cursor.next
+    return True
+
+
+def _updates_in_completion_order(graph: fx.Graph) -> None:
+    """Stable-sort the optimizer's nodes by the last collective each depends on (its issue index)."""
+    issued: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        own = [len(issued)] if is_collective(node) else []
+        issued[node] = max([issued[i] for i in node.all_input_nodes] + own, default=-1)
+    updates = [n for n in graph.nodes if n.meta.get("role") == "optimizer" and n.op == "call_function"]
+    ordered = sorted(updates, key=lambda n: issued[n])  # stable: ties keep their order
+    if ordered == updates:
+        return
+    output = graph.output_node()
+    for node in ordered:
+        output.prepend(node)
+    repair_order(graph)  # what read the moved updates (extra outputs, metrics) follows them
+
+
+@dataclass(frozen=True)
+class ScheduleCollectives(Pass):
+    name = "schedule-collectives"
+    summary = "issue collectives early, wait late, run updates in bucket completion order"
+
+    def run(self, program: StepProgram) -> bool:
+        graph = program.graph
+        comm = [n for n in graph.nodes if n.meta.get("role") == "communication"]
+        completion = _completion_side(comm)
+        before = list(graph.nodes)
+        order: dict[fx.Node, float] = dict(position(graph))  # kept up to date with fractional positions
+        fixed: set[fx.Node] = set()  # views of constants (bucket buffers): placed with the inputs already
+        for node in comm:  # issuing side, forwards: hoist right after the latest input
+            if node in completion:
+                continue
+            if all(i.op in ("placeholder", "get_attr") or i in fixed for i in node.all_input_nodes):
+                fixed.add(node)
+                continue
+            latest = max(node.all_input_nodes, key=order.__getitem__)
+            if latest.next is not node:
+                order[node] = (order[latest] + order[latest.next]) / 2
+                latest.append(node)
+        _updates_in_completion_order(graph)
+        order = dict(position(graph))
+        for node in reversed(comm):  # completion side, backwards: sink right before the first reader
+            if node not in completion or not node.users:
+                continue
+            first = min(node.users, key=order.__getitem__)
+            if not _only_between(node, first, completion):
+                order[node] = (order[first.prev] + order[first]) / 2
+                first.prepend(node)
+        return list(graph.nodes) != before

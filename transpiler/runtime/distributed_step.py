@@ -1,0 +1,468 @@
+"""Runs a rank's step programs and keeps the model and optimizer up to date.
+
+The runtime owns no training state of the model's: parameters and buffers live
+in the user's model, optimizer state in ``optimizer.state``. Each call feeds
+them to the graph and writes the graph's results back (re-binding ``.data``;
+after ``reinplace-optimizer`` the results are the same storage, updated in
+place). State that passes add (LocalSGD snapshots, say) lives here, in
+``extra``, and travels in :meth:`state_dict`. Inputs and outputs are matched
+by their ports, so a pass can add either.
+
+What a program depends on is its cache key: the batch's shapes, which modules
+are in training mode, which parameters require grad, the model's parameter
+and buffer objects, the optimizer's param groups and the caller's autocast
+state. A call whose key is new
+traces again (bounded cache, warning when it keeps happening); before a
+program with a new setup first runs, the ranks compare setups (handshake.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import pickle
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from transpiler.errors import CheckpointError, ConfigurationError, RetraceWarning
+from transpiler.graph.program import StepProgram
+from transpiler.strategies.schedules import EveryStep
+from transpiler.trace.environment import AutocastState, running_environment
+from transpiler.trace.optimizers import TWINS, OptimizerPlan
+from transpiler.trace.tracer import ModelState, check_batch
+
+from .failures import communication_error, is_communication_failure
+from .handshake import Handshake, Setup
+from .process_group import LOCAL_GROUP, Placement, ensure_local_group
+from .scalar_bank import ScalarBank
+
+log = logging.getLogger("transpiler")
+CHECKPOINT_FORMAT = 2
+
+
+@dataclass
+class Built:
+    """Everything traced for one cache key: a program per variant, the model/optimizer layout, the setup."""
+
+    programs: dict[str, StepProgram]
+    state: ModelState
+    plan: OptimizerPlan
+    setup: Setup | None = None  # what the ranks compare before this program first runs
+    runners: dict[str, Callable] = field(default_factory=dict)  # variant -> what runs it (compiled, captured)
+    scalar_banks: dict[str, ScalarBank] = field(default_factory=dict)  # variant -> its per-step scalar tensors
+    params: dict[str, torch.nn.Parameter] = field(init=False)  # name maps, made once, read every step
+    frozen: dict[str, torch.nn.Parameter] = field(init=False)
+    buffers: dict[str, torch.Tensor] = field(init=False)
+    positions: dict[str, int] = field(init=False)
+    extra_init: dict[str, tuple[str, str]] = field(init=False)  # pass-added state of every variant -> (rule, source)
+    digest: bytes = field(init=False)  # of the setup: equal digests need no new handshake
+
+    def __post_init__(self) -> None:
+        self.params = dict(zip(self.state.names, self.state.params))
+        self.frozen = dict(zip(self.state.frozen_names, self.state.frozen))
+        self.buffers = dict(zip(self.state.buffer_names, self.state.buffers))
+        self.positions = {n: i for i, n in enumerate(self.state.names)}
+        self.extra_init = {name: rule for p in self.programs.values() for name, rule in p.extra_init.items()}
+        self.runners = {v: self.runners.get(v, p.graph_module) for v, p in self.programs.items()}
+        self.digest = hashlib.sha256(pickle.dumps(self.setup)).digest()
+
+
+Builder = Callable[[tuple, AutocastState], Built]
+
+
+def initial_extra(rule: str, source: str, params: dict[str, torch.nn.Parameter]) -> torch.Tensor:
+    """The first value of pass-added state, by the rule its pass declared in ``program.extra_init``.
+
+    ``copy_param``: a copy of parameter ``source`` (LocalSGD snapshots); ``zeros_like_param``: zeros shaped
+    as it (accumulators, residuals); ``scalar``: a 0-d tensor from ``"<value>:<dtype>"`` (loss scale);
+    ``zeros``: float32 zeros of shape ``"d0,d1,..."``; ``eye``: the float32 identity of size ``source``
+    (DimReduce's curvature state). New tensors go where the parameters are.
+    """
+    if rule == "copy_param":
+        return params[source].detach().clone()
+    if rule == "zeros_like_param":
+        return torch.zeros_like(params[source].detach())
+    device = next(iter(params.values())).device
+    if rule == "scalar":
+        value, _, dtype = source.partition(":")
+        return torch.tensor(float(value), dtype=getattr(torch, dtype), device=device)
+    if rule == "zeros":
+        return torch.zeros([int(d) for d in source.split(",")], dtype=torch.float32, device=device)
+    if rule == "eye":
+        return torch.eye(int(source), dtype=torch.float32, device=device)
+    raise ConfigurationError(f"unknown initialisation rule '{rule}' for extra state.")
+
+
+def batch_key(batch: tuple) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, t.device.type) for t in batch)
+
+
+def structure_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
+    """What a traced program assumes about the model and optimizer besides the batch.
+
+    Computed before every step, so in one walk over the modules (each module's
+    mode, its own parameters with ``requires_grad``, its own buffers).
+    """
+    parts: list = []
+    for m in model.modules():
+        parts.append(m.training)
+        parts.extend((id(p), p is not None and p.requires_grad) for p in m._parameters.values())
+        parts.extend(id(b) for b in m._buffers.values())
+    parts.extend(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups)
+    if type(optimizer) not in TWINS:  # the generic path's first step creates the state, the second reads it
+        parts.append(tuple(bool(optimizer.state.get(p)) for g in optimizer.param_groups for p in g["params"]))
+    return tuple(parts)
+
+
+class DistributedStep:
+    """One training step per call on this rank's batch shard; returns this rank's loss."""
+
+    def __init__(
+        self,
+        model,
+        optimizer,
+        loss_fn,
+        placement: Placement,
+        build: Builder,
+        schedule: Any = None,
+        *,
+        mode_specs: dict[str, str] | None = None,
+        max_cached_programs: int = 8,
+        observers: list[Callable[[torch.nn.Module, str], None]] | None = None,
+    ):
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.placement = placement
+        self.schedule = schedule if schedule is not None else EveryStep()
+        self.mode_specs = dict(mode_specs or {})
+        self.max_cached_programs = max_cached_programs
+        self.observers = list(observers or [])  # called after every step with (model, variant): trajectories
+        self.extra: dict[str, torch.Tensor] = {}
+        self.last_variant: str | None = None
+        self.last_metrics: dict[str, float] = {}
+        self.traces = 0
+        self._build = build
+        self._built: OrderedDict[tuple, Built] = OrderedDict()
+        self._last: Built | None = None
+        self._started = False
+        self._batch_types: tuple | None = None
+        self._agreed: bytes | None = None
+        multi = placement.live and placement.world_size > 1
+        self._handshake = Handshake(placement.rank, placement.world_size, placement.timeout) if multi else None
+
+    # ------------------------------------------------------------ inspection
+    @property
+    def programs(self) -> dict[str, StepProgram]:
+        """The rank's program per variant (``"step"``, or LocalSGD's ``"local"`` and ``"sync"``)."""
+        if self._last is None:
+            raise ConfigurationError("nothing traced yet: pass example_inputs to transpile() or run one step first.")
+        return self._last.programs
+
+    @property
+    def program(self) -> StepProgram:
+        """The program of the variant that runs most often (the last one listed)."""
+        programs = self.programs
+        return programs.get("step") or programs[next(reversed(programs))]
+
+    @property
+    def compile_seconds(self) -> dict[str, float]:
+        """With ``compile=True``: per variant, how long its first call took, compiling included."""
+        runners = self._last.runners if self._last is not None else {}
+        return {v: r.seconds for v, r in runners.items() if getattr(r, "seconds", None) is not None}
+
+    @property
+    def captures(self) -> dict[str, int]:
+        """With ``cuda_graph=True``: per variant, how many times it was captured (again after a state swap)."""
+        runners = self._last.runners if self._last is not None else {}
+        return {v: r.captures for v, r in runners.items() if hasattr(r, "captures")}
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        """The rewritten torch.fx.GraphModule this rank runs (see ``programs`` for multi-variant modes)."""
+        return self.program.graph_module
+
+    def prepare(self, batch: tuple, autocast: AutocastState | None = None) -> Built:
+        """The programs for this batch, the model's current modes and structure and the autocast state (the
+        caller's unless given), traced once and cached."""
+        batch = tuple(batch)
+        check_batch(batch, loss_fn=self.loss_fn)
+        self._check_batch_types(batch)
+        autocast = AutocastState.current() if autocast is None else autocast
+        key = (batch_key(batch), structure_key(self.model, self.optimizer), autocast)
+        built = self._built.get(key)
+        if built is None:
+            built = self._trace(key, batch, autocast)
+        self._built.move_to_end(key)
+        self._last = built
+        return built
+
+    def _check_batch_types(self, batch: tuple) -> None:
+        types = tuple((t.dtype, t.device.type) for t in batch)
+        if self._batch_types is None:
+            self._batch_types = types
+            return
+        if types == self._batch_types:
+            return
+        if len(types) != len(self._batch_types):
+            raise ConfigurationError(
+                f"this batch has {len(types)} tensors; the step was traced for {len(self._batch_types)} "
+                "(*model_inputs, target). Pass the same structure every step, or call transpile() again."
+            )
+        i = next(i for i, (a, b) in enumerate(zip(types, self._batch_types)) if a != b)
+        (dtype, device), (was_dtype, was_device) = types[i], self._batch_types[i]
+        raise ConfigurationError(
+            f"batch element {i} is {dtype} on {device}; the step was traced for {was_dtype} on {was_device}. "
+            "Convert it (e.g. x.to(dtype)) before the step, or call transpile() again for the new types."
+        )
+
+    def _trace(self, key: tuple, batch: tuple, autocast: AutocastState) -> Built:
+        if self._built:
+            last = next(reversed(self._built))
+            parts = ("batch shapes", "model modes or structure", f"autocast (now {autocast})")
+            changed = [what for what, was, now in zip(parts, last, key) if was != now]
+            log.info("%s changed: tracing the step again", " and ".join(changed))
+        start = time.perf_counter()
+        built = self._build(batch, autocast)
+        seconds = time.perf_counter() - start
+        self.traces += 1
+        if self.traces >= 4 and self.traces & (self.traces - 1) == 0:  # 4, 8, 16...: say it, without flooding
+            warnings.warn(
+                f"the step has been traced {self.traces} times (the last took {seconds:.1f} s): every new batch "
+                "shape, set of module modes (train/eval) or set of frozen parameters costs a full trace. Keep "
+                "batch shapes fixed (drop_last=True, padding) or trace them ahead with step.prepare(batch); "
+                f"at most {self.max_cached_programs} programs are kept (max_cached_programs=).",
+                RetraceWarning,
+                stacklevel=4,
+            )
+        self._built[key] = built
+        while len(self._built) > self.max_cached_programs:
+            self._built.popitem(last=False)
+        return built
+
+    # ------------------------------------------------------------- execution
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        # grad mode as traced, no inference tensors in the state the step creates or writes back, and autocast
+        # off (the graph holds the casts the caller's autocast made while tracing)
+        autocast = AutocastState.current()
+        with running_environment():
+            return self._step(batch, autocast)
+
+    def _step(self, batch: tuple, autocast: AutocastState) -> torch.Tensor:
+        built = self.prepare(batch, autocast)
+        self._require_live()
+        if self._handshake is not None and built.digest != self._agreed:
+            self._handshake.agree(built.setup)
+            self._agreed = built.digest
+        if not self._started:
+            self._run_startup(built)
+        variant = self.schedule.variant()
+        program = built.programs[variant]
+        self._init_extra(built)
+        inputs = self._inputs(program, built, batch, variant)
+        outputs = self._run(program.graph_module, inputs, variant, built.runners[variant])
+        metrics = self._write_back(program, built, outputs)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.schedule.observe(variant, metrics, lr)
+        self.last_variant, self.last_metrics = variant, metrics
+        for observe in self.observers:
+            observe(self.model, variant)
+        return outputs[0]
+
+    def _run(self, gm: torch.fx.GraphModule, inputs: list, label: str, run: Callable | None = None) -> tuple:
+        """Run a graph (or ``run``, its compiled form); a failed collective becomes a CommunicationError that
+        names it."""
+        start = time.perf_counter()
+        try:
+            return (run or gm)(*inputs)
+        except Exception as exc:
+            if self.placement.world_size > 1 and is_communication_failure(exc):
+                raise communication_error(
+                    exc,
+                    gm,
+                    rank=self.placement.rank,
+                    elapsed=time.perf_counter() - start,
+                    timeout=self.placement.timeout,
+                    program=label,
+                ) from exc
+            raise
+
+    def _inputs(self, program: StepProgram, built: Built, batch: tuple, variant: str) -> list:
+        state, plan = built.state, built.plan
+        tensors = {
+            "param": {n: p.detach() for n, p in built.params.items()},
+            "frozen": {n: p.detach() for n, p in built.frozen.items()},
+            "buffer": built.buffers,
+            "state": {
+                f"{state.names[i]}.{k}": t
+                for i in range(len(state.params))
+                for k, t in zip(plan.state_keys(i), plan.state_tensors(i))
+            },
+            "batch": {f"batch{i}": t for i, t in enumerate(batch)},
+            "scalar": self._scalars(program, built, variant),
+            "extra": self.extra,
+        }
+        return [tensors[port.kind][port.name] for port in program.inputs]
+
+    @staticmethod
+    def _scalars(program: StepProgram, built: Built, variant: str) -> dict:
+        """This step's scalar inputs: floats for the generic path, the twins' persistent tensors filled in place."""
+        names = [port.name for port in program.inputs if port.kind == "scalar"]
+        values = built.plan.scalar_inputs(names)
+        if not built.plan.scalars_as_tensors:
+            return values
+        bank = built.scalar_banks.get(variant)
+        if bank is None:
+            device = next(iter(built.params.values())).device if built.params else torch.device("cpu")
+            bank = built.scalar_banks[variant] = ScalarBank(names, device)
+        return bank.fill(values)
+
+    def _write_back(self, program: StepProgram, built: Built, outputs: tuple) -> dict[str, float]:
+        plan = built.plan
+        new_states: dict[int, dict[str, torch.Tensor]] = {}
+        metrics: dict[str, float] = {}
+        for port, value in zip(program.outputs, outputs):
+            if port.kind == "param":
+                built.params[port.name].data = value
+            elif port.kind == "frozen":
+                built.frozen[port.name].data = value
+            elif port.kind == "buffer":
+                if value is not built.buffers[port.name]:
+                    built.buffers[port.name].data = value
+            elif port.kind == "state":
+                name, key = port.name.rsplit(".", 1)
+                new_states.setdefault(built.positions[name], {})[key] = value
+            elif port.kind == "extra":
+                self.extra[port.name] = value
+            elif port.kind == "metric":
+                metrics[port.name] = float(value)
+        for position, values in new_states.items():
+            plan.write_back(position, values)
+        self.optimizer._opt_called = True  # what LR schedulers check to see that the optimizer stepped
+        return metrics
+
+    def _require_live(self) -> None:
+        if not self.placement.live:
+            raise ConfigurationError(
+                f"this step was built for world_size={self.placement.world_size} without a process group, "
+                "so it can be inspected but not run. Launch with torchrun and call "
+                "torch.distributed.init_process_group(...) before transpile()."
+            )
+        if self.placement.group_name == LOCAL_GROUP:
+            ensure_local_group()
+
+    def _run_startup(self, built: Built) -> None:
+        self._started = True
+        program = next((p for p in built.programs.values() if p.startup is not None), None)
+        if program is None:
+            return
+        tensors = {"param": built.params, "frozen": built.frozen, "buffer": built.buffers}
+        targets = [tensors[port.kind][port.name] for port in program.startup_ports]
+        with torch.no_grad():
+            results = self._run(program.startup, [t.detach() for t in targets], "startup")
+            for target, value in zip(targets, results):
+                target.copy_(value)
+
+    def _init_extra(self, built: Built) -> None:
+        """Create pass-added state on first use, by the rule its pass declared (after the startup broadcast)."""
+        unknown = self.extra.keys() - built.extra_init.keys()
+        if unknown:
+            raise CheckpointError(
+                f"the loaded checkpoint holds state {sorted(unknown)[:4]} that this step does not declare "
+                f"(it declares {sorted(built.extra_init)[:4] or 'none'}): it comes from another mode or model."
+            )
+        for name, (rule, source) in built.extra_init.items():
+            if name not in self.extra:
+                self.extra[name] = initial_extra(rule, source, built.params)
+
+    # ----------------------------------------------------------- checkpoints
+    def checkpoint_setup(self) -> dict[str, Any]:
+        """What a checkpoint must share with the step it is loaded into."""
+        return {
+            "mode": self.mode_specs,
+            "world size": self.placement.world_size,
+            "schedule": self.schedule.settings(),
+            "optimizer": type(self.optimizer).__qualname__,
+        }
+
+    def state_dict(self) -> dict:
+        """A snapshot (deep copy) of model, optimizer and transpiler state, for :meth:`load_state_dict`.
+
+        A copy because ``optimizer.state_dict()`` shares its per-parameter dicts
+        with the live optimizer, which every step updates. The LR scheduler is
+        not included: save ``scheduler.state_dict()`` beside it.
+        """
+        return copy.deepcopy(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "transpiler": {
+                    "format": CHECKPOINT_FORMAT,
+                    "setup": self.checkpoint_setup(),
+                    "extra": self.extra,
+                    "schedule": self.schedule.state_dict(),
+                },
+            }
+        )
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a :meth:`state_dict` exactly, on this rank, after checking it fits this step.
+
+        Every rank keeps what it loads (no broadcast from rank 0 afterwards), so
+        per-rank state such as BatchNorm statistics and LocalSGD's drift
+        between syncs comes back as saved.
+        """
+        if not isinstance(state_dict, dict) or not {"model", "optimizer", "transpiler"} <= set(state_dict):
+            raise CheckpointError(
+                "a checkpoint for step.load_state_dict() has 'model', 'optimizer' and 'transpiler' entries, as "
+                "step.state_dict() returns it. For a plain model checkpoint use model.load_state_dict()."
+            )
+        saved = state_dict["transpiler"]
+        self._check_checkpoint(saved, state_dict["model"], state_dict["optimizer"])
+        self.model.load_state_dict(state_dict["model"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.schedule.load_state_dict(saved.get("schedule", {}))
+        self.extra = {k: v.clone() for k, v in saved.get("extra", {}).items()}
+        if self._last is not None:
+            self._init_extra(self._last)  # an unknown entry fails now, not at the next step
+        self._started = True
+
+    def _check_checkpoint(self, saved: dict, model_state: dict, optimizer_state: dict) -> None:
+        if saved.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointError(
+                f"checkpoint format {saved.get('format')!r}, this version reads {CHECKPOINT_FORMAT}; load its "
+                "'model' and 'optimizer' entries with model.load_state_dict() and optimizer.load_state_dict()."
+            )
+        mine = self.checkpoint_setup()
+        problems = [
+            f"{key}: checkpoint {value!r}, this step {mine.get(key)!r}"
+            for key, value in saved.get("setup", {}).items()
+            if mine.get(key) != value
+        ]
+        own = self.model.state_dict()
+        missing, unexpected = sorted(set(own) - set(model_state)), sorted(set(model_state) - set(own))
+        if missing or unexpected:
+            problems.append(f"model entries missing {missing[:4]}, unexpected {unexpected[:4]}")
+        shapes = [
+            f"{n} {list(model_state[n].shape)} vs {list(t.shape)}"
+            for n, t in own.items()
+            if n in model_state and torch.is_tensor(t) and tuple(model_state[n].shape) != tuple(t.shape)
+        ]
+        if shapes:
+            problems.append("model shapes differ (checkpoint vs this model): " + ", ".join(shapes[:4]))
+        groups = optimizer_state.get("param_groups", [])
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.optimizer.param_groups]:
+            problems.append("the optimizer's param groups hold other numbers of parameters")
+        if problems:
+            hint = (
+                " To resume at another world size or in another mode on purpose, load the 'model' and 'optimizer' "
+                "entries directly (model.load_state_dict, optimizer.load_state_dict)."
+            )
+            raise CheckpointError("the checkpoint does not fit this step:\n  - " + "\n  - ".join(problems) + hint)

@@ -1,0 +1,74 @@
+"""Turn a collective that failed inside a running graph into an error that names it.
+
+A gloo or NCCL failure surfaces as a ``RuntimeError`` from deep inside the
+generated code ("Timed out waiting 3000ms for recv", "Connection reset by
+peer"). The traceback still points at the line of the graph's code that
+failed; fx names each line's result after its node, so the node (the wait of
+a bucket's all-reduce, an exchange, a broadcast) is found and described: what
+it reduces, for which parameters, on which group, and how long the rank waited.
+"""
+
+from __future__ import annotations
+
+import linecache
+import re
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.fx as fx
+
+from transpiler.errors import CommunicationError
+from transpiler.graph.collectives import is_collective, is_wait, signature
+from transpiler.graph.p2p import is_exchange
+
+_MARKERS = ("gloo", "Timed out", "timed out", "Connection reset", "Connection closed", "NCCL", "c10d", "peer")
+_ASSIGN = re.compile(r"^\s*(\w+)\s*=")
+
+
+def is_communication_failure(exc: BaseException) -> bool:
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(m in str(exc) for m in _MARKERS))
+
+
+def failing_node(exc: BaseException, gm: fx.GraphModule) -> fx.Node | None:
+    """The node whose line of ``gm``'s generated code raised ``exc`` (innermost such frame)."""
+    filename = gm.forward.__code__.co_filename
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == filename:
+            found = tb.tb_lineno
+        tb = tb.tb_next
+    if found is None:
+        return None
+    match = _ASSIGN.match(linecache.getline(filename, found))
+    if match is None:
+        return None
+    return next((n for n in gm.graph.nodes if n.name == match.group(1)), None)
+
+
+def describe(node: fx.Node | None) -> str:
+    if node is None:
+        return "a collective"
+    target = node.args[0] if is_wait(node) and isinstance(node.args[0], fx.Node) else node
+    if is_exchange(target):
+        return f"the exchange with rank {target.args[1]} ('{target.name}')"
+    if not is_collective(target):
+        return f"node '{target.name}'"
+    info = target.meta.get("collective", {})
+    bucket = f", bucket {info['bucket']}" if "bucket" in info else ""
+    names = list(next((v for v in info.values() if isinstance(v, tuple)), ()))
+    of = f" of {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}" if names else ""
+    return f"'{target.name}' ({signature(target)}{bucket}{of})"
+
+
+def communication_error(
+    exc: BaseException, gm: fx.GraphModule, *, rank: int, elapsed: float, timeout: timedelta, program: str
+) -> CommunicationError:
+    node = failing_node(exc, gm)
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return CommunicationError(
+        f"rank {rank}: {describe(node)} in program '{program}' failed after {elapsed:.1f} s "
+        f"(timeout {timeout.total_seconds():g} s): another rank stalled, died or runs a different program. "
+        f"Check the other ranks' output; set the timeout with transpile(..., timeout=seconds) or "
+        f"init_process_group(timeout=...). Torch said: {first[:400]}"
+    )

@@ -1,0 +1,141 @@
+"""Which process group a step's collectives use, and the private one-rank group.
+
+With torchrun, the collectives run on torch.distributed's default group, or,
+with an explicit ``timeout=``, on a group over all ranks created with that
+timeout. Every group created here takes the same timeout, so a stalled rank
+makes the others fail within it. A world-size-1 run needs no
+``init_process_group``: its graphs name a private single-rank gloo group,
+registered here, on which every collective is an identity, so the same
+rewritten graph runs everywhere. Under torchrun (``WORLD_SIZE`` > 1) a missing
+``init_process_group`` is an error, never a silent world of one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup, _register_process_group
+
+from transpiler.errors import ConfigurationError
+
+LOCAL_GROUP = "transpiler-local"
+STATIC_GROUP = "world"  # named in graphs built with world_size>1 and no process group (CLI, static checks)
+_local_group: ProcessGroup | None = None  # the registry keeps only a weak reference
+
+
+TORCH_DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo (and NCCL without blocking wait)
+
+
+@dataclass(frozen=True)
+class Placement:
+    world_size: int
+    rank: int
+    group_name: str
+    live: bool  # a step built for this placement can run
+    timeout: timedelta = TORCH_DEFAULT_TIMEOUT  # of every group the step's collectives use
+
+
+def group_timeout(group: ProcessGroup) -> timedelta:
+    """The timeout a process group was created with (its backend's option), or torch's default."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return TORCH_DEFAULT_TIMEOUT
+
+
+def as_timeout(value: timedelta | float | int | None) -> timedelta | None:
+    """``timeout=`` as a timedelta: seconds (a positive number) or a timedelta."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ConfigurationError(f"timeout must be seconds (a number) or a datetime.timedelta, got {value!r}.")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ConfigurationError(f"timeout must be positive and finite, got {value!r}.")
+    return timedelta(seconds=seconds)
+
+
+def ensure_local_group() -> None:
+    global _local_group
+    if _local_group is not None:
+        return
+    store = dist.HashStore()
+    backend = dist.ProcessGroupGloo(store, 0, 1)
+    group = ProcessGroup(store, 0, 1)
+    group._set_default_backend(ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    _register_process_group(LOCAL_GROUP, group)
+    _local_group = group
+
+
+def resolve_placement(world_size: int | None, rank: int | None, timeout: timedelta | None = None) -> Placement:
+    """Combine explicit ``world_size``/``rank``/``timeout`` with torch.distributed's state."""
+    for name, value in (("world_size", world_size), ("rank", rank)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigurationError(f"{name} must be an int, got {value!r}.")
+    if world_size is not None and world_size < 1:
+        raise ConfigurationError(f"world_size must be >= 1, got {world_size}.")
+    live = dist.is_available() and dist.is_initialized()
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if not live and world_size is None and launched > 1:
+        raise ConfigurationError(
+            f"WORLD_SIZE={launched} in the environment (torchrun?) but no default process group: every rank would "
+            "train alone. Call torch.distributed.init_process_group('gloo') (or 'nccl' on GPUs) before transpile(); "
+            "pass world_size=/rank= only to inspect a program without running it."
+        )
+    size = dist.get_world_size() if live else (world_size or 1)
+    if rank is not None and not 0 <= rank < size:
+        raise ConfigurationError(f"rank {rank} is outside the world of size {size}.")
+    if live:
+        actual_w, actual_r = dist.get_world_size(), dist.get_rank()
+        if world_size not in (None, actual_w) or rank not in (None, actual_r):
+            raise ConfigurationError(
+                f"world_size={world_size}, rank={rank} disagree with the initialised process group "
+                f"(world size {actual_w}, rank {actual_r}); leave them out under torchrun."
+            )
+        if timeout is None:
+            return Placement(actual_w, actual_r, dist.group.WORLD.group_name, True, group_timeout(dist.group.WORLD))
+        return Placement(actual_w, actual_r, _world_group(actual_w, timeout), True, timeout)
+    local_timeout = timeout or TORCH_DEFAULT_TIMEOUT
+    if world_size in (None, 1):
+        return Placement(1, 0, LOCAL_GROUP, True, local_timeout)
+    return Placement(world_size, rank or 0, STATIC_GROUP, False, local_timeout)
+
+
+_subgroups: dict[tuple[tuple[int, ...], timedelta], str] = {}
+
+
+def _world_group(world: int, timeout: timedelta) -> str:
+    """A group over all ranks with its own timeout (created once per timeout, on every rank)."""
+    key = (tuple(range(world)), timeout)
+    if key not in _subgroups:
+        _subgroups[key] = dist.new_group(list(range(world)), timeout=timeout).group_name
+    return _subgroups[key]
+
+
+def subgroup_names(placement: Placement, groups: list[tuple[int, ...]]) -> dict[tuple[int, ...], str]:
+    """Process-group names for the rank subsets a strategy needs.
+
+    With a live process group every rank creates every subgroup, in the given
+    order, as ``new_group`` requires (cached per process and timeout, each with
+    the placement's timeout); without one, the names only label the static graphs.
+    """
+    labels = {ranks: "ranks:" + ",".join(map(str, ranks)) for ranks in groups}
+    if not placement.live or placement.world_size == 1:
+        return labels
+    for ranks in groups:
+        key = (ranks, placement.timeout)
+        if key not in _subgroups:
+            group = dist.new_group(list(ranks), timeout=placement.timeout)
+            # a rank outside the group gets a sentinel, not a group: its graphs never name that group
+            _subgroups[key] = group.group_name if isinstance(group, dist.ProcessGroup) else labels[ranks]
+    return {ranks: _subgroups[(ranks, placement.timeout)] for ranks in groups}

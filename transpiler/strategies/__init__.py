@@ -1,0 +1,1 @@
+"""What turns a mode name and its options into passes and a schedule: modes, composition, schedules."""

@@ -1,0 +1,317 @@
+"""Modes: named pass pipelines, and how a mode name or spec becomes a Pipeline."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from transpiler.errors import ConfigurationError
+from transpiler.graph.options import OptionSpec, field_options, parse_options
+from transpiler.graph.pipeline import Pass, parse_spec
+from transpiler.passes import PASSES
+from transpiler.passes.adasum import AdaSum, AdaSumGeometry
+from transpiler.passes.allgather_grads import AllGatherGrads
+from transpiler.passes.allreduce_grads import AllReduceGrads
+from transpiler.passes.broadcast_params import BroadcastParams
+from transpiler.passes.dim_reduce import DimReduce
+from transpiler.passes.fuse_allreduce import FuseAllReduce
+from transpiler.passes.local_sgd import LocalSGDAverage
+from transpiler.passes.partial_average import PartialAverage
+from transpiler.passes.reinplace_optimizer import ReinplaceOptimizer
+from transpiler.passes.scale_loss_grad import ScaleLossGrad
+from transpiler.passes.schedule_collectives import ScheduleCollectives
+from transpiler.passes.sparse_allreduce import SparseAllReduce
+from transpiler.trace.optimizers import TWINS
+
+from .composition import (
+    ACCUMULATION,
+    CLIPPING,
+    FREEZE,
+    LOSS_SCALING,
+    WRAPPER_OPTIONS,
+    Recipe,
+    Strategy,
+    check_combination,
+    compose,
+)
+from .schedules import LocalSGDSchedule, RoundRobinSchedule
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    summary: str
+    build: Callable[..., Recipe]
+    options: dict[str, OptionSpec]
+
+    def strategy(self, **options: Any) -> Strategy:
+        """The strategy for these options, each parsed strictly (``ConfigurationError`` names a bad one).
+
+        Defaults come from the option specs, the one place they are written.
+        The mode's own options go to its recipe; the wrapping ones
+        (accumulation, loss scaling, clipping, freeze) to :func:`compose`.
+        """
+        unknown = sorted(set(options) - set(self.options))
+        if unknown:
+            raise ConfigurationError(self._unknown(unknown))
+        given = parse_options(self.options, options, f"mode '{self.name}'")
+        values = {name: spec.default for name, spec in self.options.items()} | given
+        check_combination(self.name, given, values)
+        own = {k: v for k, v in values.items() if k not in WRAPPER_OPTIONS}
+        return compose(self.build(**own), {k: v for k, v in values.items() if k in WRAPPER_OPTIONS})
+
+    def _unknown(self, names: list[str]) -> str:
+        where = []
+        for name in names:
+            modes = [m.name for m in MODES.values() if name in m.options]
+            where.append(f"'{name}' works with {', '.join(modes)}" if modes else f"'{name}' is no option of any mode")
+        known = ", ".join(self.options) or "none"
+        return (
+            f"mode '{self.name}' takes no option(s) {names} ({'; '.join(where)}; see docs/strategies/composition.md). "
+            f"Its options: {known}."
+        )
+
+
+def _prefix() -> list[Pass]:
+    return [BroadcastParams()]
+
+
+def _tail() -> list[Pass]:
+    return [ScheduleCollectives(), ReinplaceOptimizer()]
+
+
+def _allreduce() -> Recipe:
+    return Recipe({"step": [AllReduceGrads()]}, _prefix(), [ScaleLossGrad()], _tail())
+
+
+def _fused(
+    bucket_cap_mb: float | str,
+    first_bucket_mb: float,
+    gradient_as_bucket_view: bool,
+    compress: str,
+    sparsify: float,
+    sparsify_threshold: float,
+) -> Recipe:
+    if sparsify:
+        reduce: Pass = SparseAllReduce(
+            ratio=sparsify, threshold=sparsify_threshold, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb
+        )
+    else:
+        reduce = FuseAllReduce(
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=first_bucket_mb,
+            compress=compress,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+    return Recipe({"step": [reduce]}, _prefix(), [ScaleLossGrad()], _tail())
+
+
+def _local_sgd(
+    adaptive: bool, k: int, begin_step: int, average_state: bool, cap: float, first: float, compress: str
+) -> Recipe:
+    average = LocalSGDAverage(
+        average_state=average_state, report_loss=adaptive, bucket_cap_mb=cap, first_bucket_mb=first, compress=compress
+    )
+    return Recipe(
+        {"local": [], "sync": [average, ScheduleCollectives()]},
+        _prefix(),
+        tail=[ReinplaceOptimizer()],
+        schedule=lambda: LocalSGDSchedule(k_steps=k, begin_step=begin_step, adaptive=adaptive),
+    )
+
+
+def _plain_local_sgd(k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb, compress) -> Recipe:
+    return _local_sgd(False, k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb, compress)
+
+
+def _adaptive_local_sgd(init_k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb, compress) -> Recipe:
+    return _local_sgd(True, init_k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb, compress)
+
+
+def _adasum(target: str) -> Callable[..., Recipe]:
+    def build(local_size: int) -> Recipe:
+        return Recipe(
+            {"step": [AdaSum(target=target, local_size=local_size)]},
+            _prefix(),
+            tail=[ReinplaceOptimizer()],
+            groups=lambda world: AdaSumGeometry(world, local_size).groups(),
+        )
+
+    return build
+
+
+def _allgather(bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:
+    gather = AllGatherGrads(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
+    return Recipe({"step": [gather]}, _prefix(), [ScaleLossGrad()], _tail(), check=_twin_only)
+
+
+def _twin_only(optimizer: torch.optim.Optimizer) -> None:
+    """The all-gather mode copies the optimizer's update once per rank's gradient: it needs a functional twin."""
+    if type(optimizer) not in TWINS:
+        raise ConfigurationError(
+            f"mode 'allgather' applies the optimizer once per rank's gradient, by copying its functional twin; "
+            f"{type(optimizer).__name__} has none (only torch.optim.SGD, Adam and AdamW do). Use another mode, "
+            "or one of those optimizers."
+        )
+
+
+def _partial_sync(partitions: int, bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:
+    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb}
+    return Recipe(
+        {
+            f"sync{i}": [PartialAverage(partitions=partitions, index=i, **caps), ScheduleCollectives()]
+            for i in range(partitions)
+        },
+        _prefix(),
+        tail=[ReinplaceOptimizer()],
+        schedule=lambda: RoundRobinSchedule(partitions),
+    )
+
+
+def _dim_reduce(
+    pca_path: str,
+    n_components: int,
+    rho: float,
+    gamma: float,
+    alpha: float,
+    sigma: float,
+    bucket_cap_mb: float,
+    first_bucket_mb: float,
+) -> Recipe:
+    reduce = FuseAllReduce(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
+    step = DimReduce(pca_path=pca_path, n_components=n_components, rho=rho, gamma=gamma, alpha=alpha, sigma=sigma)
+
+    def check(optimizer: torch.optim.Optimizer) -> None:
+        """At transpile(), before anything is traced: the basis file and the optimizer."""
+        step.rows()
+        _plain_sgd(optimizer)
+
+    return Recipe({"step": [reduce, step]}, _prefix(), [ScaleLossGrad()], _tail(), check=check)
+
+
+def _plain_sgd(optimizer: torch.optim.Optimizer) -> None:
+    """DimReduce's update is Boost's ``SGD(learning_rate=1)``: the user's SGD without momentum or decay."""
+    bad = [
+        f"group {i}: {key}={group.get(key)!r}"
+        for i, group in enumerate(optimizer.param_groups)
+        for key in ("momentum", "weight_decay", "nesterov", "maximize")
+        if group.get(key)
+    ]
+    if type(optimizer) is not torch.optim.SGD or bad:
+        got = type(optimizer).__name__ + (f" with {', '.join(bad)}" if bad else "")
+        raise ConfigurationError(
+            f"mode 'dim_reduce' applies its own update through plain SGD, as MindSpore Boost swaps in "
+            f"SGD(learning_rate=1); got {got}. Use torch.optim.SGD(params, lr=1.0) (lr scales every step DimReduce "
+            "takes, trials included; momentum and weight decay would act on the line-search trials)."
+        )
+
+
+BUCKET_OPTIONS = {name: field_options(LocalSGDAverage)[name] for name in ("bucket_cap_mb", "first_bucket_mb")}
+FUSED_OPTIONS = {  # bucket_cap_mb takes "auto" here
+    name: field_options(FuseAllReduce)[name] for name in ("bucket_cap_mb", "first_bucket_mb", "gradient_as_bucket_view")
+}
+COMPRESS = {"compress": field_options(FuseAllReduce)["compress"]}
+SPARSIFY = {
+    "sparsify": OptionSpec(float, 0.0, minimum=0, maximum=1, help="send this share of each bucket, top-K (0: off)"),
+    "sparsify_threshold": field_options(SparseAllReduce)["threshold"],
+}
+LOCAL_SGD_OPTIONS = {
+    "begin_step": OptionSpec(int, 1, minimum=0, help="steps 1..begin_step all synchronise (warm-up)"),
+    "average_state": field_options(LocalSGDAverage)["average_state"],
+    **BUCKET_OPTIONS,
+    **COMPRESS,
+    **ACCUMULATION,
+}
+LOCAL_SIZE = {"local_size": field_options(AdaSum)["local_size"]}
+GRADIENT_WRAPPERS = {**ACCUMULATION, **LOSS_SCALING, **CLIPPING, **FREEZE}
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("none", "no passes: the traced single-process step as it is", lambda: Recipe({"step": []}), {}),
+        Mode(
+            "allreduce",
+            "Paddle GradAllReduce: scale the loss grad, one all-reduce per gradient",
+            _allreduce,
+            GRADIENT_WRAPPERS,
+        ),
+        Mode(
+            "fused_allreduce",
+            "like allreduce, with gradients coalesced into dtype/size buckets (DDP-style caps)",
+            _fused,
+            {**FUSED_OPTIONS, **COMPRESS, **SPARSIFY, **GRADIENT_WRAPPERS},
+        ),
+        Mode(
+            "local_sgd",
+            "Paddle LocalSGD: local steps, parameters averaged through snapshot deltas every k_steps",
+            _plain_local_sgd,
+            {"k_steps": OptionSpec(int, 1, minimum=1, help="synchronise every k steps"), **LOCAL_SGD_OPTIONS},
+        ),
+        Mode(
+            "adaptive_local_sgd",
+            "LocalSGD whose k follows Paddle's rule sqrt(lr_0*loss/(lr*loss_0)*init_k), clipped to [1, 16]",
+            _adaptive_local_sgd,
+            {"init_k_steps": OptionSpec(int, 1, minimum=1, help="k at the start, then adapted"), **LOCAL_SGD_OPTIONS},
+        ),
+        Mode(
+            "adasum",
+            "AdaSum of gradients (recursive halving, point-to-point exchanges), then the optimizer",
+            _adasum("grads"),
+            {**LOCAL_SIZE, **ACCUMULATION, **LOSS_SCALING},
+        ),
+        Mode(
+            "adasum_delta",
+            "local optimizer step, then AdaSum of the weight deltas (MindSpore AdaSumByDeltaWeight)",
+            _adasum("deltas"),
+            LOCAL_SIZE,
+        ),
+        Mode(
+            "allgather",
+            "Paddle MultiThread all-gather: gather every rank's gradients, apply the optimizer once per gradient",
+            _allgather,
+            BUCKET_OPTIONS,
+        ),
+        Mode(
+            "dim_reduce",
+            "MindSpore Boost DimReduce: averaged gradients, BFGS step in a PCA subspace with line search",
+            _dim_reduce,
+            {**field_options(DimReduce), **BUCKET_OPTIONS},
+        ),
+        Mode(
+            "partial_sync",
+            "SINGA partial update: local updates every step, one partition of the parameters averaged per step",
+            _partial_sync,
+            {"partitions": field_options(PartialAverage)["partitions"], **BUCKET_OPTIONS},
+        ),
+    )
+}
+
+
+def build_passes(mode: str, options: dict[str, Any]) -> list[Pass]:
+    """Passes for a single-variant mode name with its options, or for an explicit pipeline spec."""
+    variants = build_strategy(mode, options).variants
+    if list(variants) != ["step"]:
+        raise ConfigurationError(f"mode '{mode}' has several program variants ({', '.join(variants)}).")
+    return variants["step"]
+
+
+def build_strategy(mode: str, options: dict[str, Any]) -> Strategy:
+    """The strategy for a mode name with its options, or for an explicit pipeline spec."""
+    if not isinstance(mode, str):
+        raise ConfigurationError(f"mode must be a mode name or a pipeline spec (a str), got {type(mode).__name__}.")
+    if mode in MODES:
+        return MODES[mode].strategy(**options)
+    if options:
+        raise ConfigurationError(
+            f"options {sorted(options)} only apply to named modes; put pass options in the spec, "
+            "e.g. 'fuse-allreduce{bucket-cap-mb=4}'."
+        )
+    if not any(c in mode for c in ",{") and mode not in PASSES:
+        raise ConfigurationError(
+            f"unknown mode '{mode}'. Modes: {', '.join(MODES)}; or give a pipeline spec of passes "
+            f"({', '.join(PASSES)}), e.g. 'scale-loss-grad,allreduce-grads'."
+        )
+    return Strategy({"step": parse_spec(mode, PASSES)})

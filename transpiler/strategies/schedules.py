@@ -1,0 +1,261 @@
+"""Which program variant runs at each step.
+
+Most modes have one variant, ``"step"``. LocalSGD has two, ``"local"`` and
+``"sync"``, and a schedule that picks one per step from a step counter that is
+the same on every rank, so all ranks run the same graph without retracing.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from transpiler.errors import CheckpointError
+
+
+@dataclass
+class EveryStep:
+    """One variant, every step."""
+
+    variants = ("step",)
+
+    def variant(self) -> str:
+        return "step"
+
+    def observe(self, variant: str, metrics: dict[str, float], lr: float) -> None:
+        return None
+
+    def settings(self) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        load_counters(self, state, ())
+
+
+@dataclass
+class LocalSGDSchedule:
+    """Paddle's LocalSGD schedule, and its adaptive variant.
+
+    Steps count from 1. Step ``t`` syncs when ``t <= begin_step`` (warm-up:
+    every step) or when ``t - last_sync == k``; ``last_sync`` starts at 0.
+    With ``adaptive``, after every sync
+    ``k = clip(ceil(sqrt(lr_0 * avg_loss / (lr_t * loss_0) * init_k_steps)), 1, max_k)``,
+    where ``loss_0`` and ``lr_0`` are the rank-averaged loss and the learning
+    rate at the first sync, and ``avg_loss`` the rank-averaged loss now.
+    """
+
+    k_steps: int = 1
+    begin_step: int = 1
+    adaptive: bool = False
+    max_k: int = 16
+    step: int = 0
+    last_sync: int = 0
+    k: int = 0
+    lr_0: float | None = None
+    loss_0: float | None = None
+
+    variants = ("local", "sync")
+    COUNTERS = ("step", "last_sync", "k", "lr_0", "loss_0")
+
+    def __post_init__(self) -> None:
+        self.k = self.k or self.k_steps
+
+    def variant(self) -> str:
+        t = self.step + 1
+        return "sync" if t <= self.begin_step or t - self.last_sync == self.k else "local"
+
+    def observe(self, variant: str, metrics: dict[str, float], lr: float) -> None:
+        self.step += 1
+        if variant != "sync":
+            return
+        self.last_sync = self.step
+        if self.adaptive:
+            self.k = self.next_k(metrics["avg_loss"], lr)
+
+    def next_k(self, avg_loss: float, lr: float) -> int:
+        if self.loss_0 is None:
+            self.loss_0, self.lr_0 = avg_loss, lr
+        if self.loss_0 == 0 or lr == 0:
+            return self.max_k
+        ratio = self.lr_0 * avg_loss / (lr * self.loss_0) * self.k_steps
+        return int(min(max(math.ceil(math.sqrt(max(ratio, 0.0))), 1), self.max_k))
+
+    def settings(self) -> dict:
+        """What shapes the schedule: every rank, and a checkpoint loaded into it, must agree on these."""
+        return {k: getattr(self, k) for k in ("k_steps", "begin_step", "adaptive", "max_k")}
+
+    def state_dict(self) -> dict:
+        """The counters, which change every step (settings travel in the checkpoint's setup)."""
+        return {k: v for k, v in asdict(self).items() if k in self.COUNTERS}
+
+    def load_state_dict(self, state: dict) -> None:
+        load_counters(self, state, self.COUNTERS)
+
+
+def load_counters(schedule: object, state: dict, counters: tuple[str, ...]) -> None:
+    """Set only the counters a schedule declares; anything else in a checkpoint is an error."""
+    unknown = sorted(set(state) - set(counters))
+    if unknown:
+        raise CheckpointError(
+            f"the checkpoint's schedule state has {unknown}, which {type(schedule).__name__} does not declare "
+            f"(it keeps {list(counters) or 'nothing'}): the checkpoint comes from another mode."
+        )
+    for key in counters:
+        if key in state:
+            setattr(schedule, key, state[key])
+
+
+ACCUMULATE = "accumulate"  # the variant of an accumulation micro-step that does not update
+
+
+def split_counters(state: dict, counters: tuple[str, ...]) -> tuple[dict, dict]:
+    """A wrapping schedule's own counters, and the rest (its inner schedule's)."""
+    return {k: v for k, v in state.items() if k in counters}, {k: v for k, v in state.items() if k not in counters}
+
+
+@dataclass
+class AccumulationSchedule:
+    """``steps - 1`` micro-steps that only accumulate, then one step of the inner schedule's choice.
+
+    The inner schedule (LocalSGD's, say) sees one step per cycle: it counts updates, not calls.
+    """
+
+    inner: Any
+    steps: int
+    micro_step: int = 0
+
+    COUNTERS = ("micro_step",)
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return (ACCUMULATE, *self.inner.variants)
+
+    def variant(self) -> str:
+        return ACCUMULATE if self.micro_step < self.steps - 1 else self.inner.variant()
+
+    def observe(self, variant: str, metrics: dict[str, float], lr: float) -> None:
+        if variant == ACCUMULATE:
+            self.micro_step += 1
+            return
+        self.micro_step = 0
+        self.inner.observe(variant, metrics, lr)
+
+    def settings(self) -> dict:
+        return {"accumulate_steps": self.steps, **self.inner.settings()}
+
+    def state_dict(self) -> dict:
+        return {"micro_step": self.micro_step, **self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        own, rest = split_counters(state, self.COUNTERS)
+        self.inner.load_state_dict(rest)
+        load_counters(self, own, self.COUNTERS)
+
+
+def continuous_freeze_cycle(groups: int, freeze_p: float) -> list[int]:
+    """Boost's continuous rule: ``int(p*(n-1)/(1-p) + 0.5)`` zeros, then 1 .. n-1, repeated."""
+    zeros = int(freeze_p * (groups - 1) / (1 - freeze_p) + 0.5)
+    return [0] * zeros + list(range(1, groups))
+
+
+@dataclass
+class FreezeSchedule:
+    """MindSpore Boost's gradient-freeze index per optimizer step; the variant is ``<inner>/freeze<i>``.
+
+    Index ``i`` freezes groups ``0..i-1``. ``freeze_type=0`` (continuous)
+    repeats :func:`continuous_freeze_cycle`. ``freeze_type=1`` (interval)
+    starts with 0; afterwards, while the share of freezing steps so far is
+    below ``1 - freeze_p`` it draws ``i`` from ``n-1, ..., 1`` with weights
+    ``1, ..., n-1`` (small indices likelier), else takes 0. Draws use a
+    generator seeded from ``(seed, step)``, the same on every rank and after a
+    resume. An accumulation cycle keeps one index: the counter advances on
+    steps that update.
+    """
+
+    inner: Any
+    groups: int
+    freeze_type: int
+    freeze_p: float
+    seed: int
+    freeze_step: int = 0
+    zero_steps: int = 0
+    freezing_steps: int = 0
+
+    COUNTERS = ("freeze_step", "zero_steps", "freezing_steps")
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return tuple(f"{v}/freeze{i}" for v in self.inner.variants for i in range(self.groups))
+
+    def index(self) -> int:
+        if self.groups <= 1:
+            return 0
+        if self.freeze_type == 0:
+            cycle = continuous_freeze_cycle(self.groups, self.freeze_p)
+            return cycle[self.freeze_step % len(cycle)]
+        if self.freeze_step == 0:
+            return 0
+        if self.freezing_steps / (self.zero_steps + self.freezing_steps) >= 1 - self.freeze_p:
+            return 0
+        draw = random.Random(f"freeze:{self.seed}:{self.freeze_step}")
+        return draw.choices(range(self.groups - 1, 0, -1), weights=range(1, self.groups))[0]
+
+    def variant(self) -> str:
+        return f"{self.inner.variant()}/freeze{self.index()}"
+
+    def observe(self, variant: str, metrics: dict[str, float], lr: float) -> None:
+        inner, _, index = variant.rpartition("/freeze")
+        self.inner.observe(inner, metrics, lr)
+        if inner == ACCUMULATE:
+            return
+        if int(index) == 0:
+            self.zero_steps += 1
+        else:
+            self.freezing_steps += 1
+        self.freeze_step += 1
+
+    def settings(self) -> dict:
+        own = {"freeze_groups": self.groups, "freeze_type": self.freeze_type, "freeze_p": self.freeze_p}
+        return {**own, "freeze_seed": self.seed, **self.inner.settings()}
+
+    def state_dict(self) -> dict:
+        return {**{k: getattr(self, k) for k in self.COUNTERS}, **self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        own, rest = split_counters(state, self.COUNTERS)
+        self.inner.load_state_dict(rest)
+        load_counters(self, own, self.COUNTERS)
+
+
+@dataclass
+class RoundRobinSchedule:
+    """SINGA's partial update: step ``t`` (from 0) runs variant ``sync<t mod partitions>``."""
+
+    partitions: int
+    step: int = 0
+
+    COUNTERS = ("step",)
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return tuple(f"sync{i}" for i in range(self.partitions))
+
+    def variant(self) -> str:
+        return f"sync{self.step % self.partitions}"
+
+    def observe(self, variant: str, metrics: dict[str, float], lr: float) -> None:
+        self.step += 1
+
+    def settings(self) -> dict:
+        return {"partitions": self.partitions}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        load_counters(self, state, self.COUNTERS)

@@ -1,0 +1,255 @@
+"""Functional twins of torch.optim's single-tensor SGD, Adam and AdamW (any other optimizer:
+``generic.py``).
+
+The traced step must update parameters bit for bit as eager
+``optimizer.step()`` does on CPU (the single-tensor code path), so each update
+below issues the same arithmetic as eager, only out of place. Values that eager
+computes in Python doubles every step (``-lr``, Adam's step size and bias
+correction) are *scalar slots*: 0-d float64 tensor inputs of the graph that the
+runtime fills in place from ``optimizer.param_groups`` before each call, so LR
+schedulers keep working, and a compiled or captured program serves every step
+(a Python float would be baked into either). Where eager passes the double as
+``alpha=``/``value=``, which take no tensor, the update uses the form that
+carries the same bits (measured on CPU, and checked by the bitwise tests):
+``add(p, g, alpha=s)`` is ``addcmul(p, g, s)``, and ``addcdiv(p, a, d, value=s)``
+is ``addcdiv(p, a * s, d)``; ``mul``/``div`` by a 0-d float64 tensor equal
+``mul``/``div`` by the float.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from transpiler.errors import UnsupportedOptimizerError
+
+TWINS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}  # exact classes only
+
+
+@dataclass(frozen=True)
+class ScalarSlot:
+    """A per-step scalar input of the graph (named ``g<group>_<what>``)."""
+
+    name: str
+
+
+@dataclass
+class GroupPlan:
+    """One param group: its index, trainable parameter positions and slots."""
+
+    index: int
+    param_positions: list[int]
+    slots: dict[str, ScalarSlot]
+    frozen_hparams: tuple
+
+
+class OptimizerPlan:
+    """How one torch.optim optimizer is traced, fed and written back."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], names: list[str]):
+        self.kind = TWINS.get(type(optimizer), getattr(self, "kind", ""))
+        if not self.kind:
+            raise UnsupportedOptimizerError(f"{type(optimizer).__qualname__} has no twin; trace it with make_plan().")
+        if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+            raise UnsupportedOptimizerError(
+                f"{type(optimizer).__name__} has step hooks (register_step_pre_hook / register_step_post_hook), "
+                "which the traced step would not run; remove them, or run that code before or after calling "
+                "the step."
+            )
+        self.optimizer = optimizer
+        self.names = names
+        position = {id(p): i for i, p in enumerate(params)}
+        self.groups: list[GroupPlan] = []
+        seen: set[int] = set()
+        for gi, group in enumerate(optimizer.param_groups):
+            self._check_group(group, gi)
+            positions = []
+            for p in group["params"]:
+                if id(p) not in position:
+                    if p.requires_grad:
+                        raise UnsupportedOptimizerError(
+                            f"param group {gi} holds a tensor of shape {tuple(p.shape)} that is not a parameter "
+                            "of the model (was a submodule replaced after the optimizer was made?). Give the "
+                            "optimizer model.parameters(): build a new optimizer and transpile() again."
+                        )
+                    continue
+                if id(p) in seen:
+                    raise UnsupportedOptimizerError(f"a parameter appears in more than one param group ({gi}).")
+                seen.add(id(p))
+                positions.append(position[id(p)])
+            slots = {slot_name: ScalarSlot(f"g{gi}_{slot_name}") for slot_name in self._slot_names(group)}
+            self.groups.append(GroupPlan(gi, positions, slots, self._frozen(group)))
+        missing = [names[i] for i in range(len(params)) if id(params[i]) not in seen]
+        if missing:
+            raise UnsupportedOptimizerError(
+                f"trainable parameters {missing[:5]} are in no param group of the optimizer (a submodule "
+                "replaced after the optimizer was made, or a layer unfrozen without its group?). Add them with "
+                "optimizer.add_param_group(...), build a new optimizer and transpile() again, or set "
+                "requires_grad=False."
+            )
+        self.group_of = {pos: g for g in self.groups for pos in g.param_positions}
+        self.params = params
+
+    # ---------------------------------------------------------------- checks
+    def _check_group(self, group: dict, gi: int) -> None:
+        for flag in ("capturable", "differentiable", "fused"):
+            if group.get(flag):
+                raise UnsupportedOptimizerError(
+                    f"param group {gi} sets {flag}=True; the transpiler traces the optimizer's default path "
+                    f"(compile=True fuses the update instead), so create the optimizer with {flag}=False."
+                )
+        if self.kind == "adam" and torch.is_tensor(group.get("betas", (0,))[0]):
+            raise UnsupportedOptimizerError("tensor betas are not supported; pass floats.")
+
+    def _frozen(self, group: dict) -> tuple:
+        keys = (
+            ("weight_decay", "momentum", "dampening", "nesterov", "maximize")
+            if self.kind == "sgd"
+            else ("betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
+        )
+        return tuple((k, group.get(k)) for k in keys)
+
+    def _slot_names(self, group: dict) -> list[str]:
+        if self.kind == "sgd":
+            return ["neg_lr", "buf_decay", "grad_weight"] if group["momentum"] != 0 else ["neg_lr"]
+        names = ["neg_step_size", "bias_correction2_sqrt"]
+        if group.get("decoupled_weight_decay") and group["weight_decay"] != 0:
+            names.append("decay_factor")
+        return names
+
+    # ----------------------------------------------------------------- state
+    def state_keys(self, position: int) -> list[str]:
+        """Names of the optimizer-state tensors of one trainable parameter."""
+        group = self.optimizer.param_groups[self.group_of[position].index]
+        if self.kind == "sgd":
+            return ["momentum_buffer"] if group["momentum"] != 0 else []
+        keys = ["step", "exp_avg", "exp_avg_sq"]
+        return keys + ["max_exp_avg_sq"] if group["amsgrad"] else keys
+
+    def state_tensors(self, position: int) -> list[torch.Tensor]:
+        """Current state of one parameter, created exactly as eager would on its first step."""
+        p = self.params[position]
+        state = self.optimizer.state[p]
+        out = []
+        for key in self.state_keys(position):
+            value = state.get(key)
+            if value is None:  # created exactly as eager creates it on the first step
+                if key == "step":
+                    value = torch.tensor(0.0, dtype=torch.float32)
+                else:
+                    value = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if key != "momentum_buffer":  # eager stores the momentum buffer only after the first step
+                    state[key] = value
+            out.append(value.detach())
+        return out
+
+    #: the slots are fed as 0-d float64 tensors that the runtime fills in place (the generic path: floats)
+    scalars_as_tensors = True
+
+    def scalar_slots(self) -> list[ScalarSlot]:
+        return [slot for g in self.groups for slot in g.slots.values()]
+
+    def scalar_inputs(self, names: list[str]) -> dict[str, float]:
+        """Values for the scalar ports ``names``: ``<slot>`` for this step, ``<slot>@j`` for the j-th update
+        after it within the same step (the all-gather mode applies the optimizer several times per step)."""
+        aheads = sorted({int(name.partition("@")[2] or 0) for name in names})
+        out: dict[str, float] = {}
+        for ahead in aheads:
+            for slot, value in zip(self.scalar_slots(), self.scalar_values(ahead)):
+                out[f"{slot.name}@{ahead}" if ahead else slot.name] = value
+        return out
+
+    def scalar_values(self, ahead: int = 0) -> list[float]:
+        """The per-step slot values, computed in Python doubles as eager does (``ahead`` updates later)."""
+        values: list[float] = []
+        for g in self.groups:
+            group = self.optimizer.param_groups[g.index]
+            if self._frozen(group) != g.frozen_hparams:
+                raise UnsupportedOptimizerError(
+                    f"param group {g.index} changed a hyper-parameter other than lr since it was traced "
+                    f"({g.frozen_hparams} -> {self._frozen(group)}); call transpile() again."
+                )
+            lr = float(group["lr"])
+            if self.kind == "sgd":
+                values.append(-lr)
+                if "buf_decay" in g.slots:
+                    first = ahead == 0 and any(
+                        self.optimizer.state[self.params[i]].get("momentum_buffer") is None for i in g.param_positions
+                    )
+                    values += [0.0, 1.0] if first else [float(group["momentum"]), 1.0 - float(group["dampening"])]
+                continue
+            beta1, beta2 = group["betas"]
+            steps = {float(self.optimizer.state[self.params[i]]["step"]) for i in g.param_positions}
+            if len(steps) > 1:
+                raise UnsupportedOptimizerError(
+                    f"param group {g.index} has parameters at different step counts {sorted(steps)}; "
+                    "the transpiler needs one step count per group."
+                )
+            step = float(next(iter(steps), 0.0) + 1.0 + ahead)
+            bias_correction1 = 1 - beta1**step
+            bias_correction2 = 1 - beta2**step
+            values += [-(lr / bias_correction1), bias_correction2**0.5]
+            if "decay_factor" in g.slots:
+                values.append(1 - lr * group["weight_decay"])
+        return values
+
+    def output_state_keys(self, position: int) -> list[str]:
+        """The state keys the traced step outputs for one parameter, in order."""
+        return self.state_keys(position)
+
+    def write_back(self, position: int, new_state: dict[str, torch.Tensor]) -> None:
+        state = self.optimizer.state[self.params[position]]
+        for key in self.state_keys(position):
+            state[key] = new_state[key]
+
+    # ---------------------------------------------------------------- update
+    def update(
+        self,
+        position: int,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state: list[torch.Tensor],
+        scalars: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced update of one parameter, reading its group's slots from ``scalars`` (by slot name); returns
+        the new parameter and state."""
+        g = self.group_of[position]
+        group = self.optimizer.param_groups[g.index]
+        slot = {k: scalars[s.name] for k, s in g.slots.items()}
+        step_fn: Callable = _sgd_update if self.kind == "sgd" else _adam_update
+        return step_fn(param, grad, state, group, slot)
+
+
+def _sgd_update(p, grad, state, group, slot):
+    g = torch.neg(grad) if group["maximize"] else grad
+    if group["weight_decay"] != 0:
+        g = torch.add(g, p, alpha=group["weight_decay"])
+    new_state = []
+    if group["momentum"] != 0:
+        buf = torch.addcmul(torch.mul(state[0], slot["buf_decay"]), g, slot["grad_weight"])
+        new_state = [buf]
+        g = torch.add(g, buf, alpha=group["momentum"]) if group["nesterov"] else buf
+    return torch.addcmul(p, g, slot["neg_lr"]), new_state
+
+
+def _adam_update(p, grad, state, group, slot):
+    beta1, beta2 = group["betas"]
+    step, exp_avg, exp_avg_sq = state[:3]
+    step = torch.add(step, 1)
+    g = torch.neg(grad) if group["maximize"] else grad
+    if group["weight_decay"] != 0:
+        if group.get("decoupled_weight_decay"):
+            p = torch.mul(p, slot["decay_factor"])
+        else:
+            g = torch.add(g, p, alpha=group["weight_decay"])
+    exp_avg = torch.lerp(exp_avg, g, 1 - beta1)
+    exp_avg_sq = torch.addcmul(torch.mul(exp_avg_sq, beta2), g, g, value=1 - beta2)
+    new_state = [step, exp_avg, exp_avg_sq]
+    second = exp_avg_sq
+    if group["amsgrad"]:
+        second = torch.maximum(state[3], exp_avg_sq)
+        new_state.append(second)
+    denom = torch.add(torch.div(torch.sqrt(second), slot["bias_correction2_sqrt"]), group["eps"])
+    return torch.addcdiv(p, torch.mul(exp_avg, slot["neg_step_size"]), denom), new_state

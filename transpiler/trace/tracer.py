@@ -1,0 +1,377 @@
+"""Trace one whole training step into one functional, aten-level fx graph.
+
+The step is ``forward -> loss -> autograd.grad -> optimizer update``. It is
+traced with fake tensors (nothing runs for real), then re-traced through
+``torch.func.functionalize`` so in-place ops become out-of-place ones. Each
+node is tagged with its role (``node.meta["role"]``) and each gradient with
+the parameter it belongs to (``node.meta["grad_of"]``). The graph's inputs and
+outputs are listed as :class:`~transpiler.program.Port` s.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.nn.utils.stateless import _reparametrize_module
+
+from transpiler.errors import ConfigurationError, UnsupportedModelError, UnsupportedOptimizerError
+from transpiler.graph.program import Port, StepProgram
+
+from .environment import AUTOCAST_OFF, AutocastState, tracing_environment
+from .optimizers import DataDependentStep, GenericPlan, OptimizerPlan, make_plan
+
+LossFn = Callable[..., torch.Tensor] | None
+_DATA_DEPENDENT = (
+    "data-dependent",
+    "DataDependentOutputException",
+    "GuardOnDataDependentSymNode",
+    "Could not guard on data-dependent",
+    "item()",
+    "DynamicOutputShapeException",
+)
+
+
+@dataclass
+class ModelState:
+    """The model's tensors in the order the graph takes them."""
+
+    names: list[str]  # trainable parameter names (tied parameters once)
+    params: list[torch.nn.Parameter]
+    frozen_names: list[str]
+    frozen: list[torch.nn.Parameter]
+    buffer_names: list[str]
+    buffers: list[torch.Tensor]
+
+
+def collect_model_state(model: torch.nn.Module) -> ModelState:
+    named = list(model.named_parameters())  # tied parameters appear once
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if not trainable:
+        raise ConfigurationError(
+            "the model has no trainable parameters (every parameter has requires_grad=False); "
+            "there is nothing to train or reduce."
+        )
+    frozen = [(n, p) for n, p in named if not p.requires_grad]
+    buffers = list(model.named_buffers())
+    return ModelState(
+        [n for n, _ in trainable],
+        [p for _, p in trainable],
+        [n for n, _ in frozen],
+        [p for _, p in frozen],
+        [n for n, _ in buffers],
+        [b for _, b in buffers],
+    )
+
+
+def check_batch(batch: tuple, *, loss_fn: LossFn) -> None:
+    if not isinstance(batch, (tuple, list)) or not batch:
+        raise ConfigurationError("example_inputs must be a non-empty tuple of tensors, e.g. (x, y).")
+    if loss_fn is not None and len(batch) < 2:
+        raise ConfigurationError(
+            "with a loss_fn the batch is (*model_inputs, target): give at least two tensors, "
+            "or pass loss_fn=None if the model returns its own loss."
+        )
+    for i, t in enumerate(batch):
+        if not isinstance(t, torch.Tensor):
+            raise ConfigurationError(
+                f"batch element {i} is a {type(t).__name__}; every batch element must be a tensor."
+            )
+
+
+def trace_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    batch: tuple,
+    autocast: AutocastState = AUTOCAST_OFF,
+) -> tuple[StepProgram, ModelState, OptimizerPlan]:
+    """Trace forward, loss, backward and optimizer update of one step into a StepProgram; the forward and the
+    loss under ``autocast`` (the caller's), the backward and the update without it, as eager autocast runs."""
+    check_batch(batch, loss_fn=loss_fn)
+    state = collect_model_state(model)
+    plan = make_plan(optimizer, state.params, state.names)
+    generic = isinstance(plan, GenericPlan)
+    opt_states = [plan.state_tensors(i) for i in range(len(state.params))]
+    counts = [len(s) for s in opt_states]
+    n_p, n_f, n_b = len(state.params), len(state.frozen), len(state.buffers)
+    n_model_out: list[int] = []
+    grad_present: list[bool] = []
+    slots = [slot.name for slot in plan.scalar_slots()]
+    # the twins' slots live where the parameters are (a captured program reads them there); the generic
+    # path's lrs become floats after tracing
+    scalar_device = state.params[0].device if plan.scalars_as_tensors and state.params else torch.device("cpu")
+
+    def step_fn(*flat: torch.Tensor):
+        params, rest = list(flat[:n_p]), flat[n_p:]
+        frozen, buffers, rest = rest[:n_f], rest[n_f : n_f + n_b], rest[n_f + n_b :]
+        states, pos = [], 0
+        for c in counts:
+            states.append(list(rest[pos : pos + c]))
+            pos += c
+        data, scalars = rest[pos : len(rest) - len(slots)], rest[len(rest) - len(slots) :]
+        tensors = dict(zip(state.names, params))
+        tensors.update(zip(state.frozen_names, frozen))
+        tensors.update(zip(state.buffer_names, buffers))
+        inputs = tuple(data[:-1]) if loss_fn is not None else tuple(data)
+        # The backward runs inside the re-parametrisation too: activation checkpointing recomputes the forward
+        # there and must see the traced parameters, not the module's real ones.
+        with _reparametrize_module(model, tensors, tie_weights=True, strict=False):
+            with autocast.applied():
+                out = model(*inputs)
+                loss = loss_fn(out, data[-1]) if loss_fn is not None else out
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+                raise UnsupportedModelError(
+                    "the loss must be a floating-point tensor with one element; "
+                    f"got {type(loss).__name__} {getattr(loss, 'shape', '')}. Reduce it (mean or sum) in loss_fn."
+                )
+            seed = torch.ones_like(loss)
+            grads = _distinct(torch.autograd.grad(loss, params, seed, allow_unused=True))
+        grad_present[:] = [g is not None for g in grads]
+        if generic:
+            new_params, updated = plan.step_all(params, grads, states, list(scalars))
+        else:
+            new_params, updated = _twin_updates(plan, params, grads, states, dict(zip(slots, scalars)))
+        new_states = [t for s in updated for t in s]
+        out_leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] if loss_fn else []
+        n_model_out[:] = [len(out_leaves)]
+        return (loss.detach(), *out_leaves, *[g for g in grads if g is not None], *new_params, *new_states, *buffers)
+
+    flat_inputs = [
+        *[p.detach().requires_grad_(True) for p in state.params],
+        *[p.detach() for p in state.frozen],
+        *state.buffers,
+        *[t for s in opt_states for t in s],
+        *batch,
+        *[torch.tensor(v, dtype=torch.float64, device=scalar_device) for v in plan.scalar_values()],
+    ]
+    snapshot = [t.clone() for t in state.buffers]  # tracing must not touch real buffers
+
+    def trace() -> fx.GraphModule:
+        first = _make_fx(step_fn, flat_inputs, symbolic_scalars=generic)
+        # The first graph holds the backward as plain ops, so its inputs need not require grad here; with
+        # leaves that do, functionalize's copy_ epilogue fails on in-place ops (Embedding's max_norm renorm).
+        plain = [t.detach() for t in flat_inputs]
+        return _make_fx(functionalize(first, remove="mutations"), plain, symbolic_scalars=generic)
+
+    try:
+        with tracing_environment():
+            try:
+                functional = trace()
+            except DataDependentStep:
+                if not plan.can_take_tensor_path():
+                    raise
+                plan.tensor_path = True  # branches on the step count: its capturable (tensor) form instead
+                functional = trace()
+    except (UnsupportedModelError, UnsupportedOptimizerError):
+        raise
+    except Exception as exc:  # torch raises many kinds while tracing; name the cause plainly
+        raise _explain_trace_failure(exc) from exc
+    finally:
+        with torch.no_grad():
+            for b, s in zip(state.buffers, snapshot):
+                b.copy_(s)
+    ports = (
+        [Port("param", n) for n in state.names]
+        + [Port("frozen", n) for n in state.frozen_names]
+        + [Port("buffer", n) for n in state.buffer_names]
+        + [Port("state", f"{state.names[i]}.{k}") for i in range(n_p) for k in plan.state_keys(i)]
+        + [Port("batch", f"batch{i}") for i in range(len(batch))]
+        + [Port("scalar", name) for name in slots]
+    )
+    used = [n for n, ok in zip(state.names, grad_present) if ok]
+    program = _finish(functional, ports, plan, n_model_out[0], used)
+    if generic:
+        how = (
+            "its capturable (tensor) form, since its default path branches on a value of its state"
+            if plan.tensor_path
+            else "its default path, Python scalars traced symbolically"
+        )
+        program.decisions["optimizer"] = f"{type(optimizer).__name__}.step() traced in {how}"
+    return program, state, plan
+
+
+def _make_fx(fn: Callable, inputs: list, *, symbolic_scalars: bool) -> fx.GraphModule:
+    """``make_fx`` on fake tensors. With ``symbolic_scalars`` the fake tensors carry a shape environment (shapes
+    stay static): ``.item()`` gives a symbolic float and Python arithmetic on it becomes graph nodes (the
+    generic optimizer path: step counts, bias corrections, lr)."""
+    if not symbolic_scalars:
+        return make_fx(fn, tracing_mode="fake")(*inputs)
+    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    fakes = [mode.from_tensor(t) for t in inputs]
+    with mode:
+        return make_fx(fn, tracing_mode="real")(*fakes)
+
+
+def _twin_updates(
+    plan: OptimizerPlan, params: list, grads: list, states: list, scalars: dict[str, torch.Tensor]
+) -> tuple[list, list]:
+    """Each parameter through its functional twin; an unused parameter (no gradient) is left as it is."""
+    new_params, new_states = [], []
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if g is None:  # unused parameter: eager skips it too
+            new_params.append(p.detach())
+            new_states.append(states[i])
+            continue
+        new_p, new_s = plan.update(i, p.detach(), g, states[i], scalars)
+        new_params.append(new_p)
+        new_states.append(new_s)
+    return new_params, new_states
+
+
+def _distinct(grads: tuple) -> list:
+    """One tensor per parameter's gradient. Autograd hands the same tensor to parameters whose gradients are
+    equal (an LSTM's ``bias_ih`` and ``bias_hh``); a copy for each repeat gives every parameter its own
+    gradient node, so passes that treat gradients one by one (``grad_of``) see all of them."""
+    seen: set[int] = set()
+    out = []
+    for g in grads:
+        if g is not None and id(g) in seen:
+            g = g.clone()
+        elif g is not None:
+            seen.add(id(g))
+        out.append(g)
+    return out
+
+
+def _explain_trace_failure(exc: Exception) -> Exception:
+    text = f"{type(exc).__name__}: {exc}"
+    if any(marker in text for marker in _DATA_DEPENDENT):
+        return UnsupportedModelError(
+            "the model's forward (or the loss) has data-dependent control flow or reads a tensor value "
+            "in Python (if x.sum() > 0, .item(), .tolist(), nonzero...), so one static graph cannot describe "
+            "every step. Rewrite it with torch.where / masks, or keep that logic outside the model. "
+            f"Torch said: {text.splitlines()[0][:300]}"
+        )
+    return UnsupportedModelError(f"tracing the training step failed: {text.splitlines()[0][:500]}")
+
+
+def _finish(
+    gm: fx.GraphModule, in_ports: list[Port], plan: OptimizerPlan, n_out: int, grads_of: list[str]
+) -> StepProgram:
+    """Clean the functional trace, name its inputs, tag roles."""
+    graph = gm.graph
+    graph._codegen = fx.graph.CodeGen()  # plain positional signature instead of pytree
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = graph.output_node()
+    slot = {ph: i for i, ph in enumerate(placeholders)}
+    mutated_frozen: list[tuple[Port, fx.Node]] = []
+    for node in list(graph.nodes):  # functionalize's copy_ epilogue: we return new values instead
+        if (
+            node.op == "call_function"
+            and node.target is torch.ops.aten.copy_.default
+            and node.args[0].op == "placeholder"
+        ):
+            port = in_ports[slot[node.args[0]]]
+            if port.kind == "batch":
+                raise UnsupportedModelError(
+                    f"the model modifies its input {port.name} in place; clone it inside forward first."
+                )
+            if port.kind == "frozen":  # e.g. Embedding(max_norm=...) renormalising a frozen table
+                mutated_frozen.append((port, node.args[1]))
+            node.replace_all_uses_with(node.args[1])
+            graph.erase_node(node)
+    for node in list(graph.nodes):  # detach is a no-op without autograd
+        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    results = list(pytree.tree_leaves(output.args[0]))
+
+    renamed: list[fx.Node] = []
+    with graph.inserting_before(placeholders[0]):
+        for port in in_ports:
+            renamed.append(graph.placeholder(_ident(port)))
+    for old, new, port in zip(placeholders, renamed, in_ports):
+        new.meta.update(old.meta)
+        new.meta["port"] = port
+        old.replace_all_uses_with(new)
+        graph.erase_node(old)
+    results = [renamed[slot[r]] if r in slot else r for r in results]
+    if not plan.scalars_as_tensors:
+        _scalar_inputs_as_floats(graph)
+
+    loss, model_out = results[0], results[1 : 1 + n_out]
+    grads = results[1 + n_out : 1 + n_out + len(grads_of)]
+    rest = results[1 + n_out + len(grads_of) :]
+    for name, g in zip(grads_of, grads):
+        g.meta["grad_of"] = name
+    names = [p.name for p in in_ports if p.kind == "param"]
+    out_ports = [Port("loss", "loss")] + [p for p in in_ports if p.kind == "param"]
+    out_ports += [Port("state", f"{names[i]}.{k}") for i in range(len(names)) for k in plan.output_state_keys(i)]
+    out_ports += [p for p in in_ports if p.kind == "buffer"]
+    out_ports += [port for port, _ in mutated_frozen]
+    rest += [value for _, value in mutated_frozen]
+    output.args = (tuple([loss, *rest]),)
+    graph.eliminate_dead_code()
+    _tag_roles(graph, loss, model_out, grads)
+    graph.lint()
+    gm.recompile()
+    program = StepProgram(gm, in_ports, out_ports)
+    program.snapshot("traced")
+    return program
+
+
+def _ident(port: Port) -> str:
+    prefix = {"param": "p", "frozen": "frozen", "buffer": "buf", "state": "opt", "batch": "", "scalar": "s"}[port.kind]
+    name = "".join(c if c.isalnum() else "_" for c in port.name)
+    return f"{prefix}_{name}" if prefix else name
+
+
+def _scalar_inputs_as_floats(graph: fx.Graph) -> None:
+    """The generic path traced each lr as a 0-d float64 tensor; the runtime feeds the float itself. A read
+    of it with ``.item()`` goes; a reader of the tensor (a capturable form) gets one made from the float.
+    Profiler markers of ``Optimizer.step`` go too: they would only cost time."""
+    local_scalar = torch.ops.aten._local_scalar_dense.default
+    for node in list(graph.nodes):
+        if node.op != "placeholder" or node.meta.get("port", Port("", "")).kind != "scalar" or "val" not in node.meta:
+            continue
+        tensor_readers = [u for u in node.users if u.target is not local_scalar]
+        if tensor_readers:
+            with graph.inserting_after(node):
+                tensor = graph.call_function(torch.ops.aten.scalar_tensor.default, (node,), {"dtype": torch.float64})
+            tensor.meta.update(val=node.meta["val"], role="optimizer")
+            for reader in tensor_readers:
+                reader.replace_input_with(node, tensor)
+        for reader in [u for u in node.users if u.target is local_scalar]:
+            reader.replace_all_uses_with(node)
+            graph.erase_node(reader)
+        node.meta.pop("val")
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and getattr(node.target, "namespace", "") == "profiler" and not node.users:
+            graph.erase_node(node)
+
+
+def _tag_roles(graph: fx.Graph, loss: fx.Node, model_out: list[fx.Node], grads: list[fx.Node]) -> None:
+    """Tag by execution order, which make_fx records faithfully: forward, loss, seed, backward, optimizer."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    end_forward = max((order[n] for n in model_out if n.op != "placeholder"), default=-1)
+    if not model_out:  # the model returns its own loss
+        end_forward = order[loss]
+    seed = next((u for u in loss.users if u.target is torch.ops.aten.ones_like.default), None)
+    end_backward = max((order[g] for g in grads), default=order[loss])
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        i = order[node]
+        if node is seed:
+            role = "loss_grad"
+        elif i <= end_forward:
+            role = "forward"
+        elif i <= order[loss]:
+            role = "loss"
+        elif i <= end_backward:
+            role = "backward"
+        else:
+            role = "optimizer"
+        node.meta["role"] = role
+    for node in graph.nodes:  # getitem of a multi-output op shares its producer's role
+        if node.target is operator.getitem and "role" in node.args[0].meta:
+            node.meta["role"] = node.args[0].meta["role"]
