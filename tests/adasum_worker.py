@@ -11,15 +11,13 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.distributed import leave  # noqa: E402
+from tests.distributed import run_rank  # noqa: E402
 from tests.models import MLP, make_batch  # noqa: E402
 from transpiler import transpile  # noqa: E402
 from transpiler.graph.program import Port, StepProgram  # noqa: E402
@@ -89,11 +87,7 @@ def train(mode: str, rank: int, steps: int = 4) -> dict:
     }
 
 
-def main() -> None:
-    out_dir = sys.argv[1]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
+def checks(rank: int, world: int) -> dict:
     result = {"cases": {}, "hierarchical": {}, "train": {}}
     for case in CASES:
         inputs = case_inputs(case, rank, world)
@@ -103,9 +97,8 @@ def main() -> None:
         result["hierarchical"] = {"inputs": inputs, "outputs": run_adasum(inputs, rank, world, 2)}
     if world <= 4:
         result["train"] = {mode: train(mode, rank) for mode in ("adasum", "adasum_delta")}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    leave()
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    run_rank(checks)

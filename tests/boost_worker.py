@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.distributed import leave  # noqa: E402
+from tests.distributed import run_rank  # noqa: E402
 from tests.models import MLP, make_batch  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
@@ -66,6 +65,12 @@ def run(mode, rank, world, batches, make_opt=sgd, **options):
     return out
 
 
+def references() -> tuple[DDP, torch.optim.Optimizer, nn.Module, torch.optim.Optimizer]:
+    """DDP and one process, each from the initial model, each with its own SGD."""
+    ddp, single = DDP(base_model()), base_model()
+    return ddp, sgd(ddp.module), single, sgd(single)
+
+
 def comm_plan(step) -> dict:
     return {v: [str(op) for op in p.graph.nodes if "collective" in op.meta] for v, p in step.programs.items()}
 
@@ -73,11 +78,7 @@ def comm_plan(step) -> dict:
 def accumulation(rank, world) -> dict:
     batches = global_batches(6, world)
     ours = run("fused_allreduce", rank, world, batches, accumulate_steps=2)
-    ddp_model = base_model()
-    ddp = DDP(ddp_model)
-    ddp_opt = sgd(ddp_model)
-    single = base_model()
-    single_opt = sgd(single)
+    ddp, ddp_opt, single, single_opt = references()
     ddp_params, single_params = [], []
     for i, batch in enumerate(batches):
         x, y = shard(batch, rank)
@@ -93,7 +94,7 @@ def accumulation(rank, world) -> dict:
             single_opt.zero_grad()
             LOSS(single(x2), y2).backward()
             single_opt.step()
-        ddp_params.append(params_of(ddp_model))
+        ddp_params.append(params_of(ddp.module))
         single_params.append(params_of(single))
     return {
         "ours": ours["params"],
@@ -184,18 +185,14 @@ def loss_scaling(rank, world) -> dict:
 def clipping(rank, world) -> dict:
     batches = global_batches(5, world)
     ours = run("fused_allreduce", rank, world, batches, max_grad_norm=0.3)
-    ddp_model = base_model()
-    ddp = DDP(ddp_model)
-    ddp_opt = sgd(ddp_model)
-    single = base_model()
-    single_opt = sgd(single)
+    ddp, ddp_opt, single, single_opt = references()
     ddp_params, ddp_norms, single_params = [], [], []
     for batch in batches:
         ddp_opt.zero_grad()
         LOSS(ddp(*shard(batch, rank)[:1]), shard(batch, rank)[1]).backward()
-        ddp_norms.append(float(nn.utils.clip_grad_norm_(ddp_model.parameters(), 0.3)))
+        ddp_norms.append(float(nn.utils.clip_grad_norm_(ddp.module.parameters(), 0.3)))
         ddp_opt.step()
-        ddp_params.append(params_of(ddp_model))
+        ddp_params.append(params_of(ddp.module))
         single_opt.zero_grad()
         LOSS(single(batch[0]), batch[1]).backward()
         nn.utils.clip_grad_norm_(single.parameters(), 0.3)
@@ -421,11 +418,7 @@ def compiled(rank, world) -> dict:
     return out
 
 
-def main() -> None:
-    out_dir = sys.argv[1]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
+def checks(rank: int, world: int) -> dict:
     result = {}
     for check in (
         accumulation,
@@ -444,9 +437,8 @@ def main() -> None:
     for value in result.values():  # step objects do not pickle
         if isinstance(value, dict):
             value.pop("step", None)
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    leave()
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    run_rank(checks)

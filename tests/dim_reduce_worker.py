@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import os
 import sys
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests import dim_reduce_problem as problem  # noqa: E402
-from tests.distributed import leave  # noqa: E402
+from tests.distributed import run_rank  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 
@@ -60,15 +58,9 @@ def resume(basis: str, rank: int, world: int) -> dict:
     return {"weights": flat(model), "state": {k: v.clone() for k, v in step.extra.items()}}
 
 
-def main() -> None:
-    out_dir, basis = sys.argv[1], sys.argv[2]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
-    result = {"train": train(basis, rank, world), "resume": resume(basis, rank, world)}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    leave()
+def checks(rank: int, world: int, basis: str) -> dict:
+    return {"train": train(basis, rank, world), "resume": resume(basis, rank, world)}
 
 
 if __name__ == "__main__":
-    main()
+    run_rank(checks)

@@ -13,15 +13,13 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.distributed import leave  # noqa: E402
+from tests.distributed import run_rank  # noqa: E402
 from tests.models import make_batch, make_model, make_optimizer  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
@@ -98,18 +96,13 @@ def run_scenario(model_name: str, opt_name: str, mode: str, rank: int, world: in
     return record
 
 
-def main() -> None:
-    out_dir, scenarios = sys.argv[1], sys.argv[2].split(";")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
+def checks(rank: int, world: int, scenarios: str) -> dict:
     results = {}
-    for scenario in scenarios:
+    for scenario in scenarios.split(";"):
         model_name, opt_name, mode = scenario.split(",")
         results[scenario] = run_scenario(model_name, opt_name, mode, rank, world)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    leave()
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    run_rank(checks)

@@ -8,22 +8,34 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def leave() -> None:
-    """End a worker: destroy the process group, then exit without interpreter finalisation.
+def run_rank(body: Callable[..., Any], *, destroy_group: bool = True) -> None:
+    """A worker script's ``main``: join the gloo world on loopback (60 s timeout, one thread), run
+    ``body(rank, world, *argv[2:])`` and save what it returns as ``rank<r>.pt`` in the folder ``argv[1]``.
 
-    torch 2.13's gloo sometimes aborts *after* a clean ``destroy_process_group()``, during interpreter
-    finalisation ("terminate called without an active exception", SIGABRT). Plain DDP does it too (22 of 80
-    runs of a 6-step script on the CI-like machine). The results are saved by then, so skipping finalisation
-    loses nothing, and the test's verdict stays about the code under test.
+    Then destroy the process group (not with ``destroy_group=False``: a world broken on purpose could hang it)
+    and exit without interpreter finalisation. torch 2.13's gloo sometimes aborts *after* a clean
+    ``destroy_process_group()``, during finalisation ("terminate called without an active exception",
+    SIGABRT). Plain DDP does it too (22 of 80 runs of a 6-step script on the CI-like machine). The results are
+    saved by then, so skipping finalisation loses nothing, and the test's verdict stays about the code under test.
     """
+    import torch
     import torch.distributed as dist
 
-    dist.destroy_process_group()
+    out_dir, args = sys.argv[1], sys.argv[2:]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+    torch.save(body(rank, world, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+    if destroy_group:
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -40,3 +40,12 @@ def assert_same_training_state(model_a, opt_a, model_b, opt_b) -> None:
         assert set(sa) == set(sb), f"state keys differ: {set(sa)} vs {set(sb)}"
         for key in sb:
             assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key])), f"optimizer state {key} differs"
+
+
+def assert_rewrite_is_final(program, passes, where: str = "") -> None:
+    """Running the passes again on their own output changes nothing: each says so, and the code is the same."""
+    code = program.graph_module.code
+    for p in passes:
+        assert p.run(program) is False, f"{where}{p.name} changed an already rewritten graph"
+    program.recompile()
+    assert program.graph_module.code == code

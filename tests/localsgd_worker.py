@@ -13,13 +13,12 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.distributed import leave  # noqa: E402
+from tests.distributed import run_rank  # noqa: E402
 from tests.models import MLP, make_batch  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
@@ -123,20 +122,14 @@ def averaged_state(rank: int, world: int) -> dict:
     return record
 
 
-def main() -> None:
-    out_dir = sys.argv[1]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
-    result = {
+def checks(rank: int, world: int) -> dict:
+    return {
         "k1": k1_against_allreduce(rank, world),
         "means": sync_means(rank, world),
         "adaptive": adaptive(rank, world),
         "averaged_state": averaged_state(rank, world),
     }
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    leave()
 
 
 if __name__ == "__main__":
-    main()
+    run_rank(checks)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -19,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.distributed import leave  # noqa: E402
+from tests.distributed import run_rank  # noqa: E402
 from tests.models import MLP, Lion, make_batch, muon_and_adamw  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
@@ -105,15 +104,9 @@ def run(name: str, rank: int, world: int) -> dict:
     return out
 
 
-def main() -> None:
-    out_dir = sys.argv[1]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
-    result = {name: run(name, rank, world) for name in OPTIMIZERS}
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    leave()
+def checks(rank: int, world: int) -> dict:
+    return {name: run(name, rank, world) for name in OPTIMIZERS}
 
 
 if __name__ == "__main__":
-    main()
+    run_rank(checks)

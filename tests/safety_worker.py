@@ -17,14 +17,13 @@ import copy
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.distributed import run_rank  # noqa: E402
 from tests.models import MLP, make_batch, make_model  # noqa: E402
 from transpiler import TranspilerError, transpile  # noqa: E402
 
@@ -210,28 +209,22 @@ def fault(kind: str, rank: int) -> dict:
     return expect_error(lambda: step(*make_batch("mlp", PER_RANK, gen)))
 
 
-def main() -> None:
-    out_dir, kind = sys.argv[1], sys.argv[2]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
-    if kind == "world":
-        results = {"mismatch": mismatches(rank), "timeouts": group_timeouts()}
-        for name in MODEL_NAMES:
-            results[name] = parity(name, rank, world, switch_modes=name == "dropout_bn")
-        for name in HF:
-            try:
-                import transformers  # noqa: F401
-            except ImportError:
-                continue
-            results[name] = parity(name, rank, world, steps=3)
-        results["freeze"] = consistent_freeze(rank)
-        results["restore"] = restore_per_rank(rank)
-    else:
-        results = fault(kind, rank)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    os._exit(0)  # a broken group (fault worlds) must not hang the exit
+def checks(rank: int, world: int, kind: str) -> dict:
+    if kind != "world":
+        return fault(kind, rank)
+    results = {"mismatch": mismatches(rank), "timeouts": group_timeouts()}
+    for name in MODEL_NAMES:
+        results[name] = parity(name, rank, world, switch_modes=name == "dropout_bn")
+    for name in HF:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            continue
+        results[name] = parity(name, rank, world, steps=3)
+    results["freeze"] = consistent_freeze(rank)
+    results["restore"] = restore_per_rank(rank)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    run_rank(checks, destroy_group=sys.argv[2] == "world")  # a broken group (fault worlds) must not hang the exit

@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from tests.helpers import assert_rewrite_is_final
 from transpiler import transpile
 from transpiler.api import rewrite
-from transpiler.passes.freeze_groups import group_bounds
-from transpiler.passes.partial_average import partition_of
+from transpiler.passes.partitions import group_bounds, partition_of
 from transpiler.runtime.process_group import Placement
 from transpiler.strategies.modes import build_strategy
 from transpiler.strategies.schedules import EveryStep, FreezeSchedule, continuous_freeze_cycle
@@ -140,11 +140,7 @@ def rewritten_variants(widths, mode, options, world, make_opt=torch.optim.SGD):
     programs = {}
     for variant, passes in build_strategy(mode, options).variants.items():
         program = rewrite(traced, passes, Placement(world, 0, "world", False))
-        code = program.graph_module.code
-        for p in passes:
-            assert p.run(program) is False, f"{variant}: {p.name} changed an already rewritten graph"
-        program.recompile()
-        assert program.graph_module.code == code
+        assert_rewrite_is_final(program, passes, f"{variant}: ")
         programs[variant] = program
     return programs
 

@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_layers_import_downward_only(monkeypatch):
-    """The import-linter contract in pyproject.toml: no layer imports a layer above it, and every module of
-    transpiler/ sits in a layer (exhaustive), so a new module has to be placed."""
+    """The import-linter contracts in pyproject.toml: no layer imports a layer above it, every module of
+    transpiler/ sits in a layer (exhaustive), so a new module has to be placed; inside trace/, the tracer reads
+    the optimizer plans and an optimizer's path runs one way (generic plan, then twins and chains)."""
     monkeypatch.chdir(ROOT)
     assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
 

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from tests.helpers import assert_rewrite_is_final
 from transpiler.api import rewrite
 from transpiler.graph.bucket_layout import BUCKET_READY, slot_offsets
 from transpiler.graph.collectives import collective_sequence, is_collective
@@ -92,11 +93,7 @@ def test_pipeline_is_idempotent(widths, mode, world):
     *_, traced, _, _ = _traced(widths)
     passes = build_passes(mode, {})
     program = rewrite(traced, passes, Placement(world, 0, "world", False))
-    code = program.graph_module.code
-    for p in passes:
-        assert p.run(program) is False, f"{p.name} changed an already rewritten graph"
-    program.recompile()
-    assert program.graph_module.code == code
+    assert_rewrite_is_final(program, passes)
 
 
 @SLOW

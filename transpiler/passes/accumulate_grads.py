@@ -24,8 +24,8 @@ from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import Port, StepProgram
 
 from .gradient_flow import (
-    add_input,
     add_outputs,
+    add_state,
     before_output,
     gradient_nodes,
     keep_inputs,
@@ -53,8 +53,7 @@ class AccumulateGrads(Pass):
         for grad in gradient_nodes(program):
             name = grad.meta.pop("grad_of")
             port = Port("extra", PREFIX + name)
-            acc = add_input(program, port, grad)
-            program.extra_init[port.name] = ("zeros_like_param", name)
+            acc = add_state(program, port.name, grad, ("zeros_like_param", name))
             total = Cursor(program.graph, grad).emit(aten.add.Tensor, (acc, grad), role="backward", grad_of=name)
             grad.replace_all_uses_with(total, delete_user_cb=lambda u: not reads_raw_gradient(u))  # total has grad_of
             new_ports.append(port)

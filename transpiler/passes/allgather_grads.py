@@ -21,11 +21,10 @@ import torch
 import torch.fx as fx
 
 from transpiler.graph.collectives import C10D, WAIT
-from transpiler.graph.edit import Cursor, node_bytes, position
-from transpiler.graph.pipeline import Pass
+from transpiler.graph.edit import node_bytes
 from transpiler.graph.program import Port, StepProgram
 
-from .bucketing import MB, assign_buckets, bucket_cap_option, bucket_key, first_bucket_option, unflatten
+from .bucketing import BucketedGradientPass, unflatten
 from .gradient_flow import (
     add_input,
     before_output,
@@ -33,36 +32,21 @@ from .gradient_flow import (
     output_values,
     replace_gradient,
     set_output_values,
-    unreduced_gradients,
 )
 
 aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
-class AllGatherGrads(Pass):
+class AllGatherGrads(BucketedGradientPass):
     name = "allgather-grads"
     summary = "all-gather gradients and apply the optimizer once per rank's gradient (Paddle all-gather mode)"
-    reduces_gradients = True
-    bucket_cap_mb: float = bucket_cap_option()
-    first_bucket_mb: float = first_bucket_option()
 
-    def run(self, program: StepProgram) -> bool:
-        grads = unreduced_gradients(program)
-        if not grads:
-            return False
+    def reduce(self, program: StepProgram, grads: list[fx.Node]) -> None:
         world = program.world_size
-        buckets = assign_buckets(
-            [node_bytes(g) for g in grads],
-            [bucket_key(g) for g in grads],
-            int(self.bucket_cap_mb * MB),
-            int(self.first_bucket_mb * MB),
-        )
-        order = position(program.graph)
         per_rank: dict[fx.Node, list[fx.Node]] = {}  # gradient -> its value from each rank
-        for index, members in enumerate(buckets):
+        for index, members, cursor in self.buckets(program, grads):
             nodes = [grads[i] for i in members]
-            cursor = Cursor(program.graph, max(nodes, key=order.__getitem__))
             comm = {"role": "communication", "bucket": ("grads", index)}
             pieces = [cursor.emit(aten.reshape.default, (n, [-1]), **comm) for n in nodes]
             flat = pieces[0] if len(pieces) == 1 else cursor.emit(aten.cat.default, (pieces,), **comm)
@@ -81,7 +65,6 @@ class AllGatherGrads(Pass):
         first = output_values(program)  # the traced update's results
         for j in range(1, world):
             self._apply_again(program, j, {views[0]: views[j] for views in per_rank.values()}, first)
-        return True
 
     @staticmethod
     def _apply_again(program: StepProgram, j: int, grads: dict[fx.Node, fx.Node], first: list[fx.Node]) -> None:

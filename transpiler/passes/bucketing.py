@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -16,9 +18,11 @@ import torch.fx as fx
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor, node_bytes, position
 from transpiler.graph.options import option
+from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import StepProgram
 
 from .bucket_views import aliased_to_output, write_into_buffer
+from .gradient_flow import unreduced_gradients
 
 
 def bucket_cap_option() -> float:
@@ -44,6 +48,44 @@ aten = torch.ops.aten
 def bucket_key(node: fx.Node) -> tuple[str, str]:
     val = node.meta["val"]
     return str(val.dtype), str(val.device)
+
+
+def cap_bytes(bucket_cap_mb: float, first_bucket_mb: float) -> tuple[int, int]:
+    """A bucketing pass's two caps (its ``bucket-cap-mb`` and ``first-bucket-mb`` fields) in bytes."""
+    return int(bucket_cap_mb * MB), int(first_bucket_mb * MB)
+
+
+def placed_buckets(
+    program: StepProgram, nodes: list[fx.Node], cap: int, first_cap: int
+) -> Iterator[tuple[int, list[int], Cursor]]:
+    """The buckets of ``nodes`` (:func:`assign_buckets` by their bytes, dtype and device): each one's index,
+    its members' indices in ``nodes``, and a cursor just after its last member in graph order."""
+    buckets = assign_buckets([node_bytes(n) for n in nodes], [bucket_key(n) for n in nodes], cap, first_cap)
+    order = position(program.graph)  # computed once, for linear time; new nodes are never members
+    for index, members in enumerate(buckets):
+        yield index, members, Cursor(program.graph, max((nodes[i] for i in members), key=order.__getitem__))
+
+
+@dataclass(frozen=True)
+class BucketedGradientPass(Pass):
+    """A pass that reduces the step's unreduced gradients in buckets of its own (``allgather-grads``,
+    ``sparse-allreduce``): the two cap options, and :meth:`reduce`, called when there is a gradient to reduce."""
+
+    reduces_gradients = True
+    bucket_cap_mb: float = bucket_cap_option()
+    first_bucket_mb: float = first_bucket_option()
+
+    def run(self, program: StepProgram) -> bool:
+        grads = unreduced_gradients(program)
+        if grads:
+            self.reduce(program, grads)
+        return bool(grads)
+
+    def reduce(self, program: StepProgram, grads: list[fx.Node]) -> None:
+        raise NotImplementedError
+
+    def buckets(self, program: StepProgram, nodes: list[fx.Node]) -> Iterator[tuple[int, list[int], Cursor]]:
+        return placed_buckets(program, nodes, *cap_bytes(self.bucket_cap_mb, self.first_bucket_mb))
 
 
 def assign_buckets(sizes: list[int], keys: list[tuple], cap_bytes: int, first_cap_bytes: int) -> list[list[int]]:
@@ -93,12 +135,9 @@ def reduce_in_buckets(
     of several uncompressed values is a persistent buffer they are written into (``bucket_views.py``).
     """
     nodes = [node for _, node in items]
-    buckets = assign_buckets([node_bytes(n) for n in nodes], [bucket_key(n) for n in nodes], cap_bytes, first_cap_bytes)
-    order = position(program.graph)  # members keep their order; computed once for linear time
     reduced: dict[fx.Node, fx.Node] = {}
-    for index, members in enumerate(buckets):
-        last = max((nodes[i] for i in members), key=order.__getitem__)
-        reduced.update(_reduce_bucket(program, [items[i] for i in members], index, last, tag, compress, bucket_views))
+    for index, members, cursor in placed_buckets(program, nodes, cap_bytes, first_cap_bytes):
+        reduced.update(_reduce_bucket(program, [items[i] for i in members], index, cursor, tag, compress, bucket_views))
     return [reduced[n] for n in nodes]
 
 
@@ -106,12 +145,11 @@ def _reduce_bucket(
     program: StepProgram,
     members: list[tuple[str, fx.Node]],
     index: int,
-    last: fx.Node,
+    cursor: Cursor,
     tag: str,
     compress: torch.dtype | None,
     bucket_views: bool,
 ) -> dict[fx.Node, fx.Node]:
-    cursor = Cursor(program.graph, last)
     nodes = [node for _, node in members]
     dtype = nodes[0].meta["val"].dtype
     wire = compress if compress is not None and dtype.is_floating_point else dtype

@@ -51,8 +51,8 @@ from transpiler.graph.program import Port, StepProgram
 from .bucketing import unflatten
 from .gradient_flow import (
     add_constant,
-    add_input,
     add_outputs,
+    add_state,
     before_output,
     fake_tensor,
     input_node,
@@ -226,17 +226,15 @@ class DimReduceGraph:
         return {"bk": (k, k), "gk_last": (k, 1), "sk": (k, 1), "started": ()}
 
     def _state(self, name: str, shape: tuple[int, ...]) -> fx.Node:
-        port = Port("extra", f"dim_reduce.{name}")
         if name == "started":
-            self.program.extra_init[port.name] = ("scalar", "0:bool")
-            return add_input(self.program, port, fake_tensor(self.program, torch.bool))
-        rule = ("eye", str(shape[0])) if name == "bk" else ("zeros", ",".join(map(str, shape)))
-        self.program.extra_init[port.name] = rule
-        return add_input(self.program, port, fake_tensor(self.program, F32, shape))
+            like, rule = fake_tensor(self.program, torch.bool), ("scalar", "0:bool")
+        else:
+            like = fake_tensor(self.program, F32, shape)
+            rule = ("eye", str(shape[0])) if name == "bk" else ("zeros", ",".join(map(str, shape)))
+        return add_state(self.program, f"dim_reduce.{name}", like, rule)
 
     def _momentum(self, grad: fx.Node, name: str) -> fx.Node:
-        self.program.extra_init[f"residual_momentum.{name}"] = ("zeros_like_param", name)
-        return add_input(self.program, Port("extra", f"residual_momentum.{name}"), grad)
+        return add_state(self.program, f"residual_momentum.{name}", grad, ("zeros_like_param", name))
 
     def _bfgs(self, gk: fx.Node, state: dict[str, fx.Node]) -> tuple[fx.Node, fx.Node]:
         """``bk`` after the BFGS update (taken only when a step was taken before and ``yk·sk > 1e-20``)."""

@@ -16,17 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from transpiler.errors import ConfigurationError
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import StepProgram
 
 from .gradient_flow import gradient_nodes, keep_inputs
-
-
-def group_bounds(count: int, groups: int) -> list[int]:
-    """Start of each of ``groups`` consecutive groups over ``count`` items, then ``count``."""
-    return [round(j * count / groups) for j in range(groups + 1)]
+from .partitions import check_part, group_bounds
 
 
 @dataclass(frozen=True)
@@ -38,13 +33,7 @@ class FreezeGroups(Pass):
 
     def run(self, program: StepProgram) -> bool:
         names = [p.name for p in program.inputs if p.kind == "param"]
-        if self.groups > len(names):
-            raise ConfigurationError(
-                f"freeze_groups={self.groups}, but the model has {len(names)} trainable parameters; "
-                f"use at most {len(names)} groups."
-            )
-        if self.index >= self.groups:
-            raise ConfigurationError(f"freeze index {self.index} is not below freeze_groups={self.groups}.")
+        check_part("freeze_groups", self.groups, "freeze index", self.index, len(names))
         frozen = set(names[: group_bounds(len(names), self.groups)[self.index]])
         hit = [g for g in gradient_nodes(program) if g.meta["grad_of"] in frozen]
         if not hit:

@@ -82,6 +82,14 @@ def add_input(program: StepProgram, port: Port, like: fx.Node | torch.Tensor) ->
     return node
 
 
+def add_state(program: StepProgram, name: str, like: fx.Node | torch.Tensor, init: tuple[str, str]) -> fx.Node:
+    """An ``extra`` input: state a pass keeps from step to step (the runtime holds it, checkpoints carry it),
+    made before the first step by the rule ``init`` (``program.extra_init``: ``("zeros_like_param", name)``,
+    ``("scalar", "0:int64")``...)."""
+    program.extra_init[name] = init
+    return add_input(program, Port("extra", name), like)
+
+
 def add_constant(program: StepProgram, name: str, value: torch.Tensor, **meta) -> fx.Node:
     """A tensor baked into the program (a ``get_attr`` of its GraphModule, not saved in checkpoints), after the
     inputs. Names must be new: the module attribute is the constant."""

@@ -29,8 +29,8 @@ from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import Port, StepProgram
 
-from .bucketing import MB, WIRE, bucket_cap_option, compress_option, first_bucket_option, reduce_in_buckets
-from .gradient_flow import add_input
+from .bucketing import WIRE, bucket_cap_option, cap_bytes, compress_option, first_bucket_option, reduce_in_buckets
+from .gradient_flow import add_state
 
 aten = torch.ops.aten
 
@@ -57,8 +57,7 @@ class LocalSGDAverage(Pass):
         for i, port in enumerate(ports):
             node = values[i]
             if port.kind == "param":
-                snapshot = add_input(program, Port("extra", f"snapshot.{port.name}"), node)
-                program.extra_init[f"snapshot.{port.name}"] = ("copy_param", port.name)
+                snapshot = add_state(program, f"snapshot.{port.name}", node, ("copy_param", port.name))
                 cursor = Cursor(program.graph, node)
                 delta = cursor.emit(aten.sub.Tensor, (snapshot, node), role="communication")
                 if wire is not None:  # share first: the half-precision sum is then the mean
@@ -71,7 +70,7 @@ class LocalSGDAverage(Pass):
                 items.append((port.name, node))
                 targets.append((i, None))
         reduced = reduce_in_buckets(
-            program, items, int(self.bucket_cap_mb * MB), int(self.first_bucket_mb * MB), tag="deltas", compress=wire
+            program, items, *cap_bytes(self.bucket_cap_mb, self.first_bucket_mb), tag="deltas", compress=wire
         )
         extra_values, extra_ports = [], []
         for (i, snapshot), total in zip(targets, reduced):

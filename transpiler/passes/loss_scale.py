@@ -33,8 +33,8 @@ from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import Port, StepProgram
 
 from .gradient_flow import (
-    add_input,
     add_outputs,
+    add_state,
     before_output,
     fake_tensor,
     input_node,
@@ -64,8 +64,8 @@ class LossScale(Pass):
     def run(self, program: StepProgram) -> bool:
         if any(p.name == SCALE for p in program.inputs):
             return False
-        scale = add_input(program, Port("extra", SCALE), fake_tensor(program, torch.float32))
-        program.extra_init[SCALE] = ("scalar", f"{self.init_scale!r}:float32")
+        initial = ("scalar", f"{self.init_scale!r}:float32")
+        scale = add_state(program, SCALE, fake_tensor(program, torch.float32), initial)
         scale_seed(program, scale, loss_scale="seed")
         if not self.apply:
             return True
@@ -109,8 +109,7 @@ class LossScale(Pass):
         scale = input_node(program, Port("extra", SCALE))
         new, ports = [overflow, scale], [Port("metric", "overflow"), Port("metric", "loss_scale")]
         if self.dynamic:
-            tracker = add_input(program, Port("extra", TRACKER), fake_tensor(program, torch.int64))
-            program.extra_init[TRACKER] = ("scalar", "0:int64")
+            tracker = add_state(program, TRACKER, fake_tensor(program, torch.int64), ("scalar", "0:int64"))
             counted = cursor.emit(aten.add.Tensor, (tracker, 1), role="optimizer")
             grow = cursor.emit(aten.ge.Scalar, (counted, self.growth_interval), role="optimizer")
             restart = cursor.emit(aten.logical_or.default, (overflow, grow), role="optimizer")

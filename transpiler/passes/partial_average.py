@@ -17,35 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from transpiler.errors import ConfigurationError
 from transpiler.graph.edit import Cursor, node_bytes
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import StepProgram
 
-from .bucketing import MB, bucket_cap_option, first_bucket_option, reduce_in_buckets
+from .bucketing import bucket_cap_option, cap_bytes, first_bucket_option, reduce_in_buckets
 from .gradient_flow import output_values, set_output_values
+from .partitions import check_part, partition_of
 
 aten = torch.ops.aten
-
-
-def partition_of(sizes: list[int], partitions: int) -> list[int]:
-    """The partition of each item: consecutive, balanced by size, none empty when there are enough items.
-
-    An item's balanced partition is where its middle falls in the cumulative size; it is then held
-    within one step of the previous item's and early enough that every later partition still gets one.
-    """
-    total, n = sum(sizes) or 1, len(sizes)
-    out: list[int] = []
-    start = 0
-    for i, size in enumerate(sizes):
-        balanced = int(partitions * (start + size / 2) / total)
-        previous = out[-1] if out else 0
-        low = max(previous, partitions - (n - i)) if out else 0
-        high = min(previous + 1, partitions - 1) if out else 0
-        out.append(min(max(balanced, low), high))
-        start += size
-    return out
 
 
 @dataclass(frozen=True)
@@ -62,19 +43,13 @@ class PartialAverage(Pass):
             return False
         values = output_values(program)
         params = [(i, port) for i, port in enumerate(program.outputs) if port.kind == "param"]
-        if self.partitions > len(params):
-            raise ConfigurationError(
-                f"partitions={self.partitions}, but the model has {len(params)} trainable parameters; "
-                f"use at most {len(params)}."
-            )
-        if self.index >= self.partitions:
-            raise ConfigurationError(f"partition {self.index} is not below partitions={self.partitions}.")
+        check_part("partitions", self.partitions, "partition", self.index, len(params))
         owner = partition_of([node_bytes(values[i]) for i, _ in params], self.partitions)
         chosen = [(i, port) for (i, port), part in zip(params, owner) if part == self.index]
         items = [(port.name, values[i]) for i, port in chosen]
-        cap, first = int(self.bucket_cap_mb * MB), int(self.first_bucket_mb * MB)
+        caps = cap_bytes(self.bucket_cap_mb, self.first_bucket_mb)
         scale = 1.0 / program.world_size
-        for (i, _), total in zip(chosen, reduce_in_buckets(program, items, cap, first, tag="params")):
+        for (i, _), total in zip(chosen, reduce_in_buckets(program, items, *caps, tag="params")):
             values[i] = Cursor(program.graph, total).emit(aten.mul.Tensor, (total, scale), role="communication")
         set_output_values(program, values)
         return bool(chosen)

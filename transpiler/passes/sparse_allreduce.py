@@ -27,50 +27,34 @@ import torch
 import torch.fx as fx
 
 from transpiler.graph.collectives import C10D, WAIT
-from transpiler.graph.edit import Cursor, node_bytes, position
+from transpiler.graph.edit import Cursor
 from transpiler.graph.options import option
-from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import Port, StepProgram
 
-from .bucketing import MB, assign_buckets, bucket_cap_option, bucket_key, first_bucket_option, unflatten
-from .gradient_flow import add_input, add_outputs, replace_gradient, unreduced_gradients
+from .bucketing import BucketedGradientPass, unflatten
+from .gradient_flow import add_outputs, add_state, replace_gradient
 
 aten = torch.ops.aten
 PREFIX = "residual."
 
 
 @dataclass(frozen=True)
-class SparseAllReduce(Pass):
+class SparseAllReduce(BucketedGradientPass):
     name = "sparse-allreduce"
     summary = "reduce the top-K entries of gradient + residual per bucket via all-gather; keep the rest locally"
-    reduces_gradients = True
     ratio: float = option(0.01, minimum=1e-9, maximum=1.0, help="share of each bucket's entries sent per step")
     threshold: float = option(0.0, minimum=0, help="send only selected entries with |x| >= this (0: all selected)")
-    bucket_cap_mb: float = bucket_cap_option()
-    first_bucket_mb: float = first_bucket_option()
 
-    def run(self, program: StepProgram) -> bool:
-        grads = unreduced_gradients(program)
-        if not grads:
-            return False
+    def reduce(self, program: StepProgram, grads: list[fx.Node]) -> None:
         xs = []
         for grad in grads:
             name = grad.meta["grad_of"]
-            residual = add_input(program, Port("extra", PREFIX + name), grad)
-            program.extra_init[PREFIX + name] = ("zeros_like_param", name)
+            residual = add_state(program, PREFIX + name, grad, ("zeros_like_param", name))
             xs.append(Cursor(program.graph, grad).emit(aten.add.Tensor, (grad, residual), role="communication"))
-        buckets = assign_buckets(
-            [node_bytes(x) for x in xs],
-            [bucket_key(x) for x in xs],
-            int(self.bucket_cap_mb * MB),
-            int(self.first_bucket_mb * MB),
-        )
-        order = position(program.graph)
         residuals: dict[fx.Node, fx.Node] = {}
-        for index, members in enumerate(buckets):
+        for index, members, cursor in self.buckets(program, xs):
             nodes = [xs[i] for i in members]
             names = tuple(grads[i].meta["grad_of"] for i in members)
-            cursor = Cursor(program.graph, max(nodes, key=order.__getitem__))
             reduced, left = self._bucket(program, cursor, nodes, names, index)
             for i, x in zip(members, nodes):
                 replace_gradient(grads[i], reduced[x])
@@ -80,7 +64,6 @@ class SparseAllReduce(Pass):
             list(residuals.values()),
             [Port("extra", PREFIX + g.meta["grad_of"]) for g in residuals],
         )
-        return True
 
     def _bucket(
         self, program: StepProgram, cursor: Cursor, nodes: list[fx.Node], names: tuple[str, ...], index: int
