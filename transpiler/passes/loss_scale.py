@@ -101,9 +101,12 @@ class LossScale(Pass):
         cursor = before_output(program)
         overflow = cursor.emit(aten.gt.Scalar, (flag, 0), role="optimizer")
         values = output_values(program)
+        inputs = {n.meta.get("port"): n for n in program.graph.nodes if n.op == "placeholder"}
         for i, port in enumerate(program.outputs):
-            if port.kind in ("param", "state") and values[i].op != "placeholder":
-                old = input_node(program, port)
+            old = inputs.get(port)
+            # State this step creates (the generic path's first step) has no old value; the runtime does not
+            # keep state that a skipped step created, as eager's step() never ran.
+            if port.kind in ("param", "state") and values[i].op != "placeholder" and old is not None:
                 values[i] = cursor.emit(aten.where.self, (overflow, old, values[i]), role="optimizer")
         set_output_values(program, values)
         scale = input_node(program, Port("extra", SCALE))

@@ -343,7 +343,11 @@ class DistributedStep:
                 self.extra[port.name] = value
             elif port.kind == "metric":
                 metrics[port.name] = float(value)
+        skipped = metrics.get("overflow", 0.0) != 0.0  # loss scaling skipped the update
         for position, values in new_states.items():
+            if skipped:  # eager's optimizer.step() never ran, so it created no state; neither do we
+                held = plan.optimizer.state.get(plan.params[position], {})
+                values = {key: value for key, value in values.items() if key in held}
             plan.write_back(position, values)
         self.optimizer._opt_called = True  # what LR schedulers check to see that the optimizer stepped
         return metrics

@@ -126,9 +126,6 @@ class GenericPlan(OptimizerPlan):
             values.append(float(group["lr"]))
         return values
 
-    def write_back(self, position: int, new_state: dict[str, torch.Tensor]) -> None:
-        self.optimizer.state[self.params[position]].update(new_state)
-
     def step_all(
         self,
         params: list[torch.Tensor],

@@ -200,9 +200,8 @@ class OptimizerPlan:
         return self.state_keys(position)
 
     def write_back(self, position: int, new_state: dict[str, torch.Tensor]) -> None:
-        state = self.optimizer.state[self.params[position]]
-        for key in self.state_keys(position):
-            state[key] = new_state[key]
+        """Store the state the step produced for one parameter (a skipped step passes only what existed)."""
+        self.optimizer.state[self.params[position]].update(new_state)
 
     # ---------------------------------------------------------------- update
     def update(
