@@ -50,7 +50,7 @@ def bucket_key(node: fx.Node) -> tuple[str, str]:
     return str(val.dtype), str(val.device)
 
 
-def cap_bytes(bucket_cap_mb: float, first_bucket_mb: float) -> tuple[int, int]:
+def caps_in_bytes(bucket_cap_mb: float, first_bucket_mb: float) -> tuple[int, int]:
     """A bucketing pass's two caps (its ``bucket-cap-mb`` and ``first-bucket-mb`` fields) in bytes."""
     return int(bucket_cap_mb * MB), int(first_bucket_mb * MB)
 
@@ -85,7 +85,7 @@ class BucketedGradientPass(Pass):
         raise NotImplementedError
 
     def buckets(self, program: StepProgram, nodes: list[fx.Node]) -> Iterator[tuple[int, list[int], Cursor]]:
-        return placed_buckets(program, nodes, *cap_bytes(self.bucket_cap_mb, self.first_bucket_mb))
+        return placed_buckets(program, nodes, *caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb))
 
 
 def assign_buckets(sizes: list[int], keys: list[tuple], cap_bytes: int, first_cap_bytes: int) -> list[list[int]]:

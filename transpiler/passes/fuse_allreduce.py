@@ -27,7 +27,7 @@ from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import StepProgram
 
 from .bucket_plan import choose_caps
-from .bucketing import MB, WIRE, bucket_key, cap_bytes, compress_option, first_bucket_option, reduce_in_buckets
+from .bucketing import MB, WIRE, bucket_key, caps_in_bytes, compress_option, first_bucket_option, reduce_in_buckets
 from .gradient_flow import replace_gradient, unreduced_gradients
 
 
@@ -77,7 +77,7 @@ class FuseAllReduce(Pass):
     def _caps(self, program: StepProgram, grads: list[fx.Node]) -> tuple[int, int]:
         """The caps in bytes: as given, or chosen on the program's cost model (defaults without one)."""
         if not self.wants_cost_model:
-            return cap_bytes(self.bucket_cap_mb, self.first_bucket_mb)
+            return caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb)
         if program.cost_model is None:
             program.decisions[self.name] = (
                 "bucket_cap_mb=auto fell back to 25 MiB (first 1 MiB): no cost model, which is measured only "
@@ -90,4 +90,4 @@ class FuseAllReduce(Pass):
             program.cost_model, [g.meta["grad_of"] for g in grads], nbytes, [bucket_key(g) for g in grads]
         )
         program.decisions[self.name] = choice.describe()
-        return cap_bytes(choice.bucket_cap_mb, choice.first_bucket_mb)
+        return caps_in_bytes(choice.bucket_cap_mb, choice.first_bucket_mb)

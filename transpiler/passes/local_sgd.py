@@ -29,7 +29,7 @@ from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import Port, StepProgram
 
-from .bucketing import WIRE, bucket_cap_option, cap_bytes, compress_option, first_bucket_option, reduce_in_buckets
+from .bucketing import WIRE, bucket_cap_option, caps_in_bytes, compress_option, first_bucket_option, reduce_in_buckets
 from .gradient_flow import add_state
 
 aten = torch.ops.aten
@@ -70,7 +70,7 @@ class LocalSGDAverage(Pass):
                 items.append((port.name, node))
                 targets.append((i, None))
         reduced = reduce_in_buckets(
-            program, items, *cap_bytes(self.bucket_cap_mb, self.first_bucket_mb), tag="deltas", compress=wire
+            program, items, *caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb), tag="deltas", compress=wire
         )
         extra_values, extra_ports = [], []
         for (i, snapshot), total in zip(targets, reduced):

@@ -22,7 +22,7 @@ from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import StepProgram
 
-from .bucketing import bucket_cap_option, cap_bytes, first_bucket_option, reduce_in_buckets
+from .bucketing import bucket_cap_option, caps_in_bytes, first_bucket_option, reduce_in_buckets
 from .gradient_flow import output_values, set_output_values
 from .partitions import check_part, partition_of
 
@@ -47,7 +47,7 @@ class PartialAverage(Pass):
         owner = partition_of([node_bytes(values[i]) for i, _ in params], self.partitions)
         chosen = [(i, port) for (i, port), part in zip(params, owner) if part == self.index]
         items = [(port.name, values[i]) for i, port in chosen]
-        caps = cap_bytes(self.bucket_cap_mb, self.first_bucket_mb)
+        caps = caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb)
         scale = 1.0 / program.world_size
         for (i, _), total in zip(chosen, reduce_in_buckets(program, items, *caps, tag="params")):
             values[i] = Cursor(program.graph, total).emit(aten.mul.Tensor, (total, scale), role="communication")
