@@ -15,7 +15,7 @@ from transpiler.graph.cost_model import CostModel
 from transpiler.graph.options import parse_options
 from transpiler.graph.pipeline import Pipeline
 from transpiler.graph.program import StepProgram
-from transpiler.graph.verify import DEFAULT_VERIFIERS, check_communication, check_cross_rank
+from transpiler.graph.verify import DEFAULT_VERIFIERS, check_communication, check_cross_rank, check_shards
 from transpiler.runtime import cost_probe
 from transpiler.runtime import cuda_graph as cuda_graph_module
 from transpiler.runtime.compile import CompiledProgram
@@ -99,9 +99,12 @@ def transpile(
     schedule = strategy.schedule()
     wants_cost_model = any(getattr(p, "wants_cost_model", False) for ps in strategy.variants.values() for p in ps)
     measured: dict[tuple, CostModel] = {}  # per batch shape: a retrace (model mode, new state) reuses it
+    # a sharded mode's slices of this rank, learnt from its first program: its optimizer state is held that way
+    sharded = any(p.shards_state for passes in strategy.variants.values() for p in passes)
+    shards: dict[str, tuple[int, int]] | None = {} if sharded else None
 
     def build(batch: tuple, autocast: AutocastState) -> Built:
-        traced, state, plan = trace_step(model, optimizer, loss_fn, batch, autocast)
+        traced, state, plan = trace_step(model, optimizer, loss_fn, batch, autocast, shards=shards)
         if placement.live and placement.world_size > 1 and wants_cost_model:
             key = batch_key(batch)
             if key not in measured:
@@ -111,6 +114,8 @@ def transpile(
             variant: rewrite(traced, passes, placement, verify=verify, on_pass=on_pass, subgroups=subgroups)
             for variant, passes in strategy.variants.items()
         }
+        for program in programs.values() if shards is not None else ():
+            shards.update(program.shards)
         setup = Setup(
             world_size=placement.world_size,
             mode=specs,
@@ -182,6 +187,8 @@ def rewrite(
             )
         else:
             check_cross_rank(others)
+        if len(others) == w:
+            check_shards(others)
     log.debug(
         "pipeline %s built for rank %d of %d", ",".join(p.spec() for p in passes), placement.rank, placement.world_size
     )

@@ -60,6 +60,13 @@ def slot_offsets(sizes: list[int], itemsize: int) -> list[int]:
     return starts
 
 
+def padded_length(end: int, itemsize: int, shards: int) -> int:
+    """The length of a bucket buffer whose slots end at ``end``, cut into ``shards`` equal shards that each
+    start on a :data:`SLOT_ALIGN_BYTES` boundary (so a shard's slices start where eager's tensors would)."""
+    unit = max(SLOT_ALIGN_BYTES // itemsize, 1) * shards
+    return -(-end // unit) * unit if shards > 1 else end
+
+
 def slot_span(write: fx.Node, buffer: fx.Node) -> tuple[int, int] | None:
     """The element range of ``buffer`` that a write fills (``copy_``'s destination, or the ``out=`` of the
     producer under views), or None when it does not write into a slice of that buffer."""
@@ -96,12 +103,16 @@ def check_bucket_views(program: StepProgram, final: bool) -> None:
                 expected = aligned(offset, itemsize)
                 raise VerificationError(f"{where}: '{write.name}' fills [{start}, {end}), expected it at {expected}.")
             offset = end
-        if offset != buffer.meta["val"].numel():
-            raise VerificationError(f"{where}: its writes fill {offset} of {buffer.meta['val'].numel()} elements.")
+        length = padded_length(offset, itemsize, ready.meta.get("shards", 1))
+        if length != buffer.meta["val"].numel():
+            raise VerificationError(
+                f"{where}: its writes fill {offset} of {buffer.meta['val'].numel()} elements, expected {length} "
+                "with the padding of its shards."
+            )
         strangers = [u.name for u in buffer.users if u is not ready and u.target is not aten.slice.Tensor]
         if strangers:
             raise VerificationError(f"{where} is read by {strangers[:3]}, which are not its views.")
-        reduce = next(iter(ready.users), None)
+        reduce = next((u for u in ready.users if u.meta.get("collective")), None)
         for name in reduce.meta.get("collective", {}).get("grads", ()) if reduce is not None else ():
             if name in owner:
                 raise VerificationError(f"the gradient of '{name}' is in {owner[name]} and in {where}.")

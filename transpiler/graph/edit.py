@@ -24,8 +24,10 @@ def fake_value(node: fx.Node) -> Any:
 def _fake_call(graph: fx.Graph, target: Callable, args: tuple, kwargs: dict) -> Any:
     """The node's value on fake tensors: no real computation, just shapes, dtypes and devices.
 
-    A factory op (``eye``, ``scalar_tensor``) has no tensor input; it runs in the graph's fake mode."""
-    vals = fx.node.map_arg((args, kwargs), lambda n: n.meta.get("val"))
+    A factory op (``eye``, ``scalar_tensor``) has no tensor input; it runs in the graph's fake mode. An input
+    that carries no value (a Python number the runtime feeds, such as the generic path's ``lr``) stands in as
+    1.0: only shapes are computed."""
+    vals = fx.node.map_arg((args, kwargs), lambda n: n.meta.get("val", 1.0))
     if target is operator.getitem:  # one item of a multi-output value: index it, do not rescan it
         return vals[0][0][vals[0][1]]
     mode = next((v.fake_mode for v in torch.utils._pytree.tree_iter(vals) if isinstance(v, FakeTensor)), None)
@@ -44,6 +46,12 @@ def emit(graph: fx.Graph, target: Callable, args: tuple, kwargs: dict | None = N
     node.meta["val"] = _fake_call(graph, target, args, kwargs)
     node.meta.update(meta)
     return node
+
+
+def refresh_value(graph: fx.Graph, node: fx.Node) -> None:
+    """Recompute ``meta["val"]`` of a node whose inputs changed shape (fake tensors, nothing runs); raises what
+    the op raises when its inputs no longer fit."""
+    node.meta["val"] = _fake_call(graph, node.target, node.args, node.kwargs)
 
 
 class Cursor:
@@ -92,13 +100,14 @@ def position(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def repair_order(graph: fx.Graph) -> bool:
+def repair_order(graph: fx.Graph, keep: list[fx.Node] | None = None) -> bool:
     """Reorder nodes so each comes after its inputs, moving as little as possible; whether anything moved.
 
     A pass that inserts one node reading many values (a global norm over every gradient) after the last of
     them can leave earlier readers of its results ahead of it. The new order is networkx's lexicographical
     topological sort keyed by the old position: among the nodes whose inputs are placed, the one that came
-    first goes next, so nodes already in order stay where they were.
+    first goes next, so nodes already in order stay where they were. The nodes of ``keep`` (collectives) keep
+    their relative order, whatever their inputs allow.
     """
     order = position(graph)
     if all(order[i] < order[n] for n in graph.nodes for i in n.all_input_nodes):
@@ -106,6 +115,8 @@ def repair_order(graph: fx.Graph) -> bool:
     dag = nx.DiGraph()
     dag.add_nodes_from(graph.nodes)
     dag.add_edges_from((i, n) for n in graph.nodes for i in n.all_input_nodes)
+    chain = sorted(keep or [], key=order.__getitem__)
+    dag.add_edges_from(zip(chain, chain[1:]))
     result = list(nx.lexicographical_topological_sort(dag, key=order.__getitem__))
     for before, node in zip(result, result[1:]):
         if before.next is not node:

@@ -28,6 +28,7 @@ class Pass:
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     reduces_gradients: ClassVar[bool] = False  # after it, every gradient must be reduced exactly once
+    shards_state: ClassVar[bool] = False  # it cuts the optimizer state into this rank's slices (program.shards)
 
     def run(self, program: StepProgram) -> bool:
         raise NotImplementedError

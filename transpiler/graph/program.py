@@ -44,6 +44,7 @@ class StepProgram:
     sources: dict[str, str] = field(default_factory=dict)  # data files baked into the graph -> content digest
     cost_model: CostModel | None = None  # measured at startup when a pass asks (bucket_cap_mb="auto")
     decisions: dict[str, str] = field(default_factory=dict)  # pass -> what it chose from measurements, in words
+    shards: dict[str, tuple[int, int]] = field(default_factory=dict)  # param -> flat [lo, hi) this rank updates
 
     @property
     def graph(self) -> fx.Graph:
@@ -77,4 +78,5 @@ class StepProgram:
             dict(self.sources),
             self.cost_model,
             dict(self.decisions),
+            dict(self.shards),
         )

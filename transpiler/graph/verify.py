@@ -129,6 +129,30 @@ def check_cross_rank(programs: list[StepProgram]) -> None:
             )
 
 
+def check_shards(programs: list[StepProgram]) -> None:
+    """Under a sharded optimizer, every element of every parameter is updated by exactly one rank: the ranks'
+    ``[lo, hi)`` of each parameter tile ``[0, numel)`` in rank order, with no gap and no overlap."""
+    if not programs or not any(p.shards for p in programs):
+        return
+    sizes = {
+        n.meta["port"].name: n.meta["val"].numel()
+        for n in programs[0].graph.nodes
+        if n.op == "placeholder" and n.meta.get("port") is not None and n.meta["port"].kind == "param"
+    }
+    for name in sorted(set().union(*(p.shards for p in programs))):
+        end = 0
+        for program in sorted(programs, key=lambda p: p.rank):
+            lo, hi = program.shards.get(name, (end, end))
+            if lo != end and hi > lo:
+                raise VerificationError(
+                    f"parameter '{name}': rank {program.rank} updates elements [{lo}, {hi}), but the ranks before "
+                    f"it end at {end}: elements would be updated twice or never."
+                )
+            end = max(end, hi)
+        if end != sizes.get(name, end):
+            raise VerificationError(f"parameter '{name}': the ranks update {end} of its {sizes[name]} elements.")
+
+
 def check_communication(programs: list[StepProgram], members: dict[str, tuple[int, ...]]) -> None:
     """Statically: simulate every rank's communication in order (see :func:`simulate_communication`)."""
     simulate_communication({p.rank: communication_plan(p.graph) for p in programs}, members)

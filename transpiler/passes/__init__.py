@@ -17,6 +17,7 @@ from .partial_average import PartialAverage
 from .reinplace_optimizer import ReinplaceOptimizer
 from .scale_loss_grad import ScaleLossGrad
 from .schedule_collectives import ScheduleCollectives
+from .shard_optimizer import ShardOptimizer
 from .sparse_allreduce import SparseAllReduce
 
 PASSES: dict[str, type[Pass]] = {
@@ -31,6 +32,7 @@ PASSES: dict[str, type[Pass]] = {
         FuseAllReduce,
         SparseAllReduce,
         AllGatherGrads,
+        ShardOptimizer,
         LocalSGDAverage,
         PartialAverage,
         LossScale,
@@ -58,5 +60,6 @@ __all__ = [
     "ReinplaceOptimizer",
     "ScaleLossGrad",
     "ScheduleCollectives",
+    "ShardOptimizer",
     "SparseAllReduce",
 ]

@@ -19,7 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from transpiler.graph.bucket_layout import BUCKET_READY, OUT_FORMS, is_view, slot_offsets
+from transpiler.graph.bucket_layout import BUCKET_READY, OUT_FORMS, is_view, padded_length, slot_offsets
 from transpiler.graph.edit import Cursor, emit
 from transpiler.graph.program import StepProgram
 
@@ -72,10 +72,11 @@ def _slot_name(program: StepProgram, tag: str, index: int) -> str:
 
 
 def write_into_buffer(
-    program: StepProgram, nodes: list[fx.Node], tag: str, index: int, cursor: Cursor
+    program: StepProgram, nodes: list[fx.Node], tag: str, index: int, cursor: Cursor, shards: int = 1
 ) -> tuple[fx.Node, list[int]]:
     """Lay ``nodes`` out in a persistent buffer, in order, copies emitted at ``cursor``. Returns the buffer
-    once all are in, and the offset each node starts at."""
+    once all are in, and the offset each node starts at. With ``shards`` the buffer is padded at its end
+    to that many equal, aligned shards (``padded_length``), for a reduce-scatter."""
     first = nodes[0].meta["val"]
     sizes = [n.meta["val"].numel() for n in nodes]
     starts = slot_offsets(sizes, first.element_size())
@@ -83,7 +84,9 @@ def write_into_buffer(
     buffer = add_constant(
         program,
         _slot_name(program, tag, index),
-        torch.zeros(starts[-1] + sizes[-1], dtype=first.dtype, device=first.device),
+        torch.zeros(
+            padded_length(starts[-1] + sizes[-1], first.element_size(), shards), dtype=first.dtype, device=first.device
+        ),
         bucket=comm["bucket"],
     )
     slots, at = [], Cursor(program.graph, buffer)
@@ -103,6 +106,7 @@ def write_into_buffer(
         producer.target = OUT_FORMS[producer.target]
         producer.kwargs = {**producer.kwargs, "out": slot}
         writes.append(node)
-    return cursor.emit(BUCKET_READY, (buffer, writes), **comm), starts
-
-
+    ready = cursor.emit(BUCKET_READY, (buffer, writes), **comm)
+    if shards > 1:
+        ready.meta["shards"] = shards
+    return ready, starts

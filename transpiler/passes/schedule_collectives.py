@@ -7,8 +7,9 @@ the rest of backward; the optimizer's updates run in the order their
 collectives complete (a stable sort by the last collective each depends on),
 so the parameters of the first buckets update while the last bucket is still
 being reduced; every wait and the unpacking after it sits right before its
-first reader. Collectives keep their order, so all ranks keep the same
-collective sequence.
+first reader. Collectives keep their order (none is hoisted ahead of the one
+before it, even where ranks' programs differ, as a sharded update's do), so all
+ranks keep the same collective sequence.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def _updates_in_completion_order(graph: fx.Graph) -> None:
     output = graph.output_node()
     for node in ordered:
         output.prepend(node)
-    repair_order(graph)  # what read the moved updates (extra outputs, metrics) follows them
+    # what read the moved updates (extra outputs, metrics, gathers) follows them; collectives keep their order
+    repair_order(graph, [n for n in graph.nodes if is_collective(n)])
 
 
 @dataclass(frozen=True)
@@ -70,16 +72,20 @@ class ScheduleCollectives(Pass):
         before = list(graph.nodes)
         order: dict[fx.Node, float] = dict(position(graph))  # kept up to date with fractional positions
         fixed: set[fx.Node] = set()  # views of constants (bucket buffers): placed with the inputs already
+        previous: list[fx.Node] = []  # the last collective placed: the next one may not move ahead of it
         for node in comm:  # issuing side, forwards: hoist right after the latest input
             if node in completion:
                 continue
-            if all(i.op in ("placeholder", "get_attr") or i in fixed for i in node.all_input_nodes):
+            bound = previous if is_collective(node) else []
+            if not bound and all(i.op in ("placeholder", "get_attr") or i in fixed for i in node.all_input_nodes):
                 fixed.add(node)
+                previous = [node] if is_collective(node) else previous
                 continue
-            latest = max(node.all_input_nodes, key=order.__getitem__)
+            latest = max(node.all_input_nodes + bound, key=order.__getitem__)
             if latest.next is not node:
                 order[node] = (order[latest] + order[latest.next]) / 2
                 latest.append(node)
+            previous = [node] if is_collective(node) else previous
         _updates_in_completion_order(graph)
         order = dict(position(graph))
         for node in reversed(comm):  # completion side, backwards: sink right before the first reader

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from transpiler.errors import CheckpointError, ConfigurationError, RetraceWarning
+from transpiler.graph.memory import peak_transient_bytes
 from transpiler.graph.program import StepProgram
 from transpiler.strategies.schedules import EveryStep
 from transpiler.trace.environment import AutocastState, running_environment
@@ -40,6 +41,7 @@ from transpiler.trace.tracer import ModelState, check_batch
 
 from .failures import communication_error, is_communication_failure
 from .handshake import Handshake, Setup
+from .memory_report import MemoryReport, StorageCounter, bucket_buffers
 from .process_group import LOCAL_GROUP, Placement, ensure_local_group
 from .scalar_bank import ScalarBank
 
@@ -155,6 +157,7 @@ class DistributedStep:
         self._started = False
         self._batch_types: tuple | None = None
         self._agreed: bytes | None = None
+        self._last_run: tuple[StepProgram, int, int | None] | None = None  # program, batch bytes, CUDA peak
         multi = placement.live and placement.world_size > 1
         self._handshake = Handshake(placement.rank, placement.world_size, placement.timeout) if multi else None
 
@@ -267,7 +270,13 @@ class DistributedStep:
         program = built.programs[variant]
         self._init_extra(built)
         inputs = self._inputs(program, built, batch, variant)
+        device = next(iter(built.params.values())).device if built.params else None
+        on_gpu = device is not None and device.type == "cuda"
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
         outputs = self._run(program.graph_module, inputs, variant, built.runners[variant])
+        peak = torch.cuda.max_memory_allocated(device) if on_gpu else None
+        self._last_run = (program, sum(t.numel() * t.element_size() for t in batch), peak)
         metrics = self._write_back(program, built, outputs)
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.schedule.observe(variant, metrics, lr)
@@ -295,21 +304,46 @@ class DistributedStep:
             raise
 
     def _inputs(self, program: StepProgram, built: Built, batch: tuple, variant: str) -> list:
-        state, plan = built.state, built.plan
         tensors = {
             "param": {n: p.detach() for n, p in built.params.items()},
             "frozen": {n: p.detach() for n, p in built.frozen.items()},
             "buffer": built.buffers,
-            "state": {
-                f"{state.names[i]}.{k}": t
-                for i in range(len(state.params))
-                for k, t in zip(plan.state_keys(i), plan.state_tensors(i))
-            },
+            "state": self._state_inputs(program, built),
             "batch": {f"batch{i}": t for i, t in enumerate(batch)},
             "scalar": self._scalars(program, built, variant),
             "extra": self.extra,
         }
         return [tensors[port.kind][port.name] for port in program.inputs]
+
+    @staticmethod
+    def _state_inputs(program: StepProgram, built: Built) -> dict[str, torch.Tensor]:
+        """The optimizer state by port name. Under a sharded mode (``program.shards``) a state tensor still
+        shaped as its parameter is cut to this rank's slice, and a stored one is replaced by its slice for good
+        (so the whole tensor is freed): ``optimizer.state`` then holds 1-D slices, a 0-d ``step`` whole."""
+        state, plan = built.state, built.plan
+        tensors = {}
+        for i, name in enumerate(state.names):
+            bounds, param = program.shards.get(name), state.params[i]
+            held = plan.optimizer.state.get(param, {})
+            for key, t in zip(plan.state_keys(i), plan.state_tensors(i)):
+                if bounds is None or t.dim() == 0:
+                    pass
+                elif t.shape == param.shape:
+                    lo, hi = bounds
+                    t = t.reshape(-1)[lo:hi]
+                    if hi - lo < param.numel():
+                        t = t.clone()
+                        if key in held:
+                            plan.write_back(i, {key: t})
+                elif t.shape != (bounds[1] - bounds[0],):
+                    raise CheckpointError(
+                        f"optimizer state '{name}.{key}' has shape {list(t.shape)}; this rank holds elements "
+                        f"{list(bounds)} of that parameter ({bounds[1] - bounds[0]}), or the whole tensor. Was it "
+                        "loaded from a checkpoint of another world size or mode? Load it at the world size it was "
+                        "saved at, or save it gathered (docs/strategies/zero.md)."
+                    )
+                tensors[f"{name}.{key}"] = t
+        return tensors
 
     @staticmethod
     def _scalars(program: StepProgram, built: Built, variant: str) -> dict:
@@ -385,6 +419,26 @@ class DistributedStep:
         for name, (rule, source) in built.extra_init.items():
             if name not in self.extra:
                 self.extra[name] = initial_extra(rule, source, built.params)
+
+    def memory_report(self) -> MemoryReport:
+        """The bytes this rank holds between steps (parameters, gradients, optimizer state, transpiler
+        state; each storage once, counted from the tensors held) and the peak during the last step
+        (``runtime/memory_report.py``). ``print(step.memory_report())`` shows them in MiB."""
+        if self._last_run is None or self._last is None:
+            raise ConfigurationError("run a step first: the report's peak is the last step's.")
+        program, batch_bytes, cuda_peak = self._last_run
+        counter = StorageCounter()
+        params = list(self.model.parameters())
+        held = {
+            "parameters": counter.count(params),
+            "gradients": counter.count([p.grad for p in params] + bucket_buffers(self._last.programs.values())),
+            "optimizer_state": counter.count(t for s in self.optimizer.state.values() for t in s.values()),
+            "transpiler_state": counter.count(self.extra.values()),
+        }
+        if cuda_peak is not None:
+            return MemoryReport(**held, peak=cuda_peak, peak_source="cuda allocator")
+        peak = sum(held.values()) + batch_bytes + peak_transient_bytes(program.graph)
+        return MemoryReport(**held, peak=peak, peak_source="program schedule")
 
     # ----------------------------------------------------------- checkpoints
     def checkpoint_setup(self) -> dict[str, Any]:

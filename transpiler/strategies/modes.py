@@ -23,6 +23,7 @@ from transpiler.passes.partial_average import PartialAverage
 from transpiler.passes.reinplace_optimizer import ReinplaceOptimizer
 from transpiler.passes.scale_loss_grad import ScaleLossGrad
 from transpiler.passes.schedule_collectives import ScheduleCollectives
+from transpiler.passes.shard_optimizer import ShardOptimizer
 from transpiler.passes.sparse_allreduce import SparseAllReduce
 from transpiler.trace.optimizers import TWINS
 
@@ -158,6 +159,38 @@ def _twin_only(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def _zero(stage: int) -> Callable[..., Recipe]:
+    def build(bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:
+        shard = ShardOptimizer(
+            bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, keep_gradient_buckets=stage == 1
+        )
+        return Recipe({"step": [shard]}, _prefix(), [ScaleLossGrad()], _tail(), check=_elementwise(f"zero{stage}"))
+
+    return build
+
+
+# optimizers whose update needs whole tensors, which a sharded mode refuses at transpile() (their names, since
+# not every torch has them); a user's own optimizer is checked op by op when the step is built
+WHOLE_TENSOR = {
+    "Adafactor": "its factored second moment averages every row and column of a matrix",
+    "Muon": "it orthogonalises every whole matrix (Newton-Schulz iterations)",
+}
+
+
+def _elementwise(mode: str) -> Callable[[torch.optim.Optimizer], None]:
+    def check(optimizer: torch.optim.Optimizer) -> None:
+        for member in getattr(optimizer, "members", [optimizer]):
+            why = next((why for name, why in WHOLE_TENSOR.items() if type(member).__name__ == name), None)
+            if why is not None:
+                raise ConfigurationError(
+                    f"mode '{mode}' updates each rank's slice of every parameter, so the optimizer must be "
+                    f"element-wise; {type(member).__name__} is not: {why}. Use fused_allreduce, or put the matrices "
+                    "that need it in fused_allreduce and the rest in an element-wise optimizer."
+                )
+
+    return check
+
+
 def _partial_sync(partitions: int, bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:
     caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb}
     return Recipe(
@@ -279,6 +312,18 @@ MODES: dict[str, Mode] = {
             "MindSpore Boost DimReduce: averaged gradients, BFGS step in a PCA subspace with line search",
             _dim_reduce,
             {**field_options(DimReduce), **BUCKET_OPTIONS},
+        ),
+        Mode(
+            "zero1",
+            "ZeRO-1: reduce-scatter gradient buckets, update this rank's shard of the optimizer state, all-gather",
+            _zero(1),
+            {**BUCKET_OPTIONS, **ACCUMULATION},
+        ),
+        Mode(
+            "zero2",
+            "ZeRO-2: as zero1, and a gradient bucket lives only until it is reduce-scattered",
+            _zero(2),
+            {**BUCKET_OPTIONS, **ACCUMULATION},
         ),
         Mode(
             "partial_sync",

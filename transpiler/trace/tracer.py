@@ -11,7 +11,7 @@ outputs are listed as :class:`~transpiler.program.Port` s.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -93,14 +93,21 @@ def trace_step(
     loss_fn: LossFn,
     batch: tuple,
     autocast: AutocastState = AUTOCAST_OFF,
+    shards: Mapping[str, tuple[int, int]] | None = None,
 ) -> tuple[StepProgram, ModelState, OptimizerPlan]:
     """Trace forward, loss, backward and optimizer update of one step into a StepProgram; the forward and the
-    loss under ``autocast`` (the caller's), the backward and the update without it, as eager autocast runs."""
+    loss under ``autocast`` (the caller's), the backward and the update without it, as eager autocast runs.
+    ``shards`` (parameter name -> flat ``[lo, hi)``, empty before a sharded mode's first program) is given
+    under a mode that holds the optimizer state as 1-D slices: the update is traced whole, on stand-ins
+    shaped as the parameter, and the mode cuts it again."""
     check_batch(batch, loss_fn=loss_fn)
     state = collect_model_state(model)
     plan = make_plan(optimizer, state.params, state.names)
     generic = isinstance(plan, GenericPlan)
-    opt_states = [plan.state_tensors(i) for i in range(len(state.params))]
+    opt_states = [
+        [t if shards is None else _traced_as_whole(t, p, shards.get(name)) for t in plan.state_tensors(i)]
+        for i, (name, p) in enumerate(zip(state.names, state.params))
+    ]
     counts = [len(s) for s in opt_states]
     n_p, n_f, n_b = len(state.params), len(state.frozen), len(state.buffers)
     n_model_out: list[int] = []
@@ -197,6 +204,17 @@ def trace_step(
         )
         program.decisions["optimizer"] = f"{type(optimizer).__name__}.step() traced in {how}"
     return program, state, plan
+
+
+def _traced_as_whole(t: torch.Tensor, param: torch.Tensor, bounds: tuple[int, int] | None) -> torch.Tensor:
+    """A state tensor held as a slice of ``param`` (1-D, ``hi - lo`` elements; before the slices are known, as
+    a loaded checkpoint holds them, any 1-D tensor no larger than the parameter) is traced as an
+    uninitialised tensor shaped as the parameter: its values never matter to tracing. Other state as it is."""
+    if t.shape == param.shape or t.dim() != 1:
+        return t
+    if t.numel() != (bounds[1] - bounds[0] if bounds is not None else min(t.numel(), param.numel())):
+        return t
+    return torch.empty_like(param, dtype=t.dtype)
 
 
 def _make_fx(fn: Callable, inputs: list, *, symbolic_scalars: bool) -> fx.GraphModule:

@@ -1,0 +1,162 @@
+"""Bytes per rank and step time: DDP, ``fused_allreduce``, ``zero1`` and ``zero2``, at 2 and 4 processes.
+
+    python bench/memory.py            # launches torchrun at W=2 and W=4 over gloo, writes docs/memory.md
+
+Each rank builds every variant from the same weights (AdamW, the 5M-parameter MLP of bench/models.py), runs the
+variants interleaved round by round, and reports the median step time over rounds and the bytes it holds
+between steps, counted from the tensors held (``step.memory_report()``; for DDP the same counter over its
+parameters, its gradients, which are views of its buckets, and its optimizer state). Nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.models import batch_for, build  # noqa: E402
+from transpiler import transpile  # noqa: E402
+from transpiler.runtime.memory_report import StorageCounter  # noqa: E402
+
+MODEL, PER_RANK, WARMUP, STEPS, ROUNDS = "mlp_5m", 32, 3, 6, 5
+VARIANTS = ("ddp", "fused_allreduce", "zero1", "zero2")
+COMMAND = "python bench/memory.py"
+MIB = 1024 * 1024
+
+
+def ddp_bytes(model: DDP, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    counter = StorageCounter()
+    params = list(model.parameters())
+    return {
+        "parameters": counter.count(params),
+        "gradients": counter.count(p.grad for p in params),
+        "optimizer_state": counter.count(t for s in optimizer.state.values() for t in s.values()),
+        "peak": 0,
+    }
+
+
+def rank_main(out: str) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    base = build(MODEL)
+    gen = torch.Generator().manual_seed(rank)
+    batch = batch_for(MODEL, PER_RANK, gen)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    steps = {}
+    for variant in VARIANTS:
+        model = copy.deepcopy(base)
+        if variant == "ddp":
+            model = DDP(model, gradient_as_bucket_view=True)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+            def run(model=model, optimizer=optimizer) -> None:
+                optimizer.zero_grad(set_to_none=False)
+                loss_fn(model(batch[0]), batch[1]).backward()
+                optimizer.step()
+
+            steps[variant] = (run, lambda model=model, optimizer=optimizer: ddp_bytes(model, optimizer))
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            step = transpile(model, optimizer, mode=variant, loss_fn=loss_fn)
+
+            def report(step=step) -> dict[str, int]:
+                r = step.memory_report()
+                return {k: getattr(r, k) for k in ("parameters", "gradients", "optimizer_state", "peak")}
+
+            steps[variant] = (lambda step=step: step(*batch), report)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(ROUNDS):
+        for variant, (run, _) in steps.items():
+            for _ in range(WARMUP):
+                run()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(STEPS):
+                run()
+            times[variant].append((time.perf_counter() - start) / STEPS * 1000)
+    result = {
+        v: {"ms": statistics.median(times[v]), "ms_range": (min(times[v]), max(times[v])), **steps[v][1]()}
+        for v in VARIANTS
+    }
+    result["psi"] = sum(p.numel() for p in base.parameters())
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"world": world, "ranks": gathered}))
+    dist.destroy_process_group()
+
+
+def theory(variant: str, psi: int, world: int) -> float:
+    """Bytes per rank for fp32 AdamW as the ZeRO paper counts them (Ψ parameters)."""
+    return {"ddp": 16, "fused_allreduce": 16, "zero1": 8 + 8 / world, "zero2": 4 + 12 / world}[variant] * psi
+
+
+def table(runs: list[dict]) -> str:
+    lines = [
+        "| W | variant | ms/step (median, range) | × DDP | parameters | gradients | optimizer state | held | "
+        "theory (ZeRO paper) | held / theory | peak in step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        world, ranks = run["world"], run["ranks"]
+        ddp_ms = max(r["ddp"]["ms"] for r in ranks)
+        for v in VARIANTS:
+            worst = max(ranks, key=lambda r: r[v]["parameters"] + r[v]["gradients"] + r[v]["optimizer_state"])
+            m = worst[v]
+            held = m["parameters"] + m["gradients"] + m["optimizer_state"]
+            ms = max(r[v]["ms"] for r in ranks)
+            lo, hi = min(r[v]["ms_range"][0] for r in ranks), max(r[v]["ms_range"][1] for r in ranks)
+            expected = theory(v, worst["psi"], world)
+            peak = f"{m['peak'] / MIB:.2f} MiB" if m["peak"] else "–"
+            lines.append(
+                f"| {world} | {v} | {ms:.1f} ({lo:.1f}–{hi:.1f}) | {ms / ddp_ms:.2f} | {m['parameters'] / MIB:.2f} | "
+                f"{m['gradients'] / MIB:.2f} | {m['optimizer_state'] / MIB:.2f} | {held / MIB:.2f} MiB | "
+                f"{expected / MIB:.2f} MiB | {held / expected:.3f} | {peak} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    runs = []
+    for world in (2, 4):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "memory.json"
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                str(world),
+                "--master-port",
+                "29581",
+                __file__,
+                str(out),
+            ]
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+            subprocess.run(cmd, check=True, timeout=1800, env=env, cwd=ROOT)
+            runs.append(json.loads(out.read_text()))
+            print(f"W={world} done", flush=True)
+    print(table(runs))
+    (ROOT / "bench" / "memory.json").write_text(json.dumps(runs, indent=1))
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:
+        rank_main(sys.argv[1])
+    else:
+        main()

@@ -1,0 +1,133 @@
+"""``zero1``/``zero2`` in one process: the shard layout's invariants, world size 1 against eager, the programs of
+every rank of a world checked statically, and what the modes refuse (the worlds run in tests/test_zero.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.helpers import eager_step
+from tests.models import MLP, TiedLM, make_batch
+from transpiler import transpile
+from transpiler.errors import ConfigurationError, UnsupportedOptimizerError, VerificationError
+from transpiler.graph.bucket_layout import SLOT_ALIGN_BYTES, padded_length, slot_offsets
+from transpiler.graph.verify import check_shards
+from transpiler.passes.shard_optimizer import owned
+
+pytestmark = pytest.mark.bitwise
+LOSS = torch.nn.CrossEntropyLoss()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 700), min_size=1, max_size=8),
+    itemsize=st.sampled_from([2, 4, 8]),
+    world=st.integers(1, 8),
+)
+def test_shards_tile_every_parameter_and_start_aligned(sizes, itemsize, world):
+    starts = slot_offsets(sizes, itemsize)
+    length = padded_length(starts[-1] + sizes[-1], itemsize, world)
+    assert length % world == 0 and length >= starts[-1] + sizes[-1]
+    shard = length // world
+    assert (shard * itemsize) % SLOT_ALIGN_BYTES == 0 or world == 1
+    for start, n in zip(starts, sizes):
+        ranges = [owned(start, n, r, shard) for r in range(world)]
+        assert sum(hi - lo for lo, hi in ranges) == n  # every element once
+        covered = sorted(r for r in ranges if r[1] > r[0])
+        assert covered[0][0] == 0 and covered[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+
+
+@pytest.mark.parametrize("mode", ["zero1", "zero2"])
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_world_of_one_is_eager(mode, opt):
+    """At world size 1 the shard is everything: eager's bits, for 6 steps."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    reference = copy.deepcopy(model)
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    }[opt]
+    optimizer, ref_opt = make(model.parameters()), make(reference.parameters())
+    step = transpile(model, optimizer, mode=mode, loss_fn=LOSS)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        batch = make_batch("tied", 8, gen)
+        step(*batch)
+        eager_step(reference, ref_opt, LOSS, batch)
+        for a, b in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(a, b)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        for key, value in ref_opt.state[q].items():
+            assert torch.equal(optimizer.state[p][key].reshape(value.shape), value), key
+
+
+def _world_programs(mode: str, world: int) -> list:
+    programs = []
+    for rank in range(world):
+        torch.manual_seed(0)
+        model = MLP()
+        step = transpile(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            mode=mode,
+            loss_fn=LOSS,
+            example_inputs=make_batch("mlp", 4, torch.Generator().manual_seed(0)),
+            world_size=world,
+            rank=rank,
+            bucket_cap_mb=0.004,
+            first_bucket_mb=0.001,
+        )
+        programs.append(step.program)
+    return programs
+
+
+def test_static_checks_see_a_rank_that_updates_the_wrong_slice():
+    """Programs for every rank of a world of 4 built in one process (as transpile() checks them), then one rank's
+    slice moved: ``check_shards`` names the parameter."""
+    programs = _world_programs("zero2", 4)
+    check_shards(programs)
+    name = next(n for n, (lo, hi) in programs[1].shards.items() if hi > lo)
+    lo, hi = programs[1].shards[name]
+    programs[1].shards[name] = (lo + 1, hi)
+    with pytest.raises(VerificationError, match=name):
+        check_shards(programs)
+
+
+def test_rendered_program_names_each_collective():
+    program = _world_programs("zero1", 2)[0]
+    kinds = [n.meta["collective"]["kind"] for n in program.graph.nodes if "collective" in n.meta]
+    assert kinds[: len(kinds) // 2] == ["reduce_scatter"] * (len(kinds) // 2)
+    assert kinds[len(kinds) // 2 :] == ["all_gather"] * (len(kinds) // 2)
+    code = program.graph_module.code
+    assert "reduce_scatter_tensor" in code and "all_gather_into_tensor" in code
+
+
+def test_refusals_say_what_to_do():
+    model = MLP()
+    with pytest.raises(ConfigurationError, match="loss_scale"):
+        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="zero1", loss_scale="dynamic")
+
+    class Scalar(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+            self.temperature = torch.nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, x):
+            return self.lin(x) * self.temperature
+
+    model = Scalar()
+    with pytest.raises(UnsupportedOptimizerError, match="0-d"):
+        transpile(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            mode="zero2",
+            loss_fn=LOSS,
+            example_inputs=(torch.randn(3, 4), torch.tensor([0, 1, 0])),
+        )

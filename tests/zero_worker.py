@@ -1,0 +1,230 @@
+"""One rank of the sharded-optimizer runs (launched by tests/test_zero.py): zero1 and zero2 against DDP.
+
+Each scenario trains the same model three ways from the same weights and batches: the transpiled step on
+this rank's shard, DDP on the same shard (``gradient_as_bucket_view=True``, so its gradients are views of its
+buckets and count once) and, on rank 0, a single process on the whole batch. After every step it records how
+far our parameters are from DDP's and the single process's, and how far this rank's optimizer-state slices are
+from the same slices of DDP's state. It also saves the memory reports, a resumed run, and the errors for
+what the modes refuse.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.distributed import run_rank  # noqa: E402
+from tests.models import make_batch, make_model  # noqa: E402
+from transpiler import transpile  # noqa: E402
+
+STEPS = 5
+PER_RANK = 4
+CAPS = {"bucket_cap_mb": 0.004, "first_bucket_mb": 0.001}  # several buckets even on the small models
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-4),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),  # the generic path, state made lazily
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),  # the generic path, state made up front
+}
+
+
+class HFLoss(torch.nn.Module):
+    """A Hugging Face causal LM whose forward returns its own loss (labels = inputs)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, labels=input_ids).loss
+
+
+def build_model(name: str) -> torch.nn.Module:
+    if name != "gpt2":
+        return make_model(name)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )  # no dropout: the three runs draw their masks in different orders
+    return HFLoss(GPT2LMHeadModel(config))
+
+
+def batches(name: str, world: int) -> list[tuple[torch.Tensor, ...]]:
+    gen = torch.Generator().manual_seed(99)
+    if name == "gpt2":
+        return [(torch.randint(0, 100, (PER_RANK * world, 8), generator=gen),) for _ in range(STEPS)]
+    return [make_batch(name, PER_RANK * world, gen) for _ in range(STEPS)]
+
+
+def loss_of(name: str, model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    if name == "gpt2":
+        return model(batch[0])
+    return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+
+def state_slices(model, optimizer, shards: dict[str, tuple[int, int]] | None) -> dict[str, torch.Tensor]:
+    """Optimizer state by ``param.key``; with ``shards``, what this rank holds of DDP's whole tensors."""
+    out = {}
+    for name, p in model.named_parameters():
+        for key, value in optimizer.state.get(p, {}).items():
+            if shards is not None and name in shards and value.shape == p.shape:
+                lo, hi = shards[name]
+                value = value.reshape(-1)[lo:hi]
+            out[f"{name}.{key}"] = value.detach().clone()
+    return out
+
+
+def largest(a: dict, b: dict) -> tuple[bool, float]:
+    """Whether ``a`` and ``b`` hold the same bits, and their largest difference."""
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    diffs = [(x.double() - y.double()).abs().max().item() if x.numel() else 0.0 for x, y in zip(a.values(), b.values())]
+    return all(torch.equal(a[k], b[k]) for k in a), max(diffs, default=0.0)
+
+
+def scenario(model_name: str, opt_name: str, mode: str, rank: int, world: int, accumulate: int = 1) -> dict:
+    torch.manual_seed(1234)
+    base = build_model(model_name)
+    ours, ddp_model, single = (copy.deepcopy(base) for _ in range(3))
+    make = OPTIMIZERS[opt_name]
+    ours_opt, single_opt = make(ours.parameters()), make(single.parameters())
+    ddp = DDP(ddp_model, gradient_as_bucket_view=True)
+    ddp_opt = make(ddp.parameters())
+    shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    data = batches(model_name, world)
+    options = dict(CAPS, accumulate_steps=accumulate) if accumulate > 1 else CAPS
+    loss_fn = None if model_name == "gpt2" else torch.nn.CrossEntropyLoss()
+    step = transpile(ours, ours_opt, mode=mode, loss_fn=loss_fn, **options)
+    record: dict = {"params": [], "state": [], "single": []}
+    for batch in data:
+        micro = [tuple(t[shard][i::accumulate] for t in batch) for i in range(accumulate)]
+        for part in micro:
+            step(*part)
+        ddp_opt.zero_grad()
+        for i, part in enumerate(micro):
+            if i < accumulate - 1:
+                with ddp.no_sync():
+                    (loss_of(model_name, ddp, part) / accumulate).backward()
+            else:
+                (loss_of(model_name, ddp, part) / accumulate).backward()
+        ddp_opt.step()
+        theirs = dict(ddp.module.named_parameters())
+        record["params"].append(
+            largest(
+                {n: p.detach() for n, p in ours.named_parameters()},
+                {n: theirs[n].detach() for n, _ in ours.named_parameters()},
+            )
+        )
+        shards = step.program.shards
+        record["state"].append(largest(state_slices(ours, ours_opt, None), state_slices(ddp.module, ddp_opt, shards)))
+        if rank == 0:
+            single_opt.zero_grad()
+            loss_of(model_name, single, batch).backward()
+            single_opt.step()
+            record["single"].append(largest(dict(ours.named_parameters()), dict(single.named_parameters()))[1])
+    report = step.memory_report()
+    record["memory"] = {k: getattr(report, k) for k in ("parameters", "gradients", "optimizer_state", "peak")}
+    record["ddp_state_bytes"] = sum(t.numel() * t.element_size() for s in ddp_opt.state.values() for t in s.values())
+    record["shards"] = dict(step.program.shards)
+    record["kinds"] = [n.meta["collective"]["kind"] for n in step.graph_module.graph.nodes if "collective" in n.meta]
+    record["final"] = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    return record
+
+
+def resume(rank: int, world: int, mode: str) -> dict:
+    """Three steps, a checkpoint, two more; and a fresh model, optimizer and step loading it for the same two."""
+    data = batches("tied", world)
+    shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+
+    def fresh():
+        torch.manual_seed(1234)
+        model = build_model("tied")
+        optimizer = OPTIMIZERS["adamw"](model.parameters())
+        return model, optimizer, transpile(model, optimizer, mode=mode, loss_fn=torch.nn.CrossEntropyLoss(), **CAPS)
+
+    model, optimizer, step = fresh()
+    for x, y in data[:3]:
+        step(x[shard], y[shard])
+    saved = step.state_dict()
+    for x, y in data[3:]:
+        step(x[shard], y[shard])
+    model2, optimizer2, step2 = fresh()
+    step2.load_state_dict(saved)
+    for x, y in data[3:]:
+        step2(x[shard], y[shard])
+    return {
+        "params": largest(dict(model.named_parameters()), dict(model2.named_parameters())),
+        "state": largest(state_slices(model, optimizer, None), state_slices(model2, optimizer2, None)),
+    }
+
+
+def refusals(rank: int, world: int) -> dict:
+    """What the sharded modes refuse, and the words they use."""
+    out = {}
+    for name, make in {
+        "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+        "norm": lambda ps: NormalisedSGD(ps, lr=0.1),
+    }.items():
+        model = make_model("mlp")
+        try:
+            transpile(
+                model,
+                make(model.parameters()),
+                mode="zero1",
+                loss_fn=torch.nn.CrossEntropyLoss(),
+                example_inputs=make_batch("mlp", PER_RANK, torch.Generator().manual_seed(0)),
+            )
+            out[name] = "accepted"
+        except Exception as exc:  # noqa: BLE001 - the test checks the type and words
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+class NormalisedSGD(torch.optim.Optimizer):
+    """A user's optimizer that needs whole tensors: each step is scaled by the parameter's own norm."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / (p.grad.norm() + 1e-8), alpha=-group["lr"])
+
+
+SCENARIOS = {
+    2: [
+        ("tied", "sgd", "zero1", 1),
+        ("tied", "adamw", "zero2", 1),
+        ("mlp", "rmsprop", "zero1", 1),
+        ("mlp", "adamw", "zero2", 2),
+        ("gpt2", "adamw", "zero1", 1),
+        ("gpt2", "sgd", "zero2", 1),
+    ],
+    4: [
+        ("tied", "adamw", "zero1", 1),
+        ("tied", "sgd", "zero2", 1),
+        ("mlp", "adagrad", "zero2", 1),
+        ("gpt2", "adamw", "zero2", 1),
+    ],
+}
+
+
+def checks(rank: int, world: int) -> dict:
+    results = {",".join(map(str, s)): scenario(*s[:3], rank, world, accumulate=s[3]) for s in SCENARIOS[world]}
+    results["resume"] = {mode: resume(rank, world, mode) for mode in ("zero1", "zero2")}
+    if world == 2:
+        results["refusals"] = refusals(rank, world)
+    return results
+
+
+if __name__ == "__main__":
+    run_rank(lambda rank, world, *args: checks(rank, world))

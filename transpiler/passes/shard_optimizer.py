@@ -1,0 +1,250 @@
+"""``shard-optimizer``: ZeRO stages 1 and 2 (DeepSpeed ZeRO, FSDP's ``SHARD_GRAD_OP``) as one rewrite.
+
+Requires: gradient nodes tagged ``grad_of`` (not yet reduced), each rank's share (``scale-loss-grad``
+before it), and an optimizer update that is element-wise.
+Guarantees:
+
+- gradients are grouped in production order into dtype/size buckets, as ``fuse-allreduce`` groups them. A
+  bucket's flat buffer holds each gradient at an aligned start (``graph/bucket_layout.py``) and is padded at
+  its end to W equal shards, each starting on an aligned boundary (``padded_length``);
+- each bucket is reduce-scattered as soon as its last gradient exists: rank r receives the sum of shard r;
+- each parameter's update runs on the elements of it that lie in this rank's shard: the slice
+  ``p.view(-1)[lo:hi]``, that slice of the reduced gradient, and optimizer state of ``hi - lo`` elements
+  (``program.shards[name] = (lo, hi)``; the runtime holds the state that way, a 0-d ``step`` stays whole).
+  Every element of every parameter is updated by exactly one rank (``check_shards`` across ranks);
+- each bucket's updated shard is all-gathered and copied into the parameters, so after the step every rank's
+  parameters hold the full updated values, as with DDP.
+
+With ``keep-gradient-buckets`` (ZeRO-1) a bucket is a persistent buffer the gradients are produced into
+(``bucket_views.py``, DDP's ``gradient_as_bucket_view``). Without it (ZeRO-2) a bucket is packed when its last
+gradient exists and freed once reduce-scattered, so no whole gradient outlives its bucket and no gradient
+memory is held between steps.
+
+The update must be element-wise: every op that reads a sliced tensor is a pointwise op, a copy or a
+``*_like`` factory, and its other tensor inputs are 0-d. An op that needs the whole tensor (a norm, a matrix
+product, a reshape: Adafactor, Muon, LAMB) makes the pass refuse, naming the op and the parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from transpiler.errors import UnsupportedOptimizerError
+from transpiler.graph.bucket_layout import padded_length, slot_offsets
+from transpiler.graph.collectives import C10D, WAIT
+from transpiler.graph.edit import Cursor, refresh_value
+from transpiler.graph.options import option
+from transpiler.graph.program import Port, StepProgram
+
+from .bucket_views import write_into_buffer
+from .bucketing import BucketedGradientPass
+from .gradient_flow import before_output, input_node, output_values, replace_gradient, set_output_values
+
+aten = torch.ops.aten
+# not tagged pointwise, yet element for element: copies and factories shaped like their input
+SHAPE_FOLLOWING = frozenset(
+    {
+        aten.clone.default,
+        aten.zeros_like.default,
+        aten.ones_like.default,
+        aten.full_like.default,
+        aten.empty_like.default,
+        aten._to_copy.default,
+        aten.lift_fresh_copy.default,
+        aten.copy.default,
+        aten.alias.default,
+    }
+)
+
+
+@dataclass(frozen=True)
+class ShardedBucket:
+    """One bucket as the shards see it: its parameters, where each starts in the flat buffer, its length."""
+
+    index: int
+    names: list[str]
+    starts: list[int]
+    sizes: list[int]
+    length: int
+    itemsize: int
+
+
+@dataclass(frozen=True)
+class ShardOptimizer(BucketedGradientPass):
+    name = "shard-optimizer"
+    summary = "reduce-scatter gradients in buckets, update this rank's shard of parameters and state, all-gather"
+    shards_state = True
+    keep_gradient_buckets: bool = option(
+        True,
+        help="persistent full-size gradient buckets (ZeRO-1); false: a bucket lives only until it is "
+        "reduce-scattered (ZeRO-2)",
+    )
+
+    def reduce(self, program: StepProgram, grads: list[fx.Node]) -> None:
+        flat_params = [g for g in grads if g.meta["val"].dim() == 0]
+        if flat_params:
+            raise UnsupportedOptimizerError(
+                f"parameter '{flat_params[0].meta['grad_of']}' is 0-d; a sharded optimizer cuts parameters into "
+                "1-D slices. Make it a 1-element tensor (nn.Parameter(torch.tensor([v]))), or use fused_allreduce."
+            )
+        buckets = [
+            self._reduce_scatter(program, [grads[i] for i in members], index, cursor)
+            for index, members, cursor in self.buckets(program, grads)
+        ]
+        _update_shards(program)
+        for bucket in buckets:
+            _gather(program, bucket)
+
+    def _reduce_scatter(self, program: StepProgram, nodes: list[fx.Node], index: int, cursor: Cursor) -> ShardedBucket:
+        world, rank = program.world_size, program.rank
+        comm = {"role": "communication", "bucket": ("grads", index)}
+        if self.keep_gradient_buckets:
+            flat, starts = write_into_buffer(program, nodes, "grads", index, cursor, shards=world)
+        else:
+            flat, starts = _packed(nodes, cursor, comm, world)
+        sizes = [n.meta["val"].numel() for n in nodes]
+        itemsize = nodes[0].meta["val"].element_size()
+        length = flat.meta["val"].numel()
+        names = [n.meta["grad_of"] for n in nodes]
+        info = {
+            "kind": "reduce_scatter",
+            "bucket": index,
+            "grads": tuple(names),
+            "bytes": length * itemsize,
+            "padding_bytes": (length - sum(sizes)) * itemsize,
+        }
+        scattered = cursor.emit(
+            C10D.reduce_scatter_tensor.default, (flat, "sum", world, program.group_name), collective=info, **comm
+        )
+        mine = cursor.emit(WAIT, (scattered,), **comm)
+        shard = length // world
+        for node, start, n in zip(nodes, starts, sizes):
+            lo, hi = owned(start, n, rank, shard)
+            begin = start + lo - rank * shard if hi > lo else 0
+            piece = cursor.emit(aten.slice.Tensor, (mine, 0, begin, begin + hi - lo), **comm)
+            replace_gradient(node, piece)
+            program.shards[node.meta["grad_of"]] = (lo, hi)
+        return ShardedBucket(index, names, starts, sizes, length, itemsize)
+
+
+def owned(start: int, size: int, rank: int, shard: int) -> tuple[int, int]:
+    """The elements ``[lo, hi)`` of a parameter at ``start`` (``size`` elements) in shard ``rank`` of a flat
+    buffer cut into shards of ``shard`` elements; ``lo == hi`` when none are."""
+    lo = min(max(rank * shard - start, 0), size)
+    return lo, max(min((rank + 1) * shard - start, size), lo)
+
+
+def _packed(nodes: list[fx.Node], cursor: Cursor, comm: dict, world: int) -> tuple[fx.Node, list[int]]:
+    """ZeRO-2's bucket: the gradients packed (``cat``) where their last one exists, laid out as a persistent
+    bucket would be (aligned starts, padded to ``world`` shards), zeros between."""
+    itemsize = nodes[0].meta["val"].element_size()
+    sizes = [n.meta["val"].numel() for n in nodes]
+    starts = slot_offsets(sizes, itemsize)
+    length = padded_length(starts[-1] + sizes[-1], itemsize, world)
+    parts, end = [], 0
+    for node, start, n in zip(nodes, starts, sizes):
+        if start > end:
+            parts.append(cursor.emit(aten.new_zeros.default, (node, [start - end]), **comm))
+        parts.append(cursor.emit(aten.reshape.default, (node, [-1]), **comm))
+        end = start + n
+    if length > end:
+        parts.append(cursor.emit(aten.new_zeros.default, (nodes[-1], [length - end]), **comm))
+    flat = parts[0] if len(parts) == 1 else cursor.emit(aten.cat.default, (parts,), **comm)
+    return flat, starts
+
+
+def _update_shards(program: StepProgram) -> None:
+    """Every sharded parameter's update runs on its slice: the parameter's optimizer readers read
+    ``p.view(-1)[lo:hi]``, state shaped as the parameter becomes a 1-D input of ``hi - lo`` elements, and
+    every optimizer op downstream is re-shaped (it must be element-wise)."""
+    owner: dict[fx.Node, str] = {}  # sliced value -> the parameter it belongs to
+    gradients = {n.meta["reduced_grad_of"]: n for n in program.graph.nodes if "reduced_grad_of" in n.meta}
+    for name, (lo, hi) in program.shards.items():
+        param = input_node(program, Port("param", name))
+        value = param.meta["val"]
+        at = Cursor(program.graph, param)
+        flat = at.emit(aten.view.default, (param, [-1]), role="optimizer")
+        piece = at.emit(aten.slice.Tensor, (flat, 0, lo, hi), role="optimizer")
+        for reader in [u for u in param.users if u.meta.get("role") == "optimizer" and u is not flat]:
+            reader.replace_input_with(param, piece)
+        owner[piece] = owner[gradients[name]] = name
+        for port in program.inputs:
+            if port.kind != "state" or port.name.rsplit(".", 1)[0] != name:
+                continue
+            state = input_node(program, port)
+            if state.meta["val"].shape == value.shape:
+                with value.fake_mode:
+                    state.meta["val"] = torch.empty(hi - lo, dtype=state.meta["val"].dtype, device=value.device)
+                owner[state] = name
+    for node in program.graph.nodes:
+        sliced = [owner[i] for i in node.all_input_nodes if i in owner]
+        if node in owner or not sliced or node.op != "call_function" or node.meta.get("role") != "optimizer":
+            continue
+        _check_elementwise(node, sliced[0], owner)
+        try:
+            refresh_value(program.graph, node)
+        except RuntimeError as exc:
+            raise UnsupportedOptimizerError(
+                f"the update of '{sliced[0]}' combines its slice with a tensor shaped as the whole parameter in "
+                f"'{node.name}' ({node.target}), so it cannot run on a shard: {str(exc).splitlines()[0][:200]}"
+            ) from exc
+        owner[node] = sliced[0]
+
+
+def _check_elementwise(node: fx.Node, name: str, owner: dict[fx.Node, str]) -> None:
+    pointwise = torch.Tag.pointwise in getattr(node.target, "tags", ())
+    whole = [
+        i.name
+        for i in node.all_input_nodes
+        if i not in owner and isinstance(i.meta.get("val"), torch.Tensor) and i.meta["val"].dim() > 0
+    ]
+    if (pointwise or node.target in SHAPE_FOLLOWING) and not whole:
+        return
+    raise UnsupportedOptimizerError(
+        f"the optimizer's update of '{name}' runs {node.target} ('{node.name}'), which needs the whole tensor "
+        f"({'it also reads ' + ', '.join(whole) if whole else 'not an element-wise op'}). A sharded mode updates "
+        "each rank's slice of every parameter, so only element-wise optimizers (SGD, Adam, AdamW, RMSprop, "
+        "Adagrad, NAdam...) run there. Use fused_allreduce for this optimizer."
+    )
+
+
+def _gather(program: StepProgram, bucket: ShardedBucket) -> None:
+    """All-gather the bucket's updated shard and copy every parameter's new values into it, in place."""
+    world, rank = program.world_size, program.rank
+    shard = bucket.length // world
+    values = output_values(program)
+    where = {port.name: i for i, port in enumerate(program.outputs) if port.kind == "param"}
+    cursor = before_output(program)
+    comm = {"role": "communication", "bucket": ("params", bucket.index)}
+    params = [input_node(program, Port("param", name)) for name in bucket.names]
+    parts, end = [], rank * shard
+    for name, start in zip(bucket.names, bucket.starts):
+        lo, hi = program.shards[name]
+        if hi == lo:
+            continue
+        if start + lo > end:
+            parts.append(cursor.emit(aten.new_zeros.default, (values[where[name]], [start + lo - end]), **comm))
+        parts.append(values[where[name]])
+        end = start + hi
+    if (rank + 1) * shard > end:
+        like = parts[-1] if parts else params[0]
+        parts.append(cursor.emit(aten.new_zeros.default, (like, [(rank + 1) * shard - end]), **comm))
+    send = parts[0] if len(parts) == 1 else cursor.emit(aten.cat.default, (parts,), **comm)
+    info = {
+        "kind": "all_gather",
+        "bucket": bucket.index,
+        "params": tuple(bucket.names),
+        "bytes": bucket.length * bucket.itemsize,
+    }
+    gathered = cursor.emit(
+        C10D.all_gather_into_tensor.default, (send, world, program.group_name), collective=info, **comm
+    )
+    full = cursor.emit(WAIT, (gathered,), **comm)
+    for name, param, start, n in zip(bucket.names, params, bucket.starts, bucket.sizes):
+        part = cursor.emit(aten.slice.Tensor, (full, 0, start, start + n), **comm)
+        whole = cursor.emit(aten.view.default, (part, list(param.meta["val"].shape)), **comm)
+        values[where[name]] = cursor.emit(aten.copy_.default, (param, whole), **comm)
+    set_output_values(program, values)
