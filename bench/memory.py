@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -31,10 +32,11 @@ from bench.models import batch_for, build  # noqa: E402
 from transpiler import transpile  # noqa: E402
 from transpiler.runtime.memory_report import StorageCounter  # noqa: E402
 
-MODEL, PER_RANK, WARMUP, STEPS, ROUNDS = "mlp_5m", 32, 3, 6, 5
+MODEL, PER_RANK, WARMUP, STEPS, ROUNDS = "mlp_5m", 32, 2, 5, 3
 VARIANTS = ("ddp", "fused_allreduce", "zero1", "zero2")
 COMMAND = "python bench/memory.py"
 MIB = 1024 * 1024
+HEADER = "# Memory per rank: DDP, fused_allreduce, zero1, zero2\n\n"
 
 
 def ddp_bytes(model: DDP, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -151,8 +153,16 @@ def main() -> None:
             subprocess.run(cmd, check=True, timeout=1800, env=env, cwd=ROOT)
             runs.append(json.loads(out.read_text()))
             print(f"W={world} done", flush=True)
-    print(table(runs))
-    (ROOT / "bench" / "memory.json").write_text(json.dumps(runs, indent=1))
+    text = table(runs)
+    print(text)
+    doc = ROOT / "docs" / "memory.md"
+    head, _, _ = doc.read_text().partition("<!-- table -->") if doc.exists() else (HEADER, "", "")
+    cpu = platform.processor() or platform.machine()
+    doc.write_text(
+        f"{head}<!-- table -->\n{text}\n\nMeasured with `{COMMAND}` on {cpu}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__}: {MODEL} ({runs[0]['ranks'][0]['psi']:,} parameters), AdamW, {PER_RANK} samples "
+        f"per rank, medians of {ROUNDS} rounds of {STEPS} steps, variants interleaved.\n"
+    )
 
 
 if __name__ == "__main__":
