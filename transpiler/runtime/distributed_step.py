@@ -102,6 +102,27 @@ def initial_extra(rule: str, source: str, params: dict[str, torch.nn.Parameter])
     raise ConfigurationError(f"unknown initialisation rule '{rule}' for extra state.")
 
 
+def _slice_of(plan: OptimizerPlan, position: int, key: str, t: torch.Tensor, bounds: tuple[int, int]) -> torch.Tensor:
+    """This rank's slice ``[lo, hi)`` of a parameter's state tensor: cut (and stored in place of the whole
+    tensor, which is freed) while it is still shaped as the parameter, as it is once cut."""
+    param, (lo, hi) = plan.params[position], bounds
+    if t.shape == param.shape:
+        piece = t.reshape(-1)[lo:hi]
+        if hi - lo == param.numel():
+            return piece
+        piece = piece.clone()
+        if key in plan.optimizer.state.get(param, {}):
+            plan.write_back(position, {key: piece})
+        return piece
+    if t.shape != (hi - lo,):
+        raise CheckpointError(
+            f"optimizer state '{plan.names[position]}.{key}' has shape {list(t.shape)}; this rank holds elements "
+            f"[{lo}, {hi}) of that parameter, or the whole tensor. Was it loaded from a checkpoint of another world "
+            "size or mode? Load it at the world size and mode it was saved at (resharding is not built yet)."
+        )
+    return t
+
+
 def batch_key(batch: tuple) -> tuple:
     return tuple((tuple(t.shape), t.dtype, t.device.type) for t in batch)
 
@@ -323,26 +344,9 @@ class DistributedStep:
         state, plan = built.state, built.plan
         tensors = {}
         for i, name in enumerate(state.names):
-            bounds, param = program.shards.get(name), state.params[i]
-            held = plan.optimizer.state.get(param, {})
+            bounds = program.shards.get(name)
             for key, t in zip(plan.state_keys(i), plan.state_tensors(i)):
-                if bounds is None or t.dim() == 0:
-                    pass
-                elif t.shape == param.shape:
-                    lo, hi = bounds
-                    t = t.reshape(-1)[lo:hi]
-                    if hi - lo < param.numel():
-                        t = t.clone()
-                        if key in held:
-                            plan.write_back(i, {key: t})
-                elif t.shape != (bounds[1] - bounds[0],):
-                    raise CheckpointError(
-                        f"optimizer state '{name}.{key}' has shape {list(t.shape)}; this rank holds elements "
-                        f"{list(bounds)} of that parameter ({bounds[1] - bounds[0]}), or the whole tensor. Was it "
-                        "loaded from a checkpoint of another world size or mode? Load it at the world size it was "
-                        "saved at, or save it gathered (docs/strategies/zero.md)."
-                    )
-                tensors[f"{name}.{key}"] = t
+                tensors[f"{name}.{key}"] = t if bounds is None or t.dim() == 0 else _slice_of(plan, i, key, t, bounds)
         return tensors
 
     @staticmethod
