@@ -163,6 +163,25 @@ def test_every_composition_verifies_on_every_rank_and_is_idempotent(widths, opti
 @SLOW
 @given(
     widths=widths_strategy,
+    options=COMBINATIONS,
+    world=st.integers(1, 4),
+    mode=st.sampled_from(["zero1", "zero2"]),
+    adam=st.booleans(),
+)
+def test_sharded_compositions_verify_tile_and_are_idempotent(widths, options, world, mode, adam):
+    """zero1/zero2 with accumulation, loss scaling and clipping: each variant verifies, its programs for every
+    rank agree and tile the parameters (checked inside ``rewrite``), and a second run changes nothing."""
+    options = {k: v for k, v in options.items() if k not in ("freeze_groups", "compress")}
+    make = torch.optim.Adam if adam else torch.optim.SGD
+    for variant, program in rewritten_variants(widths, mode, options, world, make).items():
+        kinds = [n.meta["collective"]["kind"] for n in program.graph.nodes if "collective" in n.meta]
+        if world > 1 and variant == "step":
+            assert kinds.count("reduce_scatter") == kinds.count("all_gather") > 0, kinds
+
+
+@SLOW
+@given(
+    widths=widths_strategy,
     world=st.integers(1, 4),
     mode=st.sampled_from(["allgather", "partial_sync"]),
     adam=st.booleans(),

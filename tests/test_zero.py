@@ -19,6 +19,8 @@ Where parity is bitwise, and why:
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -33,8 +35,101 @@ ATOL_W4, ATOL_SINGLE = 1e-5, 1e-5
 def runs(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"zero{world}")
-    launch(ROOT / "tests" / "zero_worker.py", world, [str(out)], timeout=240)
+    launch(ROOT / "tests" / "zero_worker.py", world, [str(out)], timeout=300)
     return world, [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The folder both checkpoint worlds write to: the world of 4 runs first, the world of 2 reads its
+    checkpoint."""
+    return tmp_path_factory.mktemp("dcp")
+
+
+FINISHED: dict[int, list[dict]] = {}  # each world's results, for the checks that read another world's checkpoint
+
+
+@pytest.fixture(scope="module", params=[4, 2], ids=lambda w: f"world{w}")
+def dcp_runs(request, tmp_path_factory, checkpoints):
+    world = request.param
+    out = tmp_path_factory.mktemp(f"dcp{world}")
+    launch(ROOT / "tests" / "checkpoint_worker.py", world, [str(out), str(checkpoints)], timeout=240)
+    FINISHED[world] = [{"dcp": torch.load(out / f"rank{r}.pt")} for r in range(world)]
+    return world, FINISHED[world]
+
+
+def whole_from_slices(records: list[dict]) -> dict[str, torch.Tensor]:
+    """The whole optimizer state that a world's ranks hold in slices (each record's ``params``, ``state`` and
+    ``shards``), by ``param.key``."""
+    params = records[0]["params"]
+    whole: dict[str, torch.Tensor] = {}
+    for record in records:
+        for key, value in record["state"].items():
+            name = key.rsplit(".", 1)[0]
+            if value.dim() == 0:
+                whole[key] = value
+                continue
+            lo, hi = record["shards"][name]
+            flat = whole.setdefault(key, torch.full(params[name].shape, float("nan"), dtype=value.dtype)).view(-1)
+            flat[lo:hi] = value.reshape(-1)
+    return whole
+
+
+def test_dcp_resume_at_the_same_world_size_is_bitwise(dcp_runs):
+    """save_checkpoint after 3 steps, 2 more; a fresh model, optimizer and step (other weights) read it back
+    with load_checkpoint and take the same 2 steps: the same bits (zero2 at W=4, zero1 at W=2)."""
+    _, ranks = dcp_runs
+    for rank, results in enumerate(ranks):
+        resumed = results["dcp"]["resume"]
+        assert resumed["params"][0] and resumed["state"][0], (rank, resumed)
+
+
+def test_dcp_checkpoint_of_four_ranks_reads_at_two_and_trains_as_ddp(dcp_runs):
+    """The W=4 zero2 checkpoint read by W=2 zero1 steps, one built before loading (each rank reads its slices)
+    and one not (whole tensors, cut at the first step): the parameters and the optimizer state reassembled from
+    the two ranks' slices are the saved ones, bitwise; the next 2 steps are bitwise DDP's, DDP loaded from the
+    same checkpoint through get_state_dict/dcp.load/set_state_dict."""
+    world, ranks = dcp_runs
+    if world != 2 or 4 not in FINISHED:
+        pytest.skip("the world of 2 reads the world of 4's checkpoint")
+    saved = FINISHED[4][0]["dcp"]["saved"]["params"]
+    saved_state = whole_from_slices([r["dcp"]["saved"] for r in FINISHED[4]])
+    for entry in ("reshard_built", "reshard_unbuilt"):
+        for rank, results in enumerate(ranks):
+            loaded = results["dcp"][entry]["loaded"]["params"]
+            assert all(torch.equal(saved[n], loaded[n]) for n in saved), (entry, rank)
+            for step, (params, state) in enumerate(results["dcp"][entry]["trained"]):
+                assert params[0] and state[0], (entry, rank, step, params, state)
+        if entry == "reshard_built":  # the unbuilt step holds whole tensors until its first step
+            state = whole_from_slices([r["dcp"][entry]["loaded"] for r in ranks])
+            assert state.keys() == saved_state.keys()
+            assert all(torch.equal(state[k], saved_state[k]) for k in state), entry
+
+
+def test_dcp_checkpoint_of_four_ranks_reads_into_a_plain_model(dcp_runs):
+    """One process, no process group: a plain TiedLM and AdamW read the W=4 zero2 checkpoint with torch's own
+    get_state_dict/dcp.load/set_state_dict, and hold the saved parameters and the whole optimizer state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from tests.models import TiedLM
+
+    world, _ = dcp_runs
+    if world != 4:
+        pytest.skip("read once, after the world of 4")
+    path = FINISHED[4][0]["dcp"]["path"]
+    model = TiedLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+    saved = FINISHED[4][0]["dcp"]["saved"]["params"]
+    assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters())
+    expected = whole_from_slices([r["dcp"]["saved"] for r in FINISHED[4]])
+    names = {p: n for n, p in model.named_parameters()}
+    for p, entries in optimizer.state.items():
+        for key, value in entries.items():
+            assert torch.equal(value, expected[f"{names[p]}.{key}"]), (names[p], key)
 
 
 def _scenarios(world: int) -> list[str]:
@@ -89,6 +184,33 @@ def test_memory_report_counts_the_held_tensors(runs):
             else:
                 assert memory["gradients"] >= memory["parameters"] * 0.9, name
             assert memory["peak"] > memory["parameters"] + memory["gradients"] + memory["optimizer_state"], name
+
+
+def test_loss_scaling_and_clipping_compose_with_shards(runs):
+    """Against DDP with GradScaler (fp16 autocast, first scale 2**20: the first steps overflow and are skipped)
+    and ``clip_grad_norm_``, 10 steps. Each rank sees only its slices: the overflow flag and the partial norms
+    are all-reduced. Bitwise at W=2 with loss scaling alone and with the inf-norm (a max is exact); the 2-norm
+    is summed per rank, then across ranks, so its last bits differ from clip_grad_norm_'s (relative 1e-6) and
+    the parameters within 1e-5 (as at W=4)."""
+    world, ranks = runs
+    for name in ranks[0]["composed"]:
+        _, _, _, scale, clip = name.split(",", 4)
+        exact = world == 2 and (clip == "None" or "inf" in clip)
+        for rank, results in enumerate(ranks):
+            record = results["composed"][name]
+            where = f"{name} rank {rank}"
+            for step, (same, diff) in enumerate(record["params"]):
+                assert same if exact else diff <= ATOL_W4, f"{where} step {step}: parameters differ from DDP by {diff}"
+            for ours, theirs in record["norms"]:
+                if not math.isfinite(theirs):  # an overflow step: skipped by both
+                    assert not math.isfinite(ours), (where, ours, theirs)
+                else:
+                    assert ours == theirs if exact else abs(ours - theirs) <= 1e-6 * theirs, (where, ours, theirs)
+            assert all(a == b for a, b in record["skipped"]), (where, record["skipped"])
+            if scale == "True":
+                assert any(a for a, _ in record["skipped"]) and not all(a for a, _ in record["skipped"]), where
+            if clip != "None":
+                assert any(theirs > float(clip.split(",")[0].strip("( ")) for _, theirs in record["norms"]), where
 
 
 def test_resume_is_bitwise(runs):

@@ -4,6 +4,7 @@ every rank of a world checked statically, and what the modes refuse (the worlds 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -13,10 +14,11 @@ from hypothesis import strategies as st
 from tests.helpers import eager_step
 from tests.models import MLP, TiedLM, make_batch
 from transpiler import transpile
-from transpiler.errors import ConfigurationError, UnsupportedOptimizerError, VerificationError
+from transpiler.errors import CheckpointError, UnsupportedOptimizerError, VerificationError
 from transpiler.graph.bucket_layout import SLOT_ALIGN_BYTES, padded_length, slot_offsets
 from transpiler.graph.verify import check_shards
 from transpiler.passes.shard_optimizer import owned
+from transpiler.runtime.sharded_checkpoint import flat_boxes
 
 pytestmark = pytest.mark.bitwise
 LOSS = torch.nn.CrossEntropyLoss()
@@ -108,11 +110,40 @@ def test_rendered_program_names_each_collective():
     assert "reduce_scatter_tensor" in code and "all_gather_into_tensor" in code
 
 
-def test_refusals_say_what_to_do():
+def test_world_of_one_with_clipping_is_eager_clip_grad_norm():
+    """At world size 1 nothing is sliced for the norm: clip_grad_norm_'s bits, and its norm as the metric."""
+    torch.manual_seed(0)
     model = MLP()
-    with pytest.raises(ConfigurationError, match="loss_scale"):
-        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="zero1", loss_scale="dynamic")
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = transpile(model, optimizer, mode="zero2", loss_fn=LOSS, max_grad_norm=0.3, loss_scale=1024.0)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        batch = make_batch("mlp", 8, gen)
+        step(*batch)
+        ref_opt.zero_grad()
+        LOSS(reference(batch[0]), batch[1]).backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.3)
+        ref_opt.step()
+        assert step.last_metrics["grad_norm"] == norm
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
+
+def test_a_sharded_update_must_be_gathered():
+    """A pipeline spec with shard-optimizer and no gather-params is refused when it is built, not at step 1."""
+    model = MLP()
+    with pytest.raises(VerificationError, match="gather-params"):
+        transpile(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            mode="scale-loss-grad,shard-optimizer",
+            loss_fn=LOSS,
+            example_inputs=make_batch("mlp", 4, torch.Generator().manual_seed(0)),
+        )
+
+
+def test_refusals_say_what_to_do():
     class Scalar(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -131,3 +162,77 @@ def test_refusals_say_what_to_do():
             loss_fn=LOSS,
             example_inputs=(torch.randn(3, 4), torch.tensor([0, 1, 0])),
         )
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), data=st.data())
+def test_flat_boxes_cover_exactly_the_flat_range_in_order(shape, data):
+    """The boxes a checkpoint describes a rank's slice with are that slice: in flat order, each one a
+    contiguous run, together exactly the elements [lo, hi)."""
+    numel = math.prod(shape)
+    lo = data.draw(st.integers(0, numel))
+    hi = data.draw(st.integers(lo, numel))
+    whole = torch.arange(numel).view(shape)
+    seen, end = [], lo
+    for offsets, sizes, start in flat_boxes(shape, lo, hi):
+        assert start == end
+        box = whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        assert box.reshape(-1).tolist() == list(range(start, start + box.numel()))
+        seen += box.reshape(-1).tolist()
+        end = start + box.numel()
+    assert seen == list(range(lo, hi))
+
+
+def test_checkpoint_round_trip_in_one_process_and_across_modes(tmp_path):
+    """World size 1, no process group: a zero2 checkpoint read back by zero2 (bitwise, then 2 more steps equal)
+    and by fused_allreduce (the same parameters and state); a fused_allreduce checkpoint read by zero1."""
+    gen = torch.Generator().manual_seed(3)
+    data = [make_batch("tied", 8, gen) for _ in range(5)]
+
+    def run(mode, load=None, steps=data[:3]):
+        torch.manual_seed(0)
+        model = TiedLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = transpile(model, optimizer, mode=mode, loss_fn=LOSS)
+        if load is not None:
+            step.load_checkpoint(load)
+        for batch in steps:
+            step(*batch)
+        return model, optimizer, step
+
+    model, optimizer, step = run("zero2")
+    step.save_checkpoint(tmp_path / "zero2")
+    for batch in data[3:]:
+        step(*batch)
+    for mode in ("zero2", "fused_allreduce"):
+        resumed, resumed_opt, _ = run(mode, tmp_path / "zero2", data[3:])
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters())), mode
+        for p, q in zip(model.parameters(), resumed.parameters()):
+            for key, value in optimizer.state[p].items():
+                assert torch.equal(value.reshape(-1), resumed_opt.state[q][key].reshape(-1)), (mode, key)
+    _, _, plain = run("fused_allreduce")
+    plain.save_checkpoint(tmp_path / "fused")
+    run("zero1", tmp_path / "fused", data[3:])
+
+
+def test_checkpoint_refusals_say_why(tmp_path):
+    model = MLP()
+    batch = make_batch("mlp", 4, torch.Generator().manual_seed(0))
+    local = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="local_sgd", loss_fn=LOSS)
+    local(*batch)
+    with pytest.raises(CheckpointError, match="state_dict"):
+        local.save_checkpoint(tmp_path / "local")
+    model = MLP()
+    accumulating = transpile(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), mode="zero1", loss_fn=LOSS, accumulate_steps=2
+    )
+    accumulating(*batch)
+    with pytest.raises(CheckpointError, match="accumulation cycle"):
+        accumulating.save_checkpoint(tmp_path / "mid")
+    accumulating(*batch)
+    accumulating.save_checkpoint(tmp_path / "boundary")
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        accumulating.load_checkpoint(tmp_path / "missing")
+    other = transpile(model, torch.optim.Adam(model.parameters()), mode="zero1", loss_fn=LOSS)
+    with pytest.raises(CheckpointError, match="SGD"):
+        other.load_checkpoint(tmp_path / "boundary")

@@ -56,11 +56,11 @@ def build_model(name: str) -> torch.nn.Module:
     return HFLoss(GPT2LMHeadModel(config))
 
 
-def batches(name: str, world: int) -> list[tuple[torch.Tensor, ...]]:
+def batches(name: str, world: int, steps: int = STEPS) -> list[tuple[torch.Tensor, ...]]:
     gen = torch.Generator().manual_seed(99)
     if name == "gpt2":
-        return [(torch.randint(0, 100, (PER_RANK * world, 8), generator=gen),) for _ in range(STEPS)]
-    return [make_batch(name, PER_RANK * world, gen) for _ in range(STEPS)]
+        return [(torch.randint(0, 100, (PER_RANK * world, 8), generator=gen),) for _ in range(steps)]
+    return [make_batch(name, PER_RANK * world, gen) for _ in range(steps)]
 
 
 def loss_of(name: str, model: torch.nn.Module, batch: tuple) -> torch.Tensor:
@@ -134,6 +134,55 @@ def scenario(model_name: str, opt_name: str, mode: str, rank: int, world: int, a
     record["shards"] = dict(step.program.shards)
     record["kinds"] = [n.meta["collective"]["kind"] for n in step.graph_module.graph.nodes if "collective" in n.meta]
     record["final"] = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    return record
+
+
+SCALER = {"init_scale": 2.0**20, "growth_interval": 3}  # fp16 overflows at 2**20: early steps are skipped
+
+
+def composed(
+    model_name: str, opt_name: str, mode: str, scale: bool, clip: tuple[float, float] | None, rank: int, world: int
+) -> dict:
+    """Loss scaling (under fp16 autocast) and clipping on shards, 10 steps, against DDP with GradScaler and
+    ``clip_grad_norm_`` on the same shard: parameters, grad norms and skipped steps after every step."""
+    torch.manual_seed(1234)
+    base = build_model(model_name)
+    ours, ddp_model = copy.deepcopy(base), copy.deepcopy(base)
+    make = OPTIMIZERS[opt_name]
+    ours_opt = make(ours.parameters())
+    ddp = DDP(ddp_model, gradient_as_bucket_view=True)
+    ddp_opt = make(ddp.parameters())
+    options = dict(CAPS)
+    if scale:
+        options |= {"loss_scale": "dynamic", **SCALER}
+    if clip is not None:
+        options |= {"max_grad_norm": clip[0], "norm_type": clip[1]}
+    step = transpile(ours, ours_opt, mode=mode, loss_fn=torch.nn.CrossEntropyLoss(), **options)
+    # our seed is S/W on each rank (as one process on the whole batch has it); DDP's backward carries the
+    # scaler's S whole, so DDP with S/W runs the same fp16 backward and overflows on the same steps
+    scaler = torch.amp.GradScaler("cpu", enabled=scale, **(SCALER | {"init_scale": SCALER["init_scale"] / world}))
+    shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    record: dict = {"params": [], "norms": [], "skipped": []}
+    for batch in batches(model_name, world, steps=10):
+        part = tuple(t[shard] for t in batch)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=scale):
+            step(*part)
+            loss = loss_of(model_name, ddp, part)
+        ddp_opt.zero_grad()
+        scaler.scale(loss).backward()
+        if clip is not None:
+            scaler.unscale_(ddp_opt)
+            norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip[0], norm_type=clip[1])
+            record["norms"].append((float(step.last_metrics["grad_norm"]), float(norm)))
+        scaler.step(ddp_opt)
+        used = scaler.get_scale()
+        scaler.update()
+        if scale:  # GradScaler backs off exactly when it skipped a step
+            record["skipped"].append((bool(step.last_metrics["overflow"]), scaler.get_scale() < used))
+        theirs = dict(ddp.module.named_parameters())
+        record["params"].append(
+            largest(dict(ours.named_parameters()), {n: theirs[n] for n, _ in ours.named_parameters()})
+        )
     return record
 
 
@@ -218,8 +267,25 @@ SCENARIOS = {
 }
 
 
+INF = float("inf")
+# (model, optimizer, mode, loss scaling, clipping (max norm, p) or None)
+COMPOSED = {
+    2: [
+        ("mlp", "adamw", "zero2", True, None),
+        ("tied", "sgd", "zero1", False, (0.3, 2.0)),
+        ("tied", "adamw", "zero2", False, (0.05, INF)),
+        ("mlp", "rmsprop", "zero1", True, (0.3, 2.0)),
+    ],
+    4: [
+        ("mlp", "adamw", "zero2", True, (0.3, 2.0)),
+        ("tied", "sgd", "zero1", False, (0.05, INF)),
+    ],
+}
+
+
 def checks(rank: int, world: int) -> dict:
     results = {",".join(map(str, s)): scenario(*s[:3], rank, world, accumulate=s[3]) for s in SCENARIOS[world]}
+    results["composed"] = {",".join(map(str, c)): composed(*c, rank, world) for c in COMPOSED[world]}
     results["resume"] = {mode: resume(rank, world, mode) for mode in ("zero1", "zero2")}
     if world == 2:
         results["refusals"] = refusals(rank, world)
@@ -227,4 +293,4 @@ def checks(rank: int, world: int) -> dict:
 
 
 if __name__ == "__main__":
-    run_rank(lambda rank, world, *args: checks(rank, world))
+    run_rank(lambda rank, world: checks(rank, world))

@@ -15,7 +15,13 @@ from transpiler.graph.cost_model import CostModel
 from transpiler.graph.options import parse_options
 from transpiler.graph.pipeline import Pipeline
 from transpiler.graph.program import StepProgram
-from transpiler.graph.verify import DEFAULT_VERIFIERS, check_communication, check_cross_rank, check_shards
+from transpiler.graph.verify import (
+    DEFAULT_VERIFIERS,
+    check_communication,
+    check_cross_rank,
+    check_output_shapes,
+    check_shards,
+)
 from transpiler.runtime import cost_probe
 from transpiler.runtime import cuda_graph as cuda_graph_module
 from transpiler.runtime.compile import CompiledProgram
@@ -142,6 +148,7 @@ def transpile(
         mode_specs=specs,
         max_cached_programs=max_cached_programs,
         observers=observers,
+        replicated=strategy.replicated,
     )
     if example_inputs is not None:
         step.prepare(tuple(example_inputs))
@@ -177,6 +184,8 @@ def rewrite(
         return program
 
     mine = for_rank(placement.rank, on_pass)
+    if verify:
+        check_output_shapes(mine)
     if verify and placement.world_size > 1:
         w = placement.world_size
         ranks = range(w) if w <= CROSS_RANK_LIMIT else sorted({0, 1, w - 1})

@@ -153,6 +153,21 @@ def check_shards(programs: list[StepProgram]) -> None:
             raise VerificationError(f"parameter '{name}': the ranks update {end} of its {sizes[name]} elements.")
 
 
+def check_output_shapes(program: StepProgram) -> None:
+    """After the pipeline, every parameter and state output has its input's shape: the runtime writes it back
+    there (a sharded update whose slices were never gathered, ``shard-optimizer`` without ``gather-params``,
+    would not)."""
+    inputs = {n.meta.get("port"): n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    for port, value in zip(program.outputs, program.graph.output_node().args[0]):
+        before, after = inputs.get(port), value.meta.get("val") if isinstance(value, fx.Node) else None
+        if port.kind in ("param", "state") and before is not None and after is not None:
+            if before.shape != after.shape:
+                raise VerificationError(
+                    f"{port.kind} '{port.name}' goes in as {list(before.shape)} and comes out as "
+                    f"{list(after.shape)}; a sharded update needs gather-params after shard-optimizer."
+                )
+
+
 def check_communication(programs: list[StepProgram], members: dict[str, tuple[int, ...]]) -> None:
     """Statically: simulate every rank's communication in order (see :func:`simulate_communication`)."""
     simulate_communication({p.rank: communication_plan(p.graph) for p in programs}, members)

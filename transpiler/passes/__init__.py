@@ -11,6 +11,7 @@ from .clip_grad_norm import ClipGradNorm
 from .dim_reduce import DimReduce
 from .freeze_groups import FreezeGroups
 from .fuse_allreduce import FuseAllReduce
+from .gather_params import GatherParams
 from .local_sgd import LocalSGDAverage
 from .loss_scale import LossScale
 from .partial_average import PartialAverage
@@ -37,6 +38,7 @@ PASSES: dict[str, type[Pass]] = {
         PartialAverage,
         LossScale,
         ClipGradNorm,
+        GatherParams,
         DimReduce,
         ScheduleCollectives,
         ReinplaceOptimizer,
@@ -54,6 +56,7 @@ __all__ = [
     "DimReduce",
     "FreezeGroups",
     "FuseAllReduce",
+    "GatherParams",
     "LocalSGDAverage",
     "LossScale",
     "PartialAverage",

@@ -9,9 +9,14 @@ Guarantees: with ``n_i = _foreach_norm(g, norm-type)[i]`` over every gradient (t
 ``g_i * coef``: the ops ``clip_grad_norm_`` runs, in its order. After a
 reduction every rank holds the same gradients, so the norm is the global
 norm of the averaged gradient and identical on every rank (no extra
-communication). ``total`` comes out as the metric ``grad_norm``. With loss
-scaling the gradients are already unscaled; on an overflow step the norm is
-inf or NaN and the update is skipped anyway.
+communication). Under a sharded optimizer (``program.shards``) each rank holds
+a slice of every gradient: ``n_i`` is then ``(sum over ranks of
+norm(slice)^p)^(1/p)``, one all-reduce of the stacked partial sums (for the
+inf-norm, a max), so the norm is global and the same on every rank; it differs
+from ``clip_grad_norm_``'s in the last bits (another summation order).
+``total`` comes out as the metric ``grad_norm``. With loss scaling the
+gradients are already unscaled; on an overflow step the norm is inf or NaN
+and the update is skipped anyway.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ import operator
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 
+from transpiler.errors import ConfigurationError
+from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor, position, repair_order
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
@@ -47,12 +55,10 @@ class ClipGradNorm(Pass):
             return False
         order = position(program.graph)
         cursor = Cursor(program.graph, max(grads.values(), key=order.__getitem__))
-        listed = list(grads.values())
-        per_tensor = cursor.emit(
-            aten._foreach_norm.Scalar, (listed, self.norm_type), role="optimizer", inspects=True
-        )  # what clip_grad_norm_ runs on CPU
-        norms = [cursor.emit(operator.getitem, (per_tensor, i), role="optimizer") for i in range(len(listed))]
-        stacked = cursor.emit(aten.stack.default, (norms,), role="optimizer")
+        if program.shards and program.world_size > 1:
+            stacked = self._norms_from_shards(program, cursor, grads)
+        else:
+            stacked = cursor.emit(aten.stack.default, (self._norms(cursor, list(grads.values())),), role="optimizer")
         total = cursor.emit(aten.linalg_vector_norm.default, (stacked, self.norm_type), role="optimizer", clip=True)
         guarded = cursor.emit(aten.add.Tensor, (total, EPS), role="optimizer")
         coef = cursor.emit(aten.reciprocal.default, (guarded,), role="optimizer")
@@ -64,3 +70,40 @@ class ClipGradNorm(Pass):
         add_outputs(program, [total], [Port("metric", "grad_norm")])
         repair_order(program.graph)  # updates placed between reduced gradients now wait for the norm of all
         return True
+
+    def _norms(self, cursor: Cursor, grads: list[fx.Node]) -> list[fx.Node]:
+        """Each gradient's norm, as ``clip_grad_norm_`` computes them on CPU (``_foreach_norm``)."""
+        if not grads:
+            return []
+        per_tensor = cursor.emit(aten._foreach_norm.Scalar, (grads, self.norm_type), role="optimizer", inspects=True)
+        return [cursor.emit(operator.getitem, (per_tensor, i), role="optimizer") for i in range(len(grads))]
+
+    def _norms_from_shards(self, program: StepProgram, cursor: Cursor, grads: dict[str, fx.Node]) -> fx.Node:
+        """Each parameter's norm when every rank holds a slice of its gradient: the slices' norms to the
+        power p, summed over the ranks by one all-reduce (for the inf-norm, their maximum), to the power 1/p."""
+        unsharded = sorted(set(grads) - set(program.shards))
+        if unsharded:
+            raise ConfigurationError(
+                f"clip-grad-norm: the gradients of {unsharded} are whole while the others are this rank's slices; "
+                "a global norm needs every gradient sharded or none."
+            )
+        owned = [name for name in grads if program.shards[name][1] > program.shards[name][0]]
+        local = dict(zip(owned, self._norms(cursor, [grads[n] for n in owned])))
+        # an empty slice contributes nothing (and has no inf-norm): a zero
+        norms = [
+            local[n] if n in local else cursor.emit(aten.new_zeros.default, (g, []), role="optimizer", inspects=True)
+            for n, g in grads.items()
+        ]
+        stacked = cursor.emit(aten.stack.default, (norms,), role="optimizer")
+        infinite = self.norm_type == float("inf")
+        if not infinite:
+            stacked = cursor.emit(aten.pow.Tensor_Scalar, (stacked, self.norm_type), role="optimizer")
+        info = {"kind": "all_reduce", "norm": tuple(grads), "bytes": len(grads) * stacked.meta["val"].element_size()}
+        reduce = "max" if infinite else "sum"
+        total = cursor.emit(
+            C10D.all_reduce.default, (stacked, reduce, program.group_name), role="communication", collective=info
+        )
+        stacked = cursor.emit(WAIT, (total,), role="communication")
+        if infinite:
+            return stacked
+        return cursor.emit(aten.pow.Tensor_Scalar, (stacked, 1.0 / self.norm_type), role="optimizer")

@@ -8,9 +8,12 @@ state ``loss_scale.scale``, 0-d float32, starting at ``init-scale``). With
 multiplied by ``1/S`` (computed in float64 and rounded, as
 ``torch.amp.GradScaler`` does); ``overflow`` is whether any of them holds an
 inf or NaN, summed over all ranks by one 4-byte all-reduce (as MindSpore
-Boost does), so every rank takes the same decision; on overflow every
-parameter and optimizer-state output is its input (``where``), so the update
-is skipped exactly. With ``dynamic``, the scale then follows GradScaler's
+Boost does), so every rank takes the same decision (under a sharded
+optimizer each rank sees only its slices: the all-reduce is what makes the
+flag global); on overflow every parameter and optimizer-state output is its
+input (``where``; a sharded parameter's input is its slice, and
+``gather-params`` comes after), so the update is skipped exactly. With
+``dynamic``, the scale then follows GradScaler's
 rule with Boost's floor: on overflow ``S = max(S * backoff, min-scale)`` and
 the growth counter restarts; otherwise the counter (extra state
 ``loss_scale.growth_tracker``) counts up and after ``growth-interval`` clean
@@ -102,6 +105,8 @@ class LossScale(Pass):
         overflow = cursor.emit(aten.gt.Scalar, (flag, 0), role="optimizer")
         values = output_values(program)
         inputs = {n.meta.get("port"): n for n in program.graph.nodes if n.op == "placeholder"}
+        # under a sharded optimizer a parameter's update starts from this rank's slice of it
+        inputs |= {Port("param", n.meta["shard_of"]): n for n in program.graph.nodes if "shard_of" in n.meta}
         for i, port in enumerate(program.outputs):
             old = inputs.get(port)
             # State this step creates (the generic path's first step) has no old value; the runtime does not

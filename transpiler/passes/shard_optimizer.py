@@ -12,8 +12,9 @@ Guarantees:
   ``p.view(-1)[lo:hi]``, that slice of the reduced gradient, and optimizer state of ``hi - lo`` elements
   (``program.shards[name] = (lo, hi)``; the runtime holds the state that way, a 0-d ``step`` stays whole).
   Every element of every parameter is updated by exactly one rank (``check_shards`` across ranks);
-- each bucket's updated shard is all-gathered and copied into the parameters, so after the step every rank's
-  parameters hold the full updated values, as with DDP.
+- the parameter outputs are the updated slices, and each reduce-scatter's ``collective`` meta records its
+  bucket's layout (``starts``, ``length``): ``gather-params`` all-gathers them into the parameters after the
+  passes that wrap the update (loss scaling, clipping) have run on the slices.
 
 With ``keep-gradient-buckets`` (ZeRO-1) a bucket is a persistent buffer the gradients are produced into
 (``bucket_views.py``, DDP's ``gradient_as_bucket_view``). Without it (ZeRO-2) a bucket is packed when its last
@@ -41,7 +42,7 @@ from transpiler.graph.program import Port, StepProgram
 
 from .bucket_views import write_into_buffer
 from .bucketing import BucketedGradientPass
-from .gradient_flow import before_output, input_node, output_values, replace_gradient, set_output_values
+from .gradient_flow import input_node, replace_gradient
 
 aten = torch.ops.aten
 # not tagged pointwise, yet element for element: copies and factories shaped like their input
@@ -58,18 +59,6 @@ SHAPE_FOLLOWING = frozenset(
         aten.alias.default,
     }
 )
-
-
-@dataclass(frozen=True)
-class ShardedBucket:
-    """One bucket as the shards see it: its parameters, where each starts in the flat buffer, its length."""
-
-    index: int
-    names: list[str]
-    starts: list[int]
-    sizes: list[int]
-    length: int
-    itemsize: int
 
 
 @dataclass(frozen=True)
@@ -90,15 +79,11 @@ class ShardOptimizer(BucketedGradientPass):
                 f"parameter '{flat_params[0].meta['grad_of']}' is 0-d; a sharded optimizer cuts parameters into "
                 "1-D slices. Make it a 1-element tensor (nn.Parameter(torch.tensor([v]))), or use fused_allreduce."
             )
-        buckets = [
+        for index, members, cursor in self.buckets(program, grads):
             self._reduce_scatter(program, [grads[i] for i in members], index, cursor)
-            for index, members, cursor in self.buckets(program, grads)
-        ]
         _update_shards(program)
-        for bucket in buckets:
-            _gather(program, bucket)
 
-    def _reduce_scatter(self, program: StepProgram, nodes: list[fx.Node], index: int, cursor: Cursor) -> ShardedBucket:
+    def _reduce_scatter(self, program: StepProgram, nodes: list[fx.Node], index: int, cursor: Cursor) -> None:
         world, rank = program.world_size, program.rank
         comm = {"role": "communication", "bucket": ("grads", index)}
         if self.keep_gradient_buckets:
@@ -115,6 +100,8 @@ class ShardOptimizer(BucketedGradientPass):
             "grads": tuple(names),
             "bytes": length * itemsize,
             "padding_bytes": (length - sum(sizes)) * itemsize,
+            "starts": tuple(starts),
+            "length": length,
         }
         scattered = cursor.emit(
             C10D.reduce_scatter_tensor.default, (flat, "sum", world, program.group_name), collective=info, **comm
@@ -127,7 +114,6 @@ class ShardOptimizer(BucketedGradientPass):
             piece = cursor.emit(aten.slice.Tensor, (mine, 0, begin, begin + hi - lo), **comm)
             replace_gradient(node, piece)
             program.shards[node.meta["grad_of"]] = (lo, hi)
-        return ShardedBucket(index, names, starts, sizes, length, itemsize)
 
 
 def owned(start: int, size: int, rank: int, shard: int) -> tuple[int, int]:
@@ -167,7 +153,7 @@ def _update_shards(program: StepProgram) -> None:
         value = param.meta["val"]
         at = Cursor(program.graph, param)
         flat = at.emit(aten.view.default, (param, [-1]), role="optimizer")
-        piece = at.emit(aten.slice.Tensor, (flat, 0, lo, hi), role="optimizer")
+        piece = at.emit(aten.slice.Tensor, (flat, 0, lo, hi), role="optimizer", shard_of=name)
         for reader in [u for u in param.users if u.meta.get("role") == "optimizer" and u is not flat]:
             reader.replace_input_with(param, piece)
         owner[piece] = owner[gradients[name]] = name
@@ -209,42 +195,3 @@ def _check_elementwise(node: fx.Node, name: str, owner: dict[fx.Node, str]) -> N
         "each rank's slice of every parameter, so only element-wise optimizers (SGD, Adam, AdamW, RMSprop, "
         "Adagrad, NAdam...) run there. Use fused_allreduce for this optimizer."
     )
-
-
-def _gather(program: StepProgram, bucket: ShardedBucket) -> None:
-    """All-gather the bucket's updated shard and copy every parameter's new values into it, in place."""
-    world, rank = program.world_size, program.rank
-    shard = bucket.length // world
-    values = output_values(program)
-    where = {port.name: i for i, port in enumerate(program.outputs) if port.kind == "param"}
-    cursor = before_output(program)
-    comm = {"role": "communication", "bucket": ("params", bucket.index)}
-    params = [input_node(program, Port("param", name)) for name in bucket.names]
-    parts, end = [], rank * shard
-    for name, start in zip(bucket.names, bucket.starts):
-        lo, hi = program.shards[name]
-        if hi == lo:
-            continue
-        if start + lo > end:
-            parts.append(cursor.emit(aten.new_zeros.default, (values[where[name]], [start + lo - end]), **comm))
-        parts.append(values[where[name]])
-        end = start + hi
-    if (rank + 1) * shard > end:
-        like = parts[-1] if parts else params[0]
-        parts.append(cursor.emit(aten.new_zeros.default, (like, [(rank + 1) * shard - end]), **comm))
-    send = parts[0] if len(parts) == 1 else cursor.emit(aten.cat.default, (parts,), **comm)
-    info = {
-        "kind": "all_gather",
-        "bucket": bucket.index,
-        "params": tuple(bucket.names),
-        "bytes": bucket.length * bucket.itemsize,
-    }
-    gathered = cursor.emit(
-        C10D.all_gather_into_tensor.default, (send, world, program.group_name), collective=info, **comm
-    )
-    full = cursor.emit(WAIT, (gathered,), **comm)
-    for name, param, start, n in zip(bucket.names, params, bucket.starts, bucket.sizes):
-        part = cursor.emit(aten.slice.Tensor, (full, 0, start, start + n), **comm)
-        whole = cursor.emit(aten.view.default, (part, list(param.meta["val"].shape)), **comm)
-        values[where[name]] = cursor.emit(aten.copy_.default, (param, whole), **comm)
-    set_output_values(program, values)

@@ -39,6 +39,7 @@ class Strategy:
     schedule: Callable[[], Any] = EveryStep
     groups: Callable[[int], list[tuple[int, ...]]] = lambda world: []  # rank subsets to create as process groups
     check: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None  # at transpile(): optimizer, files
+    replicated: bool = False  # after every update all ranks hold the same model and optimizer (or its slices)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Recipe:
     schedule: Callable[[], Any] = EveryStep
     groups: Callable[[int], list[tuple[int, ...]]] = lambda world: []
     check: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None
+    replicated: bool = False  # see Strategy; what a resharding checkpoint (save_checkpoint) needs
 
 
 _scale = field_options(LossScale)
@@ -151,7 +153,7 @@ def compose(recipe: Recipe, values: dict[str, Any]) -> Strategy:
         if groups:
             _freeze_check(optimizer)
 
-    return Strategy(variants, schedule, recipe.groups, check)
+    return Strategy(variants, schedule, recipe.groups, check, recipe.replicated)
 
 
 def _fields(p: Pass) -> dict[str, Any]:

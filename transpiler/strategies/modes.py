@@ -18,6 +18,7 @@ from transpiler.passes.allreduce_grads import AllReduceGrads
 from transpiler.passes.broadcast_params import BroadcastParams
 from transpiler.passes.dim_reduce import DimReduce
 from transpiler.passes.fuse_allreduce import FuseAllReduce
+from transpiler.passes.gather_params import GatherParams
 from transpiler.passes.local_sgd import LocalSGDAverage
 from transpiler.passes.partial_average import PartialAverage
 from transpiler.passes.reinplace_optimizer import ReinplaceOptimizer
@@ -85,7 +86,7 @@ def _tail() -> list[Pass]:
 
 
 def _allreduce() -> Recipe:
-    return Recipe({"step": [AllReduceGrads()]}, _prefix(), [ScaleLossGrad()], _tail())
+    return Recipe({"step": [AllReduceGrads()]}, _prefix(), [ScaleLossGrad()], _tail(), replicated=True)
 
 
 def _fused(
@@ -107,7 +108,7 @@ def _fused(
             compress=compress,
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
-    return Recipe({"step": [reduce]}, _prefix(), [ScaleLossGrad()], _tail())
+    return Recipe({"step": [reduce]}, _prefix(), [ScaleLossGrad()], _tail(), replicated=not sparsify)
 
 
 def _local_sgd(
@@ -164,7 +165,9 @@ def _zero(stage: int) -> Callable[..., Recipe]:
         shard = ShardOptimizer(
             bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, keep_gradient_buckets=stage == 1
         )
-        return Recipe({"step": [shard]}, _prefix(), [ScaleLossGrad()], _tail(), check=_elementwise(f"zero{stage}"))
+        tail = [GatherParams(), *_tail()]  # after loss scaling and clipping, which run on the slices
+        check = _elementwise(f"zero{stage}")
+        return Recipe({"step": [shard]}, _prefix(), [ScaleLossGrad()], tail, check=check, replicated=True)
 
     return build
 
@@ -317,13 +320,13 @@ MODES: dict[str, Mode] = {
             "zero1",
             "ZeRO-1: reduce-scatter gradient buckets, update this rank's shard of the optimizer state, all-gather",
             _zero(1),
-            {**BUCKET_OPTIONS, **ACCUMULATION},
+            {**BUCKET_OPTIONS, **ACCUMULATION, **LOSS_SCALING, **CLIPPING},
         ),
         Mode(
             "zero2",
             "ZeRO-2: as zero1, and a gradient bucket lives only until it is reduce-scattered",
             _zero(2),
-            {**BUCKET_OPTIONS, **ACCUMULATION},
+            {**BUCKET_OPTIONS, **ACCUMULATION, **LOSS_SCALING, **CLIPPING},
         ),
         Mode(
             "partial_sync",

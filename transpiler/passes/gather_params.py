@@ -1,0 +1,79 @@
+"""``gather-params``: the second half of ZeRO-1 and ZeRO-2, after the passes that wrap the update.
+
+Requires: ``shard-optimizer`` before it, so every parameter output is this rank's updated slice
+``p.view(-1)[lo:hi]`` (``program.shards``) and every reduce-scatter's ``collective`` meta holds its bucket's
+layout (``grads``, ``starts``, ``length``). Loss scaling and clipping run between the two, on the slices.
+Guarantees: each bucket's updated shard is all-gathered (``all_gather_into_tensor``) in bucket order, and
+every parameter's new values are copied out of it into the parameter in place, so after the step every rank's
+parameters hold the full updated values, as with DDP. A rank that owns nothing of a bucket sends zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from transpiler.graph.collectives import C10D, WAIT
+from transpiler.graph.pipeline import Pass
+from transpiler.graph.program import Port, StepProgram
+
+from .gradient_flow import before_output, input_node, output_values, set_output_values
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class GatherParams(Pass):
+    name = "gather-params"
+    summary = "all-gather each bucket's updated parameter shards and copy them into the parameters"
+
+    def run(self, program: StepProgram) -> bool:
+        kinds = {n.meta["collective"]["kind"] for n in program.graph.nodes if "collective" in n.meta}
+        if "all_gather" in kinds:  # gathered already
+            return False
+        buckets = [
+            n.meta["collective"]
+            for n in program.graph.nodes
+            if n.meta.get("collective", {}).get("kind") == "reduce_scatter" and "starts" in n.meta["collective"]
+        ]
+        for bucket in buckets:
+            _gather(program, bucket)
+        return bool(buckets)
+
+
+def _gather(program: StepProgram, bucket: dict) -> None:
+    """All-gather one bucket's updated shard and copy every parameter's new values into it, in place."""
+    world, rank = program.world_size, program.rank
+    names, starts, length = bucket["grads"], bucket["starts"], bucket["length"]
+    shard = length // world
+    values = output_values(program)
+    where = {port.name: i for i, port in enumerate(program.outputs) if port.kind == "param"}
+    cursor = before_output(program)
+    comm = {"role": "communication", "bucket": ("params", bucket["bucket"])}
+    params = [input_node(program, Port("param", name)) for name in names]
+    parts: list[fx.Node] = []
+    end = rank * shard
+    for name, start in zip(names, starts):
+        lo, hi = program.shards[name]
+        if hi == lo:
+            continue
+        if start + lo > end:
+            parts.append(cursor.emit(aten.new_zeros.default, (values[where[name]], [start + lo - end]), **comm))
+        parts.append(values[where[name]])
+        end = start + hi
+    if (rank + 1) * shard > end:
+        like = parts[-1] if parts else params[0]
+        parts.append(cursor.emit(aten.new_zeros.default, (like, [(rank + 1) * shard - end]), **comm))
+    send = parts[0] if len(parts) == 1 else cursor.emit(aten.cat.default, (parts,), **comm)
+    info = {"kind": "all_gather", "bucket": bucket["bucket"], "params": names, "bytes": bucket["bytes"]}
+    gathered = cursor.emit(
+        C10D.all_gather_into_tensor.default, (send, world, program.group_name), collective=info, **comm
+    )
+    full = cursor.emit(WAIT, (gathered,), **comm)
+    for name, param, start in zip(names, params, starts):
+        part = cursor.emit(aten.slice.Tensor, (full, 0, start, start + param.meta["val"].numel()), **comm)
+        whole = cursor.emit(aten.view.default, (part, list(param.meta["val"].shape)), **comm)
+        values[where[name]] = cursor.emit(aten.copy_.default, (param, whole), **comm)
+    set_output_values(program, values)

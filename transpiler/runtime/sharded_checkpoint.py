@@ -1,0 +1,194 @@
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): each rank writes what it holds, and a checkpoint
+written at one world size (and mode) reads back at another.
+
+The state dict has the layout of ``torch.distributed.checkpoint.state_dict.get_state_dict`` (torchtitan's):
+``{"model": model.state_dict(), "optim": {"state": {fqn: {key: tensor}}, "param_groups": [{..., "params":
+[fqn, ...]}]}, "transpiler": {"extra": {...}, "schedule": {...}, "setup": {...}}}``. Under ``zero1``/``zero2`` an
+optimizer-state tensor is this rank's flat slice ``[lo, hi)`` of its parameter; it is saved as a
+``ShardedTensor`` with the parameter's global shape, whose local shards are that slice cut into row-major boxes
+(:func:`flat_boxes`), so DCP can read any layout into any other: written at W=4, read at W=2 or at W=1, and read
+into a plain model and optimizer with ``get_state_dict``/``set_state_dict``. Everything else is the same on
+every rank and saved once (DCP drops replicated copies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+
+from transpiler.errors import CheckpointError
+
+Box = tuple[list[int], list[int], int]  # offsets, sizes, flat start
+
+
+def flat_boxes(shape: Iterable[int], lo: int, hi: int) -> list[Box]:
+    """The elements ``[lo, hi)`` of a row-major tensor of ``shape``, as boxes (each one a contiguous run of the
+    flat tensor): a partial first row, whole rows, a partial last row, recursively. In flat order."""
+    shape = list(shape)
+    if hi <= lo:
+        return []
+    if len(shape) <= 1:
+        return [([lo], [hi - lo], lo)]
+    inner = math.prod(shape[1:])
+    first, last = lo // inner, (hi - 1) // inner
+    if lo % inner == 0 and hi % inner == 0:
+        return [([first] + [0] * (len(shape) - 1), [last - first + 1, *shape[1:]], lo)]
+    if first == last:
+        base = first * inner
+        return [([first, *o], [1, *s], base + f) for o, s, f in flat_boxes(shape[1:], lo - base, hi - base)]
+    cut_lo = lo if lo % inner == 0 else (first + 1) * inner
+    cut_hi = hi if hi % inner == 0 else last * inner
+    return flat_boxes(shape, lo, cut_lo) + flat_boxes(shape, cut_lo, cut_hi) + flat_boxes(shape, cut_hi, hi)
+
+
+def sharded(flat: torch.Tensor, shape: torch.Size, lo: int, rank: int) -> ShardedTensor:
+    """A ShardedTensor of global ``shape`` whose local shards are views of ``flat`` (elements ``[lo, lo +
+    flat.numel())`` of the whole tensor), so DCP reads into ``flat`` in place. Collective: every rank calls it."""
+    where = f"rank:{rank}/{flat.device}"
+    shards = [
+        Shard(flat[start - lo : start - lo + math.prod(sizes)].view(sizes), ShardMetadata(offsets, sizes, where))
+        for offsets, sizes, start in flat_boxes(shape, lo, lo + flat.numel())
+    ]
+    return init_from_local_shards(shards, *shape)
+
+
+def optimizer_state(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], shards: dict[str, tuple[int, int]], rank: int, world: int
+) -> dict[str, Any]:
+    """``get_state_dict``'s layout of the optimizer, with this rank's slices as ShardedTensors."""
+    state: dict[str, dict[str, Any]] = {}
+    for param, entries in optimizer.state.items():
+        name = names[id(param)]
+        bounds = shards.get(name)
+        state[name] = {}
+        for key, value in entries.items():
+            if bounds is not None and torch.is_tensor(value) and value.dim() > 0:
+                lo, hi = bounds
+                flat = value.reshape(-1)
+                if flat.numel() == param.numel() and hi - lo < param.numel():  # not cut yet (no step since)
+                    flat = flat[lo:hi]
+                # in the parameter's shape, as eager holds it; sharded on every rank when there are several
+                value = sharded(flat, param.shape, lo, rank) if world > 1 else flat.view(param.shape)
+            state[name][key] = value
+    return {"state": state, "param_groups": _groups(optimizer, names)}
+
+
+def _groups(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+
+
+def save(state: dict[str, Any], path: str | Path) -> None:
+    with _one_process_quietly():
+        dcp.save(state, checkpoint_id=str(path), no_dist=not is_distributed())
+
+
+def read_setup(path: str | Path) -> dict[str, Any]:
+    """The ``transpiler.setup`` entry of a checkpoint (what it was written by), read before anything else."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except (FileNotFoundError, OSError) as exc:
+        raise CheckpointError(f"no checkpoint at '{path}': {exc}. Write one with step.save_checkpoint(path).") from exc
+    keys = [p[-1] for p in metadata.planner_data.values() if p[:2] == ("transpiler", "setup")]
+    if not keys:
+        raise CheckpointError(
+            f"'{path}' is a torch.distributed.checkpoint folder that step.save_checkpoint() did not write: read it "
+            "with torch.distributed.checkpoint.load into your model and optimizer."
+        )
+    setup: dict[str, Any] = {"transpiler": {"setup": dict.fromkeys(keys)}}
+    load(setup, path)
+    return setup["transpiler"]["setup"]
+
+
+def load_template(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    names: dict[int, str],
+    shards: dict[str, tuple[int, int]] | None,
+    rank: int,
+    world: int,
+) -> tuple[dict[str, Any], dict[tuple[str, str], torch.Tensor]]:
+    """What this rank reads from the checkpoint at ``path``: the model's own tensors (read in place), and
+    optimizer and transpiler state shaped as the checkpoint's metadata says, with this rank's slices where
+    ``shards`` says so. Also the flat slice buffers by ``(fqn, key)``, which DCP fills through the shards."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    by_name = {p_name: p for p_name, p in model.named_parameters()}
+    template: dict[str, Any] = {"model": model.state_dict(), "optim": {"state": {}, "param_groups": None}}
+    slices: dict[tuple[str, str], torch.Tensor] = {}
+    for flat_key, path_of in metadata.planner_data.items():
+        entry = metadata.state_dict_metadata[flat_key]
+        if path_of[0] == "optim" and path_of[1] == "state":
+            name, key = path_of[2], path_of[3]
+            if name not in by_name:
+                raise CheckpointError(
+                    f"the checkpoint holds optimizer state for '{name}', which this model does not have."
+                )
+            value: Any = None
+            if isinstance(entry, TensorStorageMetadata):
+                dtype, size = entry.properties.dtype, tuple(entry.size)
+                bounds = shards.get(name) if shards and world > 1 else None
+                if bounds is not None and size == tuple(by_name[name].shape) and len(size) > 0:
+                    flat = torch.empty(bounds[1] - bounds[0], dtype=dtype, device=by_name[name].device)
+                    slices[(name, key)] = flat
+                    value = sharded(flat, by_name[name].shape, bounds[0], rank)
+                else:
+                    value = torch.empty(size, dtype=dtype, device=by_name[name].device)
+            template["optim"]["state"].setdefault(name, {})[key] = value
+        elif path_of[0] == "transpiler":
+            _put(template, path_of, _empty_like_entry(entry))
+    template["optim"]["param_groups"] = _groups(optimizer, names)
+    return template, slices
+
+
+def _empty_like_entry(entry: Any) -> Any:
+    if isinstance(entry, TensorStorageMetadata):
+        return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    return None  # an object: DCP puts it in
+
+
+def _put(tree: dict[str, Any], path: tuple, value: Any) -> None:
+    for part in path[:-1]:
+        tree = tree.setdefault(part, {})
+    tree[path[-1]] = value
+
+
+class SlicePlanner(DefaultLoadPlanner):
+    """DCP's load planner without its guess at pre-2.4 checkpoints: it takes a checkpoint key missing from the
+    state dict for an old key format, but here it means a rank that owns none of a parameter (no local shard),
+    and the old format then misses ``optim.param_groups``."""
+
+    def create_local_plan(self) -> LoadPlan:
+        return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
+
+
+def load(template: dict[str, Any], path: str | Path) -> None:
+    with _one_process_quietly():
+        dcp.load(template, checkpoint_id=str(path), planner=SlicePlanner(), no_dist=not is_distributed())
+
+
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """DCP warns that it assumes one process whenever no process group exists, even when told ``no_dist``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
