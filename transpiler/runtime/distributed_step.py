@@ -121,7 +121,7 @@ def _slice_of(plan: OptimizerPlan, position: int, key: str, t: torch.Tensor, bou
         raise CheckpointError(
             f"optimizer state '{plan.names[position]}.{key}' has shape {list(t.shape)}; this rank holds elements "
             f"[{lo}, {hi}) of that parameter, or the whole tensor. Was it loaded from a checkpoint of another world "
-            "size or mode? Load it at the world size and mode it was saved at (resharding is not built yet)."
+            "size? step.load_state_dict() reads its own world size only; step.load_checkpoint() reads any."
         )
     return t
 
