@@ -133,7 +133,7 @@ COMBINATIONS = st.fixed_dictionaries(
 
 def rewritten_variants(widths, mode, options, world, make_opt=torch.optim.SGD):
     """Every variant of the strategy, rewritten for rank 0 (verifiers and cross-rank check on), after checking
-    that running its passes again changes nothing."""
+    that running its passes again changes nothing and that its all-gathers run alone."""
     model = mlp([max(w, 2) for w in widths])
     batch = (torch.randn(4, max(widths[0], 2)), torch.randn(4, max(widths[-1], 2)))
     traced, *_ = trace_step(model, make_opt(model.parameters(), lr=0.1), nn.MSELoss(), batch)
@@ -141,8 +141,28 @@ def rewritten_variants(widths, mode, options, world, make_opt=torch.optim.SGD):
     for variant, passes in build_strategy(mode, options).variants.items():
         program = rewrite(traced, passes, Placement(world, 0, "world", False))
         assert_rewrite_is_final(program, passes, f"{variant}: ")
+        assert_all_gathers_run_alone(program.graph)
         programs[variant] = program
     return programs
+
+
+def assert_all_gathers_run_alone(graph) -> None:
+    """On the CPU every all-gather is issued with no other collective in flight and waited at once (torch's
+    gloo corrupts the heap otherwise: docs/strategies/zero.md)."""
+    c10d = torch.ops._c10d_functional
+    in_flight: set = set()
+    for node in graph.nodes:
+        if node.target is c10d.wait_tensor.default:
+            in_flight.discard(node.args[0])
+        elif node.target is c10d.all_gather_into_tensor.default:
+            assert not in_flight, f"{node.name} is issued while {sorted(n.name for n in in_flight)} are in flight"
+            assert node.next.target is c10d.wait_tensor.default and node.next.args[0] is node, node.name
+        elif node.op == "call_function" and node.target in (
+            c10d.all_reduce.default,
+            c10d.reduce_scatter_tensor.default,
+            c10d.broadcast.default,
+        ):
+            in_flight.add(node)
 
 
 @SLOW

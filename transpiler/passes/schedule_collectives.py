@@ -7,22 +7,25 @@ the rest of backward; the optimizer's updates run in the order their
 collectives complete (a stable sort by the last collective each depends on),
 so the parameters of the first buckets update while the last bucket is still
 being reduced; every wait and the unpacking after it sits right before its
-first reader; every collective's tensor inputs stay referenced until its wait
-(an ``alias`` after the wait): freed right after the issue, gloo on CPU (torch
-2.13) corrupted the heap in about 1 of 5 runs of the zero tests' world of 4
-(none in 7 runs with them kept). Collectives keep their order (none is hoisted ahead of the one
+first reader. Collectives keep their order (none is hoisted ahead of the one
 before it, even where ranks' programs differ, as a sharded update's do), so all
 ranks keep the same collective sequence.
+
+An all-gather of CPU tensors (gloo) runs alone: every collective issued before
+it is waited before it is issued, and it is waited at once. torch 2.13's gloo
+corrupts the heap when all-gathers are in flight together ("malloc(): unaligned
+tcache chunk detected", SIGSEGV; bench/gloo_all_gather.py reproduces it with
+torch alone), so overlapping them on the CPU is not safe. GPU collectives
+(NCCL) keep the full overlap.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
-from transpiler.graph.collectives import is_collective, is_wait
+from transpiler.graph.collectives import C10D, is_collective, is_wait
 from transpiler.graph.edit import position, repair_order
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import StepProgram
@@ -71,8 +74,7 @@ class ScheduleCollectives(Pass):
 
     def run(self, program: StepProgram) -> bool:
         graph = program.graph
-        keepers = {n for n in graph.nodes if n.meta.get("keeps_alive")}  # stay right after their wait
-        comm = [n for n in graph.nodes if n.meta.get("role") == "communication" and n not in keepers]
+        comm = [n for n in graph.nodes if n.meta.get("role") == "communication"]
         completion = _completion_side(comm)
         before = list(graph.nodes)
         order: dict[fx.Node, float] = dict(position(graph))  # kept up to date with fractional positions
@@ -101,24 +103,29 @@ class ScheduleCollectives(Pass):
             if node not in completion or not node.users:
                 continue
             first = min(node.users, key=order.__getitem__)
-            if not _only_between(node, first, completion | keepers):
+            if not _only_between(node, first, completion):
                 order[node] = (order[first.prev] + order[first]) / 2
                 first.prepend(node)
-        _keep_inputs_until_waited(graph)
+        _host_all_gathers_alone(graph)
         return list(graph.nodes) != before
 
 
-def _keep_inputs_until_waited(graph: fx.Graph) -> None:
-    """A collective's tensor inputs stay referenced until its wait: the graph would otherwise free them right
-    after the collective is issued, while the backend may still be working on them."""
+def _host_all_gathers_alone(graph: fx.Graph) -> None:
+    """Every all-gather of CPU tensors runs with no other collective in flight: the waits of the collectives
+    still in flight move right before it, and its own wait right after it (a wait moved earlier stays after
+    its collective and before its readers)."""
+    in_flight: dict[fx.Node, list[fx.Node]] = {}  # collective -> its waits, for those issued and not waited yet
     for node in list(graph.nodes):
+        if is_wait(node):
+            in_flight.pop(node.args[0], None)
         if not is_collective(node):
             continue
-        wait = next(u for u in node.users if is_wait(u))
-        inputs = [i for i in node.all_input_nodes if isinstance(i.meta.get("val"), torch.Tensor)]
-        if any(u.meta.get("keeps_alive") for i in inputs for u in i.users):
-            continue
-        for value in inputs:
-            with graph.inserting_after(wait):
-                keep = graph.call_function(torch.ops.aten.alias.default, (value,))
-            keep.meta.update(role="communication", keeps_alive=True, val=value.meta["val"])
+        waits = [u for u in node.users if is_wait(u)]
+        if node.target is C10D.all_gather_into_tensor.default and node.args[0].meta["val"].device.type == "cpu":
+            for wait in [w for pending in in_flight.values() for w in pending]:
+                node.prepend(wait)
+            in_flight.clear()
+            for wait in reversed(waits):
+                node.append(wait)
+        else:
+            in_flight[node] = waits
