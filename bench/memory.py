@@ -5,7 +5,9 @@
 Each rank builds every variant from the same weights (AdamW, the 5M-parameter MLP of bench/models.py), runs the
 variants interleaved round by round, and reports the median step time over rounds and the bytes it holds
 between steps, counted from the tensors held (``step.memory_report()``; for DDP the same counter over its
-parameters, its gradients, which are views of its buckets, and its optimizer state). Nothing here is a test.
+parameters, its gradients, which are views of its buckets, and its optimizer state). It then times ``zero1``'s
+bucket collectives alone (all-reduce, reduce-scatter, all-gather), to say how much of zero's extra step time is
+communication. Nothing here is a test.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from bench.models import batch_for, build  # noqa: E402
 from transpiler import transpile  # noqa: E402
 from transpiler.runtime.memory_report import StorageCounter  # noqa: E402
 
-MODEL, PER_RANK, WARMUP, STEPS, ROUNDS = "mlp_5m", 32, 2, 5, 3
+MODEL, PER_RANK, WARMUP, STEPS, ROUNDS = "mlp_5m", 32, 2, 5, 5
 VARIANTS = ("ddp", "fused_allreduce", "zero1", "zero2")
 COMMAND = "python bench/memory.py"
 MIB = 1024 * 1024
@@ -59,7 +61,7 @@ def rank_main(out: str) -> None:
     gen = torch.Generator().manual_seed(rank)
     batch = batch_for(MODEL, PER_RANK, gen)
     loss_fn = torch.nn.CrossEntropyLoss()
-    steps = {}
+    steps, transpiled = {}, {}
     for variant in VARIANTS:
         model = copy.deepcopy(base)
         if variant == "ddp":
@@ -74,7 +76,7 @@ def rank_main(out: str) -> None:
             steps[variant] = (run, lambda model=model, optimizer=optimizer: ddp_bytes(model, optimizer))
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            step = transpile(model, optimizer, mode=variant, loss_fn=loss_fn)
+            step = transpiled[variant] = transpile(model, optimizer, mode=variant, loss_fn=loss_fn)
 
             def report(step=step) -> dict[str, int]:
                 r = step.memory_report()
@@ -96,11 +98,60 @@ def rank_main(out: str) -> None:
         for v in VARIANTS
     }
     result["psi"] = sum(p.numel() for p in base.parameters())
+    lengths = [
+        n.meta["collective"]["length"]
+        for n in transpiled["zero1"].graph_module.graph.nodes
+        if n.meta.get("collective", {}).get("kind") == "reduce_scatter"
+    ]
+    result["comm"] = collective_ms(lengths, world)
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:
         Path(out).write_text(json.dumps({"world": world, "ranks": gathered}))
-    dist.destroy_process_group()
+    # no destroy_process_group(): on torch 2.13 it can deadlock, joining a gloo thread (GIL held) that waits for
+    # the GIL to free the last all-gather's tensors (seen here at W=4). The results are written, so leave.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def collective_ms(lengths: list[int], world: int) -> dict[str, float]:
+    """Median ms of ``zero1``'s bucket collectives alone, without compute: the all-reduce of the same buckets
+    (what DDP and ``fused_allreduce`` send), the reduce-scatters in flight together, and the all-gathers of the
+    shards one at a time (as ``schedule-collectives`` runs them on the CPU)."""
+    c10d, group = torch.ops._c10d_functional, dist.group.WORLD.group_name
+    buckets = [torch.randn(n) for n in lengths]
+    shards = [b[: n // world].clone() for b, n in zip(buckets, lengths)]
+    runs = {
+        "all_reduce": lambda: [c10d.wait_tensor(w) for w in [c10d.all_reduce(b, "sum", group) for b in buckets]],
+        "reduce_scatter": lambda: [
+            c10d.wait_tensor(w) for w in [c10d.reduce_scatter_tensor(b, "sum", world, group) for b in buckets]
+        ],
+        "all_gather": lambda: [c10d.wait_tensor(c10d.all_gather_into_tensor(s, world, group)) for s in shards],
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(ROUNDS):
+        for name, run in runs.items():
+            run()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(STEPS):
+                run()
+            times[name].append((time.perf_counter() - start) / STEPS * 1000)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def comm_table(runs: list[dict]) -> str:
+    """Where zero's extra time goes: its collectives alone against the all-reduce DDP sends (slowest rank)."""
+    lines = [
+        "| W | all-reduce alone | reduce-scatter alone | all-gather alone | RS + AG − AR | zero1 − DDP step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        ranks = run["ranks"]
+        ar, rs, ag = (max(r["comm"][k] for r in ranks) for k in ("all_reduce", "reduce_scatter", "all_gather"))
+        extra = max(r["zero1"]["ms"] for r in ranks) - max(r["ddp"]["ms"] for r in ranks)
+        lines.append(f"| {run['world']} | {ar:.1f} | {rs:.1f} | {ag:.1f} | {rs + ag - ar:.1f} | {extra:.1f} |")
+    return "\n".join(lines)
 
 
 def theory(variant: str, psi: int, world: int) -> float:
@@ -153,7 +204,7 @@ def main() -> None:
             subprocess.run(cmd, check=True, timeout=1800, env=env, cwd=ROOT)
             runs.append(json.loads(out.read_text()))
             print(f"W={world} done", flush=True)
-    text = table(runs)
+    text = f"{table(runs)}\n\nzero1's collectives alone, ms per step (medians, no compute):\n\n{comm_table(runs)}"
     print(text)
     doc = ROOT / "docs" / "memory.md"
     head, _, _ = doc.read_text().partition("<!-- table -->") if doc.exists() else (HEADER, "", "")
