@@ -186,6 +186,34 @@ def composed(
     return record
 
 
+def compiled(mode: str, rank: int, world: int) -> dict:
+    """``compile=True``: AdamW with a LambdaLR scheduler, 8 steps against DDP with the same scheduler, on the
+    MLP (whose buckets are padded to W shards); and how many graphs Dynamo made."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(1234)
+    base = build_model("mlp")
+    ours, ddp = copy.deepcopy(base), DDP(copy.deepcopy(base), gradient_as_bucket_view=True)
+    ours_opt, ddp_opt = OPTIMIZERS["adamw"](ours.parameters()), OPTIMIZERS["adamw"](ddp.parameters())
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda i: 1.0 / (1 + i)) for o in (ours_opt, ddp_opt)]
+    step = transpile(ours, ours_opt, mode=mode, loss_fn=torch.nn.CrossEntropyLoss(), compile=True, **CAPS)
+    shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    record: dict = {"params": []}
+    for batch in batches("mlp", world, steps=8):
+        part = tuple(t[shard] for t in batch)
+        step(*part)
+        ddp_opt.zero_grad()
+        loss_of("mlp", ddp, part).backward()
+        ddp_opt.step()
+        for scheduler in schedulers:
+            scheduler.step()
+        theirs = dict(ddp.module.named_parameters())
+        record["params"].append(largest(dict(ours.named_parameters()), theirs)[1])
+    record["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    record["compile_seconds"] = dict(step.compile_seconds)
+    return record
+
+
 def resume(rank: int, world: int, mode: str) -> dict:
     """Three steps, a checkpoint, two more; and a fresh model, optimizer and step loading it for the same two."""
     data = batches("tied", world)
@@ -289,6 +317,8 @@ def checks(rank: int, world: int) -> dict:
     results["resume"] = {mode: resume(rank, world, mode) for mode in ("zero1", "zero2")}
     if world == 2:
         results["refusals"] = refusals(rank, world)
+        if os.environ.get("ATEN_CPU_CAPABILITY") != "default":  # Inductor's C++ does not build under it
+            results["compiled"] = {mode: compiled(mode, rank, world) for mode in ("zero1", "zero2")}
     return results
 
 

@@ -52,7 +52,7 @@ def functional_copy(gm: fx.GraphModule) -> fx.GraphModule:
 def _functional_buckets(graph: fx.Graph) -> None:
     """Persistent bucket buffers back to the functional form: producers lose ``out=``, copies into the
     buffer go, and the buffer a bucket's writes fill becomes a ``cat`` of them, with zeros where the buffer
-    pads a slot to its alignment (Inductor plans buffers)."""
+    pads a slot to its alignment or itself to W equal shards (Inductor plans buffers)."""
     functional = {out: op for op, out in OUT_FORMS.items()}
     spans = {
         n: [slot_span(w, n.args[0]) for w in n.args[1]]
@@ -74,6 +74,9 @@ def _functional_buckets(graph: fx.Graph) -> None:
                         pieces.append(graph.call_function(aten.new_zeros.default, (write, [start - end])))
                     pieces.append(graph.call_function(aten.reshape.default, (write, [-1])))
                     end = stop
+                length = node.args[0].meta["val"].numel()  # a sharded bucket is padded to W equal shards
+                if length > end:
+                    pieces.append(graph.call_function(aten.new_zeros.default, (node.args[1][-1], [length - end])))
                 flat = graph.call_function(aten.cat.default, (pieces,))
             flat.meta.update(node.meta)
             node.replace_all_uses_with(flat)
