@@ -9,7 +9,9 @@ together:
   gave them before);
 * ``beside``: the reduce-scatters are in flight while each all-gather is issued and waited at once;
 * ``alone``: each all-gather is issued with nothing else in flight and waited at once; the reduce-scatters
-  are still all in flight together (what ``schedule-collectives`` emits for CPU tensors now).
+  are still all in flight together (what ``schedule-collectives`` emits for CPU tensors now);
+* ``all_to_all``: as ``alone``, with each reduce-scatter made of an ``all_to_all_single`` and a local sum of
+  the W chunks received (a cheaper reduce-scatter on gloo, docs/memory.md), all in flight together.
 
 A run that dies (``malloc(): unaligned tcache chunk detected``, ``free(): invalid pointer``, SIGSEGV, or the
 other rank's "Connection reset by peer") counts as crashed. Under gdb with glibc's malloc checks
@@ -31,7 +33,7 @@ import time
 from datetime import timedelta
 
 BUCKETS = [128, 4096, 128, 4096, 256, 1024, 128, 3072, 256, 4096, 128, 4096, 256, 1024, 128, 3072, 768, 3200]
-PATTERNS = ("together", "beside", "alone")
+PATTERNS = ("together", "beside", "alone", "all_to_all")
 
 
 def rank_main(pattern: str, steps: int) -> None:
@@ -45,7 +47,14 @@ def rank_main(pattern: str, steps: int) -> None:
     c10d = torch.ops._c10d_functional
     gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(steps):
-        scattered = [c10d.reduce_scatter_tensor(torch.randn(n, generator=gen), "sum", world, group) for n in BUCKETS]
+        if pattern == "all_to_all":
+            splits = [[n // world] * world for n in BUCKETS]
+            sent = [c10d.all_to_all_single(torch.randn(n, generator=gen), s, s, group) for n, s in zip(BUCKETS, splits)]
+            scattered = [c10d.wait_tensor(t).view(world, -1).sum(0) for t in sent]
+        else:
+            scattered = [
+                c10d.reduce_scatter_tensor(torch.randn(n, generator=gen), "sum", world, group) for n in BUCKETS
+            ]
         if pattern == "together":
             shards = [c10d.wait_tensor(s) * 0.5 for s in scattered]
             gathered = [c10d.all_gather_into_tensor(s, world, group) for s in shards]
@@ -56,7 +65,7 @@ def rank_main(pattern: str, steps: int) -> None:
                 for s in scattered
             ]
         else:
-            shards = [c10d.wait_tensor(s) * 0.5 for s in scattered]
+            shards = [(s if pattern == "all_to_all" else c10d.wait_tensor(s)) * 0.5 for s in scattered]
             full = [c10d.wait_tensor(c10d.all_gather_into_tensor(s, world, group)) for s in shards]
         assert [t.numel() for t in full] == BUCKETS
     dist.destroy_process_group()
