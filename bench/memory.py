@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -83,16 +84,7 @@ def rank_main(out: str) -> None:
                 return {k: getattr(r, k) for k in ("parameters", "gradients", "optimizer_state", "peak")}
 
             steps[variant] = (lambda step=step: step(*batch), report)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for _ in range(ROUNDS):
-        for variant, (run, _) in steps.items():
-            for _ in range(WARMUP):
-                run()
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(STEPS):
-                run()
-            times[variant].append((time.perf_counter() - start) / STEPS * 1000)
+    times = interleaved_ms({v: run for v, (run, _) in steps.items()}, WARMUP)
     result = {
         v: {"ms": statistics.median(times[v]), "ms_range": (min(times[v]), max(times[v])), **steps[v][1]()}
         for v in VARIANTS
@@ -128,16 +120,23 @@ def collective_ms(lengths: list[int], world: int) -> dict[str, float]:
         ],
         "all_gather": lambda: [c10d.wait_tensor(c10d.all_gather_into_tensor(s, world, group)) for s in shards],
     }
-    times: dict[str, list[float]] = {k: [] for k in runs}
+    return {k: statistics.median(v) for k, v in interleaved_ms(runs, warmup=1).items()}
+
+
+def interleaved_ms(runs: dict[str, Callable[[], object]], warmup: int) -> dict[str, list[float]]:
+    """ms per call of each run, one figure per round: ``ROUNDS`` rounds that take the runs in turn, each with
+    ``warmup`` untimed calls, a barrier, then ``STEPS`` timed calls."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(ROUNDS):
         for name, run in runs.items():
-            run()
+            for _ in range(warmup):
+                run()
             dist.barrier()
             start = time.perf_counter()
             for _ in range(STEPS):
                 run()
             times[name].append((time.perf_counter() - start) / STEPS * 1000)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
 def comm_table(runs: list[dict]) -> str:
