@@ -130,9 +130,8 @@ REPLICATED_EXTRA = (SCALE, TRACKER)  # pass-added state the same on every rank: 
 
 
 def _checkpoint_module() -> Any:
-    """``runtime/sharded_checkpoint.py``, imported when a DCP checkpoint is written or read, not before: with
-    ``torch.distributed.checkpoint`` imported, a gloo world of 4 running the zero tests' worker died of heap
-    corruption in 1 run of 5 (torch 2.13, CPU), against none in 13 without the import."""
+    """``runtime/sharded_checkpoint.py``, imported when a DCP checkpoint is written or read, not at start-up:
+    it imports ``torch.distributed.checkpoint``, which a step that never checkpoints does not need."""
     from . import sharded_checkpoint
 
     return sharded_checkpoint
@@ -516,7 +515,7 @@ class DistributedStep:
             )
         sharded_checkpoint = _checkpoint_module()
         world, rank = self.placement.world_size, self.placement.rank
-        shards = self._last.programs[next(iter(self._last.programs))].shards if self._last is not None else {}
+        shards = self._shards() or {}
         state = {
             "model": self.model.state_dict(),
             "optim": sharded_checkpoint.optimizer_state(self.optimizer, self._fqns(), shards, rank, world),
@@ -541,7 +540,7 @@ class DistributedStep:
                 f"optimizer is {type(self.optimizer).__qualname__} and it reads format {CHECKPOINT_FORMAT}."
             )
         names = self._fqns()
-        shards = self._last.programs[next(iter(self._last.programs))].shards if self._last is not None else None
+        shards = self._shards()
         world, rank = self.placement.world_size, self.placement.rank
         template, slices = sharded_checkpoint.load_template(
             path, self.model, self.optimizer, names, shards, rank, world
@@ -564,6 +563,11 @@ class DistributedStep:
         if self._last is not None:
             self._init_extra(self._last)
         self._started = True
+
+    def _shards(self) -> dict[str, tuple[int, int]] | None:
+        """This rank's ``[lo, hi)`` of each sharded parameter, once the step is built (the same in every
+        variant); None before."""
+        return self._last.programs[next(iter(self._last.programs))].shards if self._last is not None else None
 
     def _fqns(self) -> dict[int, str]:
         """Each parameter's name in the model (a tied one under its first name), by ``id``."""
