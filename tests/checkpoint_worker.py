@@ -32,9 +32,10 @@ def fresh_tied(mode: str, example: tuple | None = None):
 
 
 def dcp_checkpoints(rank: int, world: int, root: str) -> dict:
-    """torch.distributed.checkpoint: a same-size resume, bitwise; at W=4 the checkpoint the other sizes read;
-    at W=2 that checkpoint read into zero1 (built first: each rank reads only its slices) and into a step not
-    yet built (whole tensors, cut at the first step), each then trained 2 steps next to DDP loaded from the same
+    """torch.distributed.checkpoint: a same-size resume, bitwise (zero3 at W=4, whose parameters are slices
+    too; zero1 at W=2); at W=4 the checkpoint the other sizes read; at W=2 that checkpoint read into zero3
+    (built first: each rank reads only its slices of parameters and state) and into a zero1 step not yet built
+    (whole tensors, cut at the first step), each then trained 2 steps next to DDP loaded from the same
     checkpoint with get_state_dict/dcp.load/set_state_dict."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -42,7 +43,7 @@ def dcp_checkpoints(rank: int, world: int, root: str) -> dict:
     data = batches("tied", world)
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     out: dict = {}
-    mode = "zero2" if world == 4 else "zero1"
+    mode = "zero3" if world == 4 else "zero1"
     model, optimizer, step = fresh_tied(mode)
     torch.manual_seed(1234)
     model.load_state_dict(build_model("tied").state_dict())
@@ -51,11 +52,9 @@ def dcp_checkpoints(rank: int, world: int, root: str) -> dict:
     path = os.path.join(root, f"dcp_w{world}")
     step.save_checkpoint(path)
     out["path"] = path
-    out["saved"] = {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "state": whole_state(model, optimizer),
-        "shards": dict(step.program.shards),
-    }
+    with step.gathered():
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["saved"] = {"params": params, "state": whole_state(model, optimizer), "shards": dict(step.program.shards)}
     for x, y in data[3:]:
         step(x[shard], y[shard])
     model2, optimizer2, step2 = fresh_tied(mode)
@@ -68,13 +67,14 @@ def dcp_checkpoints(rank: int, world: int, root: str) -> dict:
     }
     source = os.path.join(root, "dcp_w4")
     if world == 2 and os.path.exists(source):
-        for name, example in (("built", tuple(t[shard] for t in data[3])), ("unbuilt", None)):
-            model3, optimizer3, step3 = fresh_tied("zero1", example)
+        for name, reader, example in (("built", "zero3", tuple(t[shard] for t in data[3])), ("unbuilt", "zero1", None)):
+            model3, optimizer3, step3 = fresh_tied(reader, example)
             step3.load_checkpoint(source)
-            loaded = {
-                "params": {n: p.detach().clone() for n, p in model3.named_parameters()},
-                "state": whole_state(model3, optimizer3),
-            }
+            with step3.gathered():
+                loaded = {
+                    "params": {n: p.detach().clone() for n, p in model3.named_parameters()},
+                    "state": whole_state(model3, optimizer3),
+                }
             ddp_model = build_model("tied")
             ddp_opt = OPTIMIZERS["adamw"](ddp_model.parameters())
             msd, osd = get_state_dict(ddp_model, ddp_opt)
@@ -87,9 +87,11 @@ def dcp_checkpoints(rank: int, world: int, root: str) -> dict:
                 ddp_opt.zero_grad()
                 torch.nn.functional.cross_entropy(ddp(x[shard]), y[shard]).backward()
                 ddp_opt.step()
+                with step3.gathered():
+                    params = largest(dict(model3.named_parameters()), dict(ddp.module.named_parameters()))
                 trained.append(
                     (
-                        largest(dict(model3.named_parameters()), dict(ddp.module.named_parameters())),
+                        params,
                         largest(
                             whole_state(model3, optimizer3), state_slices(ddp.module, ddp_opt, step3.program.shards)
                         ),

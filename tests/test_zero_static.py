@@ -1,5 +1,6 @@
-"""``zero1``/``zero2`` in one process: the shard layout's invariants, world size 1 against eager, the programs of
-every rank of a world checked statically, and what the modes refuse (the worlds run in tests/test_zero.py)."""
+"""``zero1``/``zero2``/``zero3`` in one process: the shard layout's invariants, world size 1 against eager, the
+programs of every rank of a world checked statically, what the modes refuse, and zero3's parameters between
+steps (the worlds run in tests/test_zero.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from hypothesis import strategies as st
 
 from tests.helpers import eager_step
 from tests.models import MLP, TiedLM, make_batch
+from tests.test_boost_properties import assert_all_gathers_run_alone
 from transpiler import transpile
-from transpiler.errors import CheckpointError, UnsupportedOptimizerError, VerificationError
-from transpiler.graph.bucket_layout import SLOT_ALIGN_BYTES, padded_length, slot_offsets
+from transpiler.errors import CheckpointError, ConfigurationError, UnsupportedOptimizerError, VerificationError
+from transpiler.graph.bucket_layout import SLOT_ALIGN_BYTES, is_view, padded_length, slot_offsets
+from transpiler.graph.collectives import WAIT
 from transpiler.graph.verify import check_shards
 from transpiler.passes.shard_optimizer import owned
 from transpiler.runtime.sharded_checkpoint import flat_boxes
@@ -44,10 +47,11 @@ def test_shards_tile_every_parameter_and_start_aligned(sizes, itemsize, world):
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
 
 
-@pytest.mark.parametrize("mode", ["zero1", "zero2"])
+@pytest.mark.parametrize("mode", ["zero1", "zero2", "zero3"])
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_world_of_one_is_eager(mode, opt):
-    """At world size 1 the shard is everything: eager's bits, for 6 steps."""
+    """At world size 1 the shard is everything: eager's bits, for 6 steps (zero3's parameters compared inside
+    ``step.gathered()``; its optimizer state is flat)."""
     torch.manual_seed(0)
     model = TiedLM()
     reference = copy.deepcopy(model)
@@ -62,14 +66,15 @@ def test_world_of_one_is_eager(mode, opt):
         batch = make_batch("tied", 8, gen)
         step(*batch)
         eager_step(reference, ref_opt, LOSS, batch)
-        for a, b in zip(model.parameters(), reference.parameters()):
-            assert torch.equal(a, b)
+        with step.gathered():
+            for a, b in zip(model.parameters(), reference.parameters()):
+                assert torch.equal(a, b)
     for p, q in zip(model.parameters(), reference.parameters()):
         for key, value in ref_opt.state[q].items():
             assert torch.equal(optimizer.state[p][key].reshape(value.shape), value), key
 
 
-def _world_programs(mode: str, world: int) -> list:
+def _world_programs(mode: str, world: int, **options) -> list:
     programs = []
     for rank in range(world):
         torch.manual_seed(0)
@@ -84,6 +89,7 @@ def _world_programs(mode: str, world: int) -> list:
             rank=rank,
             bucket_cap_mb=0.004,
             first_bucket_mb=0.001,
+            **options,
         )
         programs.append(step.program)
     return programs
@@ -108,6 +114,83 @@ def test_rendered_program_names_each_collective():
     assert kinds[len(kinds) // 2 :] == ["all_gather"] * (len(kinds) // 2)
     code = program.graph_module.code
     assert "reduce_scatter_tensor" in code and "all_gather_into_tensor" in code
+
+
+def _zero3_pair(**options):
+    torch.manual_seed(0)
+    model = TiedLM()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    return model, reference, ref_opt, transpile(model, optimizer, mode="zero3", loss_fn=LOSS, **options)
+
+
+def test_zero3_model_between_steps_holds_slices_and_gathered_gives_it_whole():
+    """After a zero3 step the model's parameters are flat slices and running it fails with what to do; inside
+    ``step.gathered()`` it is whole and computes what eager's model does; an edit made there is kept (the next
+    step starts from it, as eager's does), with ``writeback=False`` dropped; a new batch shape traces again on
+    whole stand-ins and stays eager's bits."""
+    model, reference, ref_opt, step = _zero3_pair()
+    gen = torch.Generator().manual_seed(1)
+    batch = make_batch("tied", 8, gen)
+    step(*batch)
+    eager_step(reference, ref_opt, LOSS, batch)
+    assert all(p.dim() == 1 for p in model.parameters() if p.requires_grad)
+    with pytest.raises(ConfigurationError, match="step.gathered"):
+        model(batch[0])
+    with step.gathered() as whole:
+        assert torch.equal(whole(batch[0]), reference(batch[0]))
+        with torch.no_grad():
+            model.proj.bias.add_(1.0)
+    with torch.no_grad():
+        reference.proj.bias.add_(1.0)
+    with step.gathered(writeback=False):
+        with torch.no_grad():
+            model.proj.bias.mul_(0.0)
+    for size in (8, 6, 8):  # 6: a new shape, traced again while the parameters are slices
+        batch = make_batch("tied", size, gen)
+        step(*batch)
+        eager_step(reference, ref_opt, LOSS, batch)
+    assert step.traces == 2
+    with step.gathered():
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def test_zero3_refusals_say_what_to_do():
+    """Freezing a sharded parameter, and loading a state dict into a step that does not know its slices yet."""
+    model, _, _, step = _zero3_pair()
+    batch = make_batch("tied", 8, torch.Generator().manual_seed(1))
+    step(*batch)
+    saved = step.state_dict()
+    model.embed.weight.requires_grad_(False)  # held flat (a 1-D parameter's slice at W=1 is itself: allowed)
+    with pytest.raises(ConfigurationError, match="frozen"):
+        step(*batch)
+    _, _, _, fresh = _zero3_pair()
+    with pytest.raises(CheckpointError, match="example_inputs"):
+        fresh.load_state_dict(saved)
+    _, _, _, built = _zero3_pair(example_inputs=batch)
+    built.load_state_dict(saved)
+
+
+def test_zero3_programs_gather_before_use_and_free_before_the_backward():
+    """Every rank's zero3 program (W=4, checked statically): each bucket is gathered for the forward, and again
+    for the backward where it reads it; no backward node reads the forward's gathered buffers (with
+    ``reshard_after_forward``), and every all-gather runs alone (CPU)."""
+    for reshard in (True, False):
+        for program in _world_programs("zero3", 4, reshard_after_forward=reshard):
+            gathers = [n for n in program.graph.nodes if n.meta.get("collective", {}).get("kind") == "all_gather"]
+            phases = [n.meta["collective"]["phase"] for n in gathers]
+            assert phases.count("forward") == len(program.param_buckets)
+            assert ("backward" in phases) == reshard
+            for gather in gathers:
+                aliases, readers = {gather}, set()
+                for node in program.graph.nodes:
+                    if any(i in aliases for i in node.all_input_nodes):
+                        (aliases if is_view(node) or node.target is WAIT else readers).add(node)
+                late = {r.name for r in readers if r.meta.get("role") in ("loss_grad", "backward")}
+                assert not late if reshard and gather.meta["collective"]["phase"] == "forward" else True, late
+            assert_all_gathers_run_alone(program.graph)
+    check_shards(_world_programs("zero3", 4))
 
 
 def test_world_of_one_with_clipping_is_eager_clip_grad_norm():

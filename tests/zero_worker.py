@@ -88,7 +88,9 @@ def largest(a: dict, b: dict) -> tuple[bool, float]:
     return all(torch.equal(a[k], b[k]) for k in a), max(diffs, default=0.0)
 
 
-def scenario(model_name: str, opt_name: str, mode: str, rank: int, world: int, accumulate: int = 1) -> dict:
+def scenario(
+    model_name: str, opt_name: str, mode: str, rank: int, world: int, accumulate: int = 1, **mode_options
+) -> dict:
     torch.manual_seed(1234)
     base = build_model(model_name)
     ours, ddp_model, single = (copy.deepcopy(base) for _ in range(3))
@@ -98,7 +100,8 @@ def scenario(model_name: str, opt_name: str, mode: str, rank: int, world: int, a
     ddp_opt = make(ddp.parameters())
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     data = batches(model_name, world)
-    options = dict(CAPS, accumulate_steps=accumulate) if accumulate > 1 else CAPS
+    options = dict(CAPS, accumulate_steps=accumulate) if accumulate > 1 else dict(CAPS)
+    options.update(mode_options)
     loss_fn = None if model_name == "gpt2" else torch.nn.CrossEntropyLoss()
     step = transpile(ours, ours_opt, mode=mode, loss_fn=loss_fn, **options)
     record: dict = {"params": [], "state": [], "single": []}
@@ -115,25 +118,28 @@ def scenario(model_name: str, opt_name: str, mode: str, rank: int, world: int, a
                 (loss_of(model_name, ddp, part) / accumulate).backward()
         ddp_opt.step()
         theirs = dict(ddp.module.named_parameters())
-        record["params"].append(
-            largest(
-                {n: p.detach() for n, p in ours.named_parameters()},
-                {n: theirs[n].detach() for n, _ in ours.named_parameters()},
-            )
-        )
         shards = step.program.shards
         record["state"].append(largest(state_slices(ours, ours_opt, None), state_slices(ddp.module, ddp_opt, shards)))
         if rank == 0:
             single_opt.zero_grad()
             loss_of(model_name, single, batch).backward()
             single_opt.step()
-            record["single"].append(largest(dict(ours.named_parameters()), dict(single.named_parameters()))[1])
+        with step.gathered():  # zero3: the whole parameters (a no-op in the other modes)
+            record["params"].append(
+                largest(
+                    {n: p.detach() for n, p in ours.named_parameters()},
+                    {n: theirs[n].detach() for n, _ in ours.named_parameters()},
+                )
+            )
+            if rank == 0:
+                record["single"].append(largest(dict(ours.named_parameters()), dict(single.named_parameters()))[1])
+            record["final"] = {n: p.detach().clone() for n, p in ours.named_parameters()}
     report = step.memory_report()
     record["memory"] = {k: getattr(report, k) for k in ("parameters", "gradients", "optimizer_state", "peak")}
     record["ddp_state_bytes"] = sum(t.numel() * t.element_size() for s in ddp_opt.state.values() for t in s.values())
+    record["model_bytes"] = sum(p.numel() * p.element_size() for p in ddp.module.parameters())
     record["shards"] = dict(step.program.shards)
     record["kinds"] = [n.meta["collective"]["kind"] for n in step.graph_module.graph.nodes if "collective" in n.meta]
-    record["final"] = {n: p.detach().clone() for n, p in ours.named_parameters()}
     return record
 
 
@@ -180,9 +186,10 @@ def composed(
         if scale:  # GradScaler backs off exactly when it skipped a step
             record["skipped"].append((bool(step.last_metrics["overflow"]), scaler.get_scale() < used))
         theirs = dict(ddp.module.named_parameters())
-        record["params"].append(
-            largest(dict(ours.named_parameters()), {n: theirs[n] for n, _ in ours.named_parameters()})
-        )
+        with step.gathered():
+            record["params"].append(
+                largest(dict(ours.named_parameters()), {n: theirs[n] for n, _ in ours.named_parameters()})
+            )
     return record
 
 
@@ -208,7 +215,8 @@ def compiled(mode: str, rank: int, world: int) -> dict:
         for scheduler in schedulers:
             scheduler.step()
         theirs = dict(ddp.module.named_parameters())
-        record["params"].append(largest(dict(ours.named_parameters()), theirs)[1])
+        with step.gathered():
+            record["params"].append(largest(dict(ours.named_parameters()), theirs)[1])
     record["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     record["compile_seconds"] = dict(step.compile_seconds)
     return record
@@ -219,11 +227,13 @@ def resume(rank: int, world: int, mode: str) -> dict:
     data = batches("tied", world)
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
 
-    def fresh():
+    def fresh():  # built ahead (example_inputs): zero3 must know its slices to load them
         torch.manual_seed(1234)
         model = build_model("tied")
         optimizer = OPTIMIZERS["adamw"](model.parameters())
-        return model, optimizer, transpile(model, optimizer, mode=mode, loss_fn=torch.nn.CrossEntropyLoss(), **CAPS)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        example = (data[0][0][shard], data[0][1][shard])
+        return model, optimizer, transpile(model, optimizer, mode=mode, loss_fn=loss_fn, example_inputs=example, **CAPS)
 
     model, optimizer, step = fresh()
     for x, y in data[:3]:
@@ -285,12 +295,18 @@ SCENARIOS = {
         ("mlp", "adamw", "zero2", 2),
         ("gpt2", "adamw", "zero1", 1),
         ("gpt2", "sgd", "zero2", 1),
+        ("tied", "adamw", "zero3", 1),
+        ("mlp", "rmsprop", "zero3", 1),
+        ("gpt2", "sgd", "zero3", 1),
+        ("gpt2", "adamw", "zero3", 1, {"reshard_after_forward": False}),
     ],
     4: [
         ("tied", "adamw", "zero1", 1),
         ("tied", "sgd", "zero2", 1),
         ("mlp", "adagrad", "zero2", 1),
         ("gpt2", "adamw", "zero2", 1),
+        ("tied", "sgd", "zero3", 1),
+        ("gpt2", "adamw", "zero3", 1),
     ],
 }
 
@@ -303,22 +319,27 @@ COMPOSED = {
         ("tied", "sgd", "zero1", False, (0.3, 2.0)),
         ("tied", "adamw", "zero2", False, (0.05, INF)),
         ("mlp", "rmsprop", "zero1", True, (0.3, 2.0)),
+        ("tied", "adamw", "zero3", True, (0.05, INF)),
     ],
     4: [
         ("mlp", "adamw", "zero2", True, (0.3, 2.0)),
         ("tied", "sgd", "zero1", False, (0.05, INF)),
+        ("mlp", "adamw", "zero3", True, (0.3, 2.0)),
     ],
 }
 
 
 def checks(rank: int, world: int) -> dict:
-    results = {",".join(map(str, s)): scenario(*s[:3], rank, world, accumulate=s[3]) for s in SCENARIOS[world]}
+    results = {
+        ",".join(map(str, s)): scenario(*s[:3], rank, world, accumulate=s[3], **(s[4] if len(s) > 4 else {}))
+        for s in SCENARIOS[world]
+    }
     results["composed"] = {",".join(map(str, c)): composed(*c, rank, world) for c in COMPOSED[world]}
-    results["resume"] = {mode: resume(rank, world, mode) for mode in ("zero1", "zero2")}
+    results["resume"] = {mode: resume(rank, world, mode) for mode in ("zero1", "zero2", "zero3")}
     if world == 2:
         results["refusals"] = refusals(rank, world)
         if os.environ.get("ATEN_CPU_CAPABILITY") != "default":  # Inductor's C++ does not build under it
-            results["compiled"] = {mode: compiled(mode, rank, world) for mode in ("zero1", "zero2")}
+            results["compiled"] = {mode: compiled(mode, rank, world) for mode in ("zero1", "zero2", "zero3")}
     return results
 
 

@@ -108,9 +108,11 @@ def transpile(
     # a sharded mode's slices of this rank, learnt from its first program: its optimizer state is held that way
     sharded = any(p.shards_state for passes in strategy.variants.values() for p in passes)
     shards: dict[str, tuple[int, int]] | None = {} if sharded else None
+    whole: dict[str, tuple[int, ...]] = {}  # ZeRO-3: the whole shape of each parameter held as a slice
 
     def build(batch: tuple, autocast: AutocastState) -> Built:
-        traced, state, plan = trace_step(model, optimizer, loss_fn, batch, autocast, shards=shards)
+        check_frozen_whole(model, whole)
+        traced, state, plan = trace_step(model, optimizer, loss_fn, batch, autocast, shards=shards, whole_shapes=whole)
         if placement.live and placement.world_size > 1 and wants_cost_model:
             key = batch_key(batch)
             if key not in measured:
@@ -122,12 +124,13 @@ def transpile(
         }
         for program in programs.values() if shards is not None else ():
             shards.update(program.shards)
+            whole.update((n, s) for bucket in program.param_buckets for n, s in zip(bucket.names, bucket.shapes))
         setup = Setup(
             world_size=placement.world_size,
             mode=specs,
             schedule=schedule.settings(),
             timeout_s=placement.timeout.total_seconds(),
-            **describe_model(model),
+            **describe_model(model, whole),
             optimizer=describe_optimizer(optimizer),
             batch=tuple(str(t.dtype).removeprefix("torch.") for t in batch),
             communication={v: communication_plan(p.graph) for v, p in programs.items()},
@@ -153,6 +156,18 @@ def transpile(
     if example_inputs is not None:
         step.prepare(tuple(example_inputs))
     return step
+
+
+def check_frozen_whole(model: torch.nn.Module, whole: dict[str, tuple[int, ...]]) -> None:
+    """A parameter ZeRO-3 holds as a slice cannot become frozen: frozen parameters are whole on every rank."""
+    for name, p in model.named_parameters():
+        if not p.requires_grad and name in whole and tuple(p.shape) != whole[name]:
+            raise ConfigurationError(
+                f"parameter '{name}' was frozen (requires_grad=False) after zero3 sharded it: this rank holds only "
+                f"its slice {list(p.shape)} of {list(whole[name])}, and a frozen parameter is used whole. Freeze "
+                "parameters before the first step, or inside `with step.gathered():` set requires_grad and call "
+                "transpile() again."
+            )
 
 
 def runners_for(programs: dict[str, StepProgram], *, compile: bool, cuda_graph: bool) -> dict[str, Callable]:

@@ -26,6 +26,18 @@ class Port:
     name: str
 
 
+@dataclass(frozen=True)
+class ParamBucket:
+    """A bucket of parameters held sharded between steps (ZeRO-3, ``shard-params``): their names, where each
+    starts in the bucket's flat buffer, the buffer's length (a multiple of the world size: rank r holds elements
+    ``[r * length / W, (r + 1) * length / W)``) and each parameter's whole shape."""
+
+    names: tuple[str, ...]
+    starts: tuple[int, ...]
+    length: int
+    shapes: tuple[tuple[int, ...], ...]
+
+
 @dataclass
 class StepProgram:
     """A rank's training-step graph and the context the pipeline keeps beside it."""
@@ -45,6 +57,7 @@ class StepProgram:
     cost_model: CostModel | None = None  # measured at startup when a pass asks (bucket_cap_mb="auto")
     decisions: dict[str, str] = field(default_factory=dict)  # pass -> what it chose from measurements, in words
     shards: dict[str, tuple[int, int]] = field(default_factory=dict)  # param -> flat [lo, hi) this rank updates
+    param_buckets: list[ParamBucket] = field(default_factory=list)  # parameters held as shards (ZeRO-3)
 
     @property
     def graph(self) -> fx.Graph:
@@ -79,4 +92,5 @@ class StepProgram:
             self.cost_model,
             dict(self.decisions),
             dict(self.shards),
+            list(self.param_buckets),
         )

@@ -6,6 +6,7 @@ raises :class:`VerificationError` with a message that names the node at fault.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch.fx as fx
@@ -134,8 +135,8 @@ def check_shards(programs: list[StepProgram]) -> None:
     ``[lo, hi)`` of each parameter tile ``[0, numel)`` in rank order, with no gap and no overlap."""
     if not programs or not any(p.shards for p in programs):
         return
-    sizes = {
-        n.meta["port"].name: n.meta["val"].numel()
+    sizes = {  # a parameter held as a slice (ZeRO-3) records its whole shape
+        n.meta["port"].name: math.prod(n.meta.get("whole_shape", n.meta["val"].shape))
         for n in programs[0].graph.nodes
         if n.op == "placeholder" and n.meta.get("port") is not None and n.meta["port"].kind == "param"
     }

@@ -19,6 +19,7 @@ from .reinplace_optimizer import ReinplaceOptimizer
 from .scale_loss_grad import ScaleLossGrad
 from .schedule_collectives import ScheduleCollectives
 from .shard_optimizer import ShardOptimizer
+from .shard_params import ShardParams
 from .sparse_allreduce import SparseAllReduce
 
 PASSES: dict[str, type[Pass]] = {
@@ -39,6 +40,7 @@ PASSES: dict[str, type[Pass]] = {
         LossScale,
         ClipGradNorm,
         GatherParams,
+        ShardParams,
         DimReduce,
         ScheduleCollectives,
         ReinplaceOptimizer,
@@ -64,5 +66,6 @@ __all__ = [
     "ScaleLossGrad",
     "ScheduleCollectives",
     "ShardOptimizer",
+    "ShardParams",
     "SparseAllReduce",
 ]

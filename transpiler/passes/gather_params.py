@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from transpiler.graph.collectives import C10D, WAIT
+from transpiler.graph.edit import Cursor
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import Port, StepProgram
 
@@ -33,26 +34,35 @@ class GatherParams(Pass):
         kinds = {n.meta["collective"]["kind"] for n in program.graph.nodes if "collective" in n.meta}
         if "all_gather" in kinds:  # gathered already
             return False
-        buckets = [
-            n.meta["collective"]
-            for n in program.graph.nodes
-            if n.meta.get("collective", {}).get("kind") == "reduce_scatter" and "starts" in n.meta["collective"]
-        ]
+        buckets = sharded_buckets(program)
         for bucket in buckets:
             _gather(program, bucket)
         return bool(buckets)
 
 
-def _gather(program: StepProgram, bucket: dict) -> None:
-    """All-gather one bucket's updated shard and copy every parameter's new values into it, in place."""
-    world, rank = program.world_size, program.rank
-    names, starts, length = bucket["grads"], bucket["starts"], bucket["length"]
-    shard = length // world
-    values = output_values(program)
-    where = {port.name: i for i, port in enumerate(program.outputs) if port.kind == "param"}
-    cursor = before_output(program)
-    comm = {"role": "communication", "bucket": ("params", bucket["bucket"])}
-    params = [input_node(program, Port("param", name)) for name in names]
+def sharded_buckets(program: StepProgram) -> list[dict]:
+    """The ``collective`` meta of every reduce-scatter ``shard-optimizer`` made, in bucket order: ``grads``
+    (parameter names), ``starts`` and ``length`` give the bucket's flat layout."""
+    return [
+        n.meta["collective"]
+        for n in program.graph.nodes
+        if n.meta.get("collective", {}).get("kind") == "reduce_scatter" and "starts" in n.meta["collective"]
+    ]
+
+
+def rank_shard(
+    program: StepProgram,
+    cursor: Cursor,
+    names: tuple[str, ...],
+    starts: tuple[int, ...],
+    length: int,
+    slices: dict[str, fx.Node],
+    meta: dict,
+) -> fx.Node:
+    """This rank's shard of a bucket laid out as ``names`` at ``starts`` (``length`` elements in all): each
+    parameter's slice ``slices[name]`` (its elements ``program.shards[name]``) where it lies, zeros between. A
+    rank that owns nothing of the bucket sends zeros."""
+    rank, shard = program.rank, length // program.world_size
     parts: list[fx.Node] = []
     end = rank * shard
     for name, start in zip(names, starts):
@@ -60,16 +70,27 @@ def _gather(program: StepProgram, bucket: dict) -> None:
         if hi == lo:
             continue
         if start + lo > end:
-            parts.append(cursor.emit(aten.new_zeros.default, (values[where[name]], [start + lo - end]), **comm))
-        parts.append(values[where[name]])
+            parts.append(cursor.emit(aten.new_zeros.default, (slices[name], [start + lo - end]), **meta))
+        parts.append(slices[name])
         end = start + hi
     if (rank + 1) * shard > end:
-        like = parts[-1] if parts else params[0]
-        parts.append(cursor.emit(aten.new_zeros.default, (like, [(rank + 1) * shard - end]), **comm))
-    send = parts[0] if len(parts) == 1 else cursor.emit(aten.cat.default, (parts,), **comm)
+        like = parts[-1] if parts else slices[names[0]]
+        parts.append(cursor.emit(aten.new_zeros.default, (like, [(rank + 1) * shard - end]), **meta))
+    return parts[0] if len(parts) == 1 else cursor.emit(aten.cat.default, (parts,), **meta)
+
+
+def _gather(program: StepProgram, bucket: dict) -> None:
+    """All-gather one bucket's updated shard and copy every parameter's new values into it, in place."""
+    names, starts, length = bucket["grads"], bucket["starts"], bucket["length"]
+    values = output_values(program)
+    where = {port.name: i for i, port in enumerate(program.outputs) if port.kind == "param"}
+    cursor = before_output(program)
+    comm = {"role": "communication", "bucket": ("params", bucket["bucket"])}
+    params = [input_node(program, Port("param", name)) for name in names]
+    send = rank_shard(program, cursor, names, starts, length, {n: values[where[n]] for n in names}, comm)
     info = {"kind": "all_gather", "bucket": bucket["bucket"], "params": names, "bytes": bucket["bytes"]}
     gathered = cursor.emit(
-        C10D.all_gather_into_tensor.default, (send, world, program.group_name), collective=info, **comm
+        C10D.all_gather_into_tensor.default, (send, program.world_size, program.group_name), collective=info, **comm
     )
     full = cursor.emit(WAIT, (gathered,), **comm)
     for name, param, start in zip(names, params, starts):

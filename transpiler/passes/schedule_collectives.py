@@ -7,7 +7,9 @@ the rest of backward; the optimizer's updates run in the order their
 collectives complete (a stable sort by the last collective each depends on),
 so the parameters of the first buckets update while the last bucket is still
 being reduced; every wait and the unpacking after it sits right before its
-first reader. Collectives keep their order (none is hoisted ahead of the one
+first reader. A node its pass marked ``pinned`` keeps its place (ZeRO-3's
+parameter gathers, issued one bucket ahead: hoisted, they would all be in
+flight at once and hold the whole model). Collectives keep their order (none is hoisted ahead of the one
 before it, even where ranks' programs differ, as a sharded update's do), so all
 ranks keep the same collective sequence.
 
@@ -83,6 +85,9 @@ class ScheduleCollectives(Pass):
         placed: set[fx.Node] = set()  # issuing-side nodes hoisted (or found in place) so far
         for node in comm:  # issuing side, forwards: hoist right after the latest input
             if node in completion:
+                continue
+            if node.meta.get("pinned"):  # placed by its pass (ZeRO-3's parameter gathers prefetch one ahead)
+                previous = [node] if is_collective(node) else previous
                 continue
             bound = previous if is_collective(node) else []
             if not bound and all(i.op in ("placeholder", "get_attr") or i in fixed for i in node.all_input_nodes):

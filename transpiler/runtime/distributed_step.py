@@ -18,6 +18,7 @@ program with a new setup first runs, the ranks compare setups (handshake.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
@@ -25,7 +26,7 @@ import pickle
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,11 +38,13 @@ from transpiler.graph.memory import peak_transient_bytes
 from transpiler.graph.program import StepProgram
 from transpiler.passes.accumulate_grads import PREFIX as ACCUMULATOR  # zeros after every update: made again
 from transpiler.passes.loss_scale import SCALE, TRACKER
+from transpiler.passes.shard_params import ShardParams
 from transpiler.strategies.schedules import EveryStep
 from transpiler.trace.environment import AutocastState, running_environment
 from transpiler.trace.optimizers import TWINS, OptimizerPlan
 from transpiler.trace.tracer import ModelState, check_batch
 
+from . import sharded_params
 from .failures import communication_error, is_communication_failure
 from .handshake import Handshake, Setup
 from .memory_report import MemoryReport, StorageCounter, bucket_buffers
@@ -105,16 +108,19 @@ def initial_extra(rule: str, source: str, params: dict[str, torch.nn.Parameter])
     raise ConfigurationError(f"unknown initialisation rule '{rule}' for extra state.")
 
 
-def _slice_of(plan: OptimizerPlan, position: int, key: str, t: torch.Tensor, bounds: tuple[int, int]) -> torch.Tensor:
+def _slice_of(
+    plan: OptimizerPlan, position: int, key: str, t: torch.Tensor, bounds: tuple[int, int], shape: torch.Size
+) -> torch.Tensor:
     """This rank's slice ``[lo, hi)`` of a parameter's state tensor: cut (and stored in place of the whole
-    tensor, which is freed) while it is still shaped as the parameter, as it is once cut."""
-    param, (lo, hi) = plan.params[position], bounds
-    if t.shape == param.shape:
+    tensor, which is freed) while it is still shaped as the parameter (``shape``, its whole shape), as it is
+    once cut."""
+    lo, hi = bounds
+    if t.shape == shape:
         piece = t.reshape(-1)[lo:hi]
-        if hi - lo == param.numel():
+        if hi - lo == shape.numel():
             return piece
         piece = piece.clone()
-        if key in plan.optimizer.state.get(param, {}):
+        if key in plan.optimizer.state.get(plan.params[position], {}):
             plan.write_back(position, {key: piece})
         return piece
     if t.shape != (hi - lo,):
@@ -135,6 +141,11 @@ def _checkpoint_module() -> Any:
     from . import sharded_checkpoint
 
     return sharded_checkpoint
+
+
+def _whole_shapes(program: StepProgram) -> dict[str, torch.Size]:
+    """The whole shape of every parameter the program reads as a slice (ZeRO-3), by name."""
+    return {n: torch.Size(s) for bucket in program.param_buckets for n, s in zip(bucket.names, bucket.shapes)}
 
 
 def batch_key(batch: tuple) -> tuple:
@@ -197,6 +208,7 @@ class DistributedStep:
         self._last_run: tuple[StepProgram, int, int | None] | None = None  # program, batch bytes, CUDA peak
         multi = placement.live and placement.world_size > 1
         self._handshake = Handshake(placement.rank, placement.world_size, placement.timeout) if multi else None
+        self._guard: sharded_params.SlicedForwardGuard | None = None  # zero3: a forward on slices fails clearly
 
     # ------------------------------------------------------------ inspection
     @property
@@ -341,6 +353,8 @@ class DistributedStep:
             raise
 
     def _inputs(self, program: StepProgram, built: Built, batch: tuple, variant: str) -> list:
+        if program.param_buckets:
+            self._hold_slices(program, built)
         tensors = {
             "param": {n: p.detach() for n, p in built.params.items()},
             "frozen": {n: p.detach() for n, p in built.frozen.items()},
@@ -358,11 +372,14 @@ class DistributedStep:
         shaped as its parameter is cut to this rank's slice, and a stored one is replaced by its slice for good
         (so the whole tensor is freed): ``optimizer.state`` then holds 1-D slices, a 0-d ``step`` whole."""
         state, plan = built.state, built.plan
+        whole = _whole_shapes(program)
         tensors = {}
-        for i, name in enumerate(state.names):
+        for i, (name, param) in enumerate(zip(state.names, state.params)):
             bounds = program.shards.get(name)
+            shape = torch.Size(whole.get(name, param.shape))
             for key, t in zip(plan.state_keys(i), plan.state_tensors(i)):
-                tensors[f"{name}.{key}"] = t if bounds is None or t.dim() == 0 else _slice_of(plan, i, key, t, bounds)
+                sliced = bounds is not None and t.dim() > 0
+                tensors[f"{name}.{key}"] = _slice_of(plan, i, key, t, bounds, shape) if sliced else t
         return tensors
 
     @staticmethod
@@ -440,6 +457,45 @@ class DistributedStep:
             if name not in self.extra:
                 self.extra[name] = initial_extra(rule, source, built.params)
 
+    def _hold_slices(self, program: StepProgram, built: Built) -> None:
+        """ZeRO-3: the model holds this rank's slice of each sharded parameter (cut once, after the startup
+        broadcast), and a forward on the slices fails clearly."""
+        sharded_params.hold_slices(built.params, program.param_buckets, program.shards)
+        if self._guard is None:
+            self._guard = sharded_params.SlicedForwardGuard(self.model, program.param_buckets, program.shards)
+
+    @contextlib.contextmanager
+    def gathered(self, writeback: bool = True) -> Iterator[torch.nn.Module]:
+        """Under ``zero3``, the model with whole parameters inside the block (each rank's slices all-gathered,
+        one bucket at a time): evaluate it, save ``model.state_dict()``, or edit parameters. On leaving, every
+        rank keeps its slice of what the parameters then hold (``writeback=False``: of what they held before).
+        Every rank must enter it, since it all-gathers. In the other modes the parameters are whole already and
+        it does nothing. Yields the model."""
+        program = self.program if self._last is not None else None
+        if program is None or not program.param_buckets:
+            yield self.model
+            return
+        self._require_live()
+        built = self._last
+        self._hold_slices(program, built)
+        before = {name: built.params[name].data for bucket in program.param_buckets for name in bucket.names}
+        placement = self.placement
+        sharded_params.gather_whole(
+            built.params,
+            program.param_buckets,
+            program.shards,
+            placement.rank,
+            placement.world_size,
+            program.group_name,
+        )
+        try:
+            yield self.model
+        finally:
+            if not writeback:
+                for name, data in before.items():
+                    built.params[name].data = data
+            sharded_params.hold_slices(built.params, program.param_buckets, program.shards)
+
     def memory_report(self) -> MemoryReport:
         """The bytes this rank holds between steps (parameters, gradients, optimizer state, transpiler
         state; each storage once, counted from the tensors held) and the peak during the last step
@@ -494,7 +550,7 @@ class DistributedStep:
         """Write this step's state to the folder ``path`` with ``torch.distributed.checkpoint``; every rank calls
         it. A sharded mode's ranks each write their slices of the optimizer state; what is the same on every
         rank is written once. :meth:`load_checkpoint` reads it back at any world size, in any mode that keeps
-        the ranks in step (``allreduce``, ``fused_allreduce``, ``zero1``, ``zero2``), and a plain model and
+        the ranks in step (``allreduce``, ``fused_allreduce``, ``zero1``, ``zero2``, ``zero3``), and a plain model and
         optimizer read it with ``get_state_dict``/``dcp.load``/``set_state_dict`` (``docs/checkpoints.md``)."""
         if not self.replicated:
             raise CheckpointError(
@@ -515,10 +571,10 @@ class DistributedStep:
             )
         sharded_checkpoint = _checkpoint_module()
         world, rank = self.placement.world_size, self.placement.rank
-        shards = self._shards() or {}
+        shards, whole = self._shards() or {}, self._held_whole()
         state = {
-            "model": self.model.state_dict(),
-            "optim": sharded_checkpoint.optimizer_state(self.optimizer, self._fqns(), shards, rank, world),
+            "model": sharded_checkpoint.model_state(self.model, whole, shards, rank, world),
+            "optim": sharded_checkpoint.optimizer_state(self.optimizer, self._fqns(), shards, rank, world, whole),
             "transpiler": {
                 "extra": {k: v for k, v in self.extra.items() if k.startswith(REPLICATED_EXTRA)},
                 "schedule": self.schedule.state_dict(),
@@ -540,10 +596,11 @@ class DistributedStep:
                 f"optimizer is {type(self.optimizer).__qualname__} and it reads format {CHECKPOINT_FORMAT}."
             )
         names = self._fqns()
-        shards = self._shards()
+        shards, whole = self._shards(), self._held_whole()
         world, rank = self.placement.world_size, self.placement.rank
+        model = sharded_checkpoint.model_state(self.model, whole, shards or {}, rank, world)
         template, slices = sharded_checkpoint.load_template(
-            path, self.model, self.optimizer, names, shards, rank, world
+            path, model, self.model, self.optimizer, names, shards, rank, world, whole
         )
         sharded_checkpoint.load(template, path)
         order = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
@@ -569,6 +626,14 @@ class DistributedStep:
         variant); None before."""
         return self._last.programs[next(iter(self._last.programs))].shards if self._last is not None else None
 
+    def _held_whole(self) -> dict[str, tuple[int, ...]]:
+        """ZeRO-3, once the step is built: the whole shape of each parameter, and the model now holds this rank's
+        slices of them (cut here if no step has yet). Empty in other modes."""
+        if self._last is None or not self.program.param_buckets:
+            return {}
+        self._hold_slices(self.program, self._last)
+        return {name: tuple(shape) for name, shape in _whole_shapes(self.program).items()}
+
     def _fqns(self) -> dict[int, str]:
         """Each parameter's name in the model (a tied one under its first name), by ``id``."""
         return {id(p): name for name, p in self.model.named_parameters()}
@@ -586,6 +651,13 @@ class DistributedStep:
                 "step.state_dict() returns it. For a plain model checkpoint use model.load_state_dict()."
             )
         saved = state_dict["transpiler"]
+        if self._last is None and any(ShardParams.name in spec for spec in self.mode_specs.values()):
+            raise CheckpointError(
+                "under zero3 a step.state_dict() holds this rank's slices of the parameters, and the step learns "
+                "which slices are its own when it is built: pass example_inputs= to transpile() (or call "
+                "step.prepare(batch)) before step.load_state_dict(). step.load_checkpoint() needs neither."
+            )
+        self._held_whole()  # zero3: the model holds its slices, as the checkpoint does
         self._check_checkpoint(saved, state_dict["model"], state_dict["optimizer"])
         self.model.load_state_dict(state_dict["model"])
         self.optimizer.load_state_dict(state_dict["optimizer"])

@@ -18,6 +18,7 @@ the store, and fails within the timeout if they never come.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
@@ -53,11 +54,13 @@ class Setup:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("communication", "groups")}
 
 
-def describe_model(model: torch.nn.Module) -> dict[str, tuple]:
-    """Parameters, buffers and module modes, as the Setup records them."""
+def describe_model(model: torch.nn.Module, whole: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, tuple]:
+    """Parameters (by their ``whole`` shape where a rank holds a slice, as under ZeRO-3), buffers and module
+    modes, as the Setup records them."""
+    whole = whole or {}
     return {
         "parameters": tuple(
-            (n, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad)
+            (n, whole.get(n, tuple(p.shape)), str(p.dtype).removeprefix("torch."), p.requires_grad)
             for n, p in model.named_parameters()
         ),
         "buffers": tuple((n, tuple(b.shape), str(b.dtype).removeprefix("torch.")) for n, b in model.named_buffers()),

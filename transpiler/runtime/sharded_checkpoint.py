@@ -8,7 +8,8 @@ optimizer-state tensor is this rank's flat slice ``[lo, hi)`` of its parameter; 
 ``ShardedTensor`` with the parameter's global shape, whose local shards are that slice cut into row-major boxes
 (:func:`flat_boxes`), so DCP can read any layout into any other: written at W=4, read at W=2 or at W=1, and read
 into a plain model and optimizer with ``get_state_dict``/``set_state_dict``. Everything else is the same on
-every rank and saved once (DCP drops replicated copies).
+every rank and saved once (DCP drops replicated copies). Under ``zero3`` the parameters are this rank's slices
+too, and are saved the same way (:func:`model_state`).
 """
 
 from __future__ import annotations
@@ -65,23 +66,48 @@ def sharded(flat: torch.Tensor, shape: torch.Size, lo: int, rank: int) -> Sharde
     return init_from_local_shards(shards, *shape)
 
 
-def optimizer_state(
-    optimizer: torch.optim.Optimizer, names: dict[int, str], shards: dict[str, tuple[int, int]], rank: int, world: int
+def model_state(
+    model: torch.nn.Module, whole: dict[str, tuple[int, ...]], shards: dict[str, tuple[int, int]], rank: int, world: int
 ) -> dict[str, Any]:
-    """``get_state_dict``'s layout of the optimizer, with this rank's slices as ShardedTensors."""
+    """``model.state_dict()``, with each parameter held as its slice (ZeRO-3: ``whole`` gives its shape) as a
+    ShardedTensor of the whole shape over the slice (a view of it at one rank), so DCP writes and reads it in
+    place at any world size."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    state: dict[str, Any] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        name = names.get(id(value))
+        value = value.detach()
+        if name in whole:  # on every rank, even one whose slice is the whole (ShardedTensor is collective)
+            shape = torch.Size(whole[name])
+            value = sharded(value.reshape(-1), shape, shards[name][0], rank) if world > 1 else value.view(shape)
+        state[key] = value
+    return state
+
+
+def optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    names: dict[int, str],
+    shards: dict[str, tuple[int, int]],
+    rank: int,
+    world: int,
+    whole: dict[str, tuple[int, ...]],
+) -> dict[str, Any]:
+    """``get_state_dict``'s layout of the optimizer, with this rank's slices as ShardedTensors (``whole``: the
+    shapes of parameters held as slices, under ZeRO-3)."""
     state: dict[str, dict[str, Any]] = {}
     for param, entries in optimizer.state.items():
         name = names[id(param)]
         bounds = shards.get(name)
+        shape = torch.Size(whole.get(name, param.shape))
         state[name] = {}
         for key, value in entries.items():
             if bounds is not None and torch.is_tensor(value) and value.dim() > 0:
                 lo, hi = bounds
                 flat = value.reshape(-1)
-                if flat.numel() == param.numel() and hi - lo < param.numel():  # not cut yet (no step since)
+                if flat.numel() == shape.numel() and hi - lo < shape.numel():  # not cut yet (no step since)
                     flat = flat[lo:hi]
                 # in the parameter's shape, as eager holds it; sharded on every rank when there are several
-                value = sharded(flat, param.shape, lo, rank) if world > 1 else flat.view(param.shape)
+                value = sharded(flat, shape, lo, rank) if world > 1 else flat.view(shape)
             state[name][key] = value
     return {"state": state, "param_groups": _groups(optimizer, names)}
 
@@ -117,19 +143,22 @@ def read_setup(path: str | Path) -> dict[str, Any]:
 
 def load_template(
     path: str | Path,
+    model_template: dict[str, Any],
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     names: dict[int, str],
     shards: dict[str, tuple[int, int]] | None,
     rank: int,
     world: int,
+    whole: dict[str, tuple[int, ...]],
 ) -> tuple[dict[str, Any], dict[tuple[str, str], torch.Tensor]]:
-    """What this rank reads from the checkpoint at ``path``: the model's own tensors (read in place), and
+    """What this rank reads from the checkpoint at ``path``: the model's own tensors (``model_template``, read in
+    place: :func:`model_state`), and
     optimizer and transpiler state shaped as the checkpoint's metadata says, with this rank's slices where
     ``shards`` says so. Also the flat slice buffers by ``(fqn, key)``, which DCP fills through the shards."""
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     by_name = {p_name: p for p_name, p in model.named_parameters()}
-    template: dict[str, Any] = {"model": model.state_dict(), "optim": {"state": {}, "param_groups": None}}
+    template: dict[str, Any] = {"model": model_template, "optim": {"state": {}, "param_groups": None}}
     slices: dict[tuple[str, str], torch.Tensor] = {}
     for flat_key, path_of in metadata.planner_data.items():
         entry = metadata.state_dict_metadata[flat_key]
@@ -143,10 +172,11 @@ def load_template(
             if isinstance(entry, TensorStorageMetadata):
                 dtype, size = entry.properties.dtype, tuple(entry.size)
                 bounds = shards.get(name) if shards and world > 1 else None
-                if bounds is not None and size == tuple(by_name[name].shape) and len(size) > 0:
+                shape = torch.Size(whole.get(name, by_name[name].shape))
+                if bounds is not None and size == tuple(shape) and len(size) > 0:
                     flat = torch.empty(bounds[1] - bounds[0], dtype=dtype, device=by_name[name].device)
                     slices[(name, key)] = flat
-                    value = sharded(flat, by_name[name].shape, bounds[0], rank)
+                    value = sharded(flat, shape, bounds[0], rank)
                 else:
                     value = torch.empty(size, dtype=dtype, device=by_name[name].device)
             template["optim"]["state"].setdefault(name, {})[key] = value

@@ -25,6 +25,7 @@ from transpiler.passes.reinplace_optimizer import ReinplaceOptimizer
 from transpiler.passes.scale_loss_grad import ScaleLossGrad
 from transpiler.passes.schedule_collectives import ScheduleCollectives
 from transpiler.passes.shard_optimizer import ShardOptimizer
+from transpiler.passes.shard_params import ShardParams
 from transpiler.passes.sparse_allreduce import SparseAllReduce
 from transpiler.trace.optimizers import TWINS
 
@@ -161,11 +162,14 @@ def _twin_only(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _zero(stage: int) -> Callable[..., Recipe]:
-    def build(bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:
+    def build(bucket_cap_mb: float, first_bucket_mb: float, reshard_after_forward: bool = True) -> Recipe:
         shard = ShardOptimizer(
             bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, keep_gradient_buckets=stage == 1
         )
-        tail = [GatherParams(), *_tail()]  # after loss scaling and clipping, which run on the slices
+        # after loss scaling and clipping, which run on the slices: gather the updated slices (ZeRO-1, 2), or
+        # keep them and gather the parameters where the forward and backward read them (ZeRO-3)
+        last = ShardParams(reshard_after_forward=reshard_after_forward) if stage == 3 else GatherParams()
+        tail = [last, *_tail()]
         check = _elementwise(f"zero{stage}")
         return Recipe({"step": [shard]}, _prefix(), [ScaleLossGrad()], tail, check=check, replicated=True)
 
@@ -327,6 +331,12 @@ MODES: dict[str, Mode] = {
             "ZeRO-2: as zero1, and a gradient bucket lives only until it is reduce-scattered",
             _zero(2),
             {**BUCKET_OPTIONS, **ACCUMULATION, **LOSS_SCALING, **CLIPPING},
+        ),
+        Mode(
+            "zero3",
+            "ZeRO-3 (fully sharded): as zero2, and parameters are held as shards, all-gathered where used",
+            _zero(3),
+            {**BUCKET_OPTIONS, **LOSS_SCALING, **CLIPPING, **field_options(ShardParams)},
         ),
         Mode(
             "partial_sync",

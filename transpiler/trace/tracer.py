@@ -94,19 +94,23 @@ def trace_step(
     batch: tuple,
     autocast: AutocastState = AUTOCAST_OFF,
     shards: Mapping[str, tuple[int, int]] | None = None,
+    whole_shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> tuple[StepProgram, ModelState, OptimizerPlan]:
     """Trace forward, loss, backward and optimizer update of one step into a StepProgram; the forward and the
     loss under ``autocast`` (the caller's), the backward and the update without it, as eager autocast runs.
     ``shards`` (parameter name -> flat ``[lo, hi)``, empty before a sharded mode's first program) is given
     under a mode that holds the optimizer state as 1-D slices: the update is traced whole, on stand-ins
-    shaped as the parameter, and the mode cuts it again."""
+    shaped as the parameter, and the mode cuts it again. ``whole_shapes`` (ZeRO-3) gives the whole shape of
+    each parameter the model holds as a 1-D slice between steps: it is traced on an uninitialised stand-in of
+    that shape."""
     check_batch(batch, loss_fn=loss_fn)
     state = collect_model_state(model)
     plan = make_plan(optimizer, state.params, state.names)
     generic = isinstance(plan, GenericPlan)
+    wholes = [_param_as_whole(p, (whole_shapes or {}).get(name)) for name, p in zip(state.names, state.params)]
     opt_states = [
         [t if shards is None else _traced_as_whole(t, p, shards.get(name)) for t in plan.state_tensors(i)]
-        for i, (name, p) in enumerate(zip(state.names, state.params))
+        for i, (name, p) in enumerate(zip(state.names, wholes))
     ]
     counts = [len(s) for s in opt_states]
     n_p, n_f, n_b = len(state.params), len(state.frozen), len(state.buffers)
@@ -153,7 +157,7 @@ def trace_step(
         return (loss.detach(), *out_leaves, *[g for g in grads if g is not None], *new_params, *new_states, *buffers)
 
     flat_inputs = [
-        *[p.detach().requires_grad_(True) for p in state.params],
+        *[p.detach().requires_grad_(True) for p in wholes],
         *[p.detach() for p in state.frozen],
         *state.buffers,
         *[t for s in opt_states for t in s],
@@ -204,6 +208,14 @@ def trace_step(
         )
         program.decisions["optimizer"] = f"{type(optimizer).__name__}.step() traced in {how}"
     return program, state, plan
+
+
+def _param_as_whole(p: torch.Tensor, shape: tuple[int, ...] | None) -> torch.Tensor:
+    """A parameter held as a 1-D slice (ZeRO-3, ``shape`` its whole shape) as an uninitialised tensor of its
+    whole shape: tracing reads only shapes. Others as they are."""
+    if shape is None or tuple(p.shape) == tuple(shape):
+        return p
+    return torch.empty(shape, dtype=p.dtype, device=p.device)
 
 
 def _traced_as_whole(t: torch.Tensor, param: torch.Tensor, bounds: tuple[int, int] | None) -> torch.Tensor:

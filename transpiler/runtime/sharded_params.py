@@ -1,0 +1,85 @@
+"""ZeRO-3's parameters between steps: each one held as this rank's 1-D slice, gathered whole on request.
+
+``shard-params`` makes a program read every parameter of ``program.param_buckets`` as the slice
+``p.view(-1)[lo:hi]`` (``program.shards``) and write it back updated. Before the first such step
+:func:`hold_slices` cuts the model's parameters to those slices (``p.data``; the parameter objects stay, so
+optimizers, hooks and the step's cache keys keep working), and :func:`gather_whole` /
+:func:`hold_slices` swap them whole and back for ``step.gathered()``. A forward pre-hook
+(:class:`SlicedForwardGuard`) turns a forward run on the slices into a clear error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from transpiler.errors import ConfigurationError
+from transpiler.graph.collectives import C10D, WAIT
+from transpiler.graph.program import ParamBucket
+
+Shards = dict[str, tuple[int, int]]
+
+
+def hold_slices(params: dict[str, torch.nn.Parameter], buckets: list[ParamBucket], shards: Shards) -> None:
+    """Cut every whole parameter of ``buckets`` to this rank's slice (a copy, so the whole tensor, or the bucket
+    buffer :func:`gather_whole` made it a view of, is freed); a parameter already held as its slice stays."""
+    for bucket in buckets:
+        for name in bucket.names:
+            param, (lo, hi) = params[name], shards[name]
+            own = param.untyped_storage().nbytes() == (hi - lo) * param.element_size()
+            if tuple(param.shape) == (hi - lo,) and own:  # not a view of a gathered bucket
+                continue
+            param.data = param.detach().reshape(-1)[lo:hi].clone()  # a view would hold a gathered bucket
+
+
+def gather_whole(
+    params: dict[str, torch.nn.Parameter],
+    buckets: list[ParamBucket],
+    shards: Shards,
+    rank: int,
+    world: int,
+    group: str,
+) -> None:
+    """Make every parameter of ``buckets`` whole again (``p.data``, a view of its bucket's gathered buffer):
+    one all-gather per bucket of the ranks' slices, laid out as the program lays them out. Every rank calls it."""
+    with torch.no_grad():
+        for bucket in buckets:
+            first = params[bucket.names[0]]
+            shard = bucket.length // world
+            mine = torch.zeros(shard, dtype=first.dtype, device=first.device)
+            for name, start in zip(bucket.names, bucket.starts):
+                lo, hi = shards[name]
+                if hi > lo:
+                    mine[start + lo - rank * shard : start + hi - rank * shard] = params[name].detach().reshape(-1)
+            full = WAIT(C10D.all_gather_into_tensor.default(mine, world, group))
+            for name, start, shape in zip(bucket.names, bucket.starts, bucket.shapes):
+                params[name].data = full[start : start + math.prod(shape)].view(shape)
+
+
+class SlicedForwardGuard:
+    """A forward pre-hook: running the model while its parameters are slices fails with what to do instead.
+
+    It looks at one parameter whose slice differs in shape from the whole (under tracing the module holds
+    whole stand-ins, so the hook stays silent)."""
+
+    def __init__(self, model: torch.nn.Module, buckets: list[ParamBucket], shards: Shards):
+        self.where: tuple[torch.nn.Module, str, tuple[int, ...]] | None = None
+        for bucket in buckets:
+            for name, shape in zip(bucket.names, bucket.shapes):
+                lo, hi = shards[name]
+                if self.where is None and (hi - lo,) != tuple(shape):
+                    owner, _, leaf = name.rpartition(".")
+                    self.where = (model.get_submodule(owner), leaf, tuple(shape))
+        self.handle = model.register_forward_pre_hook(self)
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
+        if self.where is None:
+            return
+        owner, leaf, shape = self.where
+        if tuple(getattr(owner, leaf).shape) != shape:
+            raise ConfigurationError(
+                "under zero3 the model's parameters hold this rank's slices between steps, so the model cannot run "
+                "on its own. Evaluate or save it inside `with step.gathered(): ...` (every rank enters it: it "
+                "all-gathers the parameters), or save with step.save_checkpoint()."
+            )
