@@ -1,4 +1,4 @@
-"""Bytes per rank and step time: DDP, ``fused_allreduce``, ``zero1`` and ``zero2``, at 2 and 4 processes.
+"""Bytes per rank and step time: DDP, ``fused_allreduce``, ``zero1``, ``zero2`` and ``zero3``, at 2 and 4 processes.
 
     python bench/memory.py            # launches torchrun at W=2 and W=4 over gloo, writes docs/memory.md
 
@@ -33,13 +33,29 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.models import batch_for, build  # noqa: E402
 from transpiler import transpile  # noqa: E402
+from transpiler.graph.memory import peak_transient_bytes  # noqa: E402
 from transpiler.runtime.memory_report import StorageCounter  # noqa: E402
 
 MODEL, PER_RANK, WARMUP, STEPS, ROUNDS = "mlp_5m", 32, 2, 5, 5
-VARIANTS = ("ddp", "fused_allreduce", "zero1", "zero2")
+# label -> (mode, options); zero3 also with buckets about one layer each (the MLP's big layers are 8 MiB), as
+# FSDP wraps a block per unit: with DDP's 25 MB cap its two big layers share one bucket, gathered whole
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "ddp": ("ddp", {}),
+    "fused_allreduce": ("fused_allreduce", {}),
+    "zero1": ("zero1", {}),
+    "zero2": ("zero2", {}),
+    "zero3": ("zero3", {}),
+    "zero3, 8.5 MB buckets": ("zero3", {"bucket_cap_mb": 8.5}),
+    "zero3, 8.5 MB, no reshard": ("zero3", {"bucket_cap_mb": 8.5, "reshard_after_forward": False}),
+}
 COMMAND = "python bench/memory.py"
 MIB = 1024 * 1024
-HEADER = "# Memory per rank: DDP, fused_allreduce, zero1, zero2\n\n"
+HEADER = "# Memory per rank: DDP, fused_allreduce, zero1, zero2, zero3\n\n"
+
+
+def is_parameter_gather(node: torch.fx.Node) -> bool:
+    """An all-gather of zero3's parameters (its result is a whole bucket)."""
+    return node.meta.get("collective", {}).get("kind") == "all_gather" and "phase" in node.meta["collective"]
 
 
 def ddp_bytes(model: DDP, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -63,7 +79,7 @@ def rank_main(out: str) -> None:
     batch = batch_for(MODEL, PER_RANK, gen)
     loss_fn = torch.nn.CrossEntropyLoss()
     steps, transpiled = {}, {}
-    for variant in VARIANTS:
+    for variant, (mode, options) in VARIANTS.items():
         model = copy.deepcopy(base)
         if variant == "ddp":
             model = DDP(model, gradient_as_bucket_view=True)
@@ -77,11 +93,16 @@ def rank_main(out: str) -> None:
             steps[variant] = (run, lambda model=model, optimizer=optimizer: ddp_bytes(model, optimizer))
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            step = transpiled[variant] = transpile(model, optimizer, mode=variant, loss_fn=loss_fn)
+            step = transpiled[variant] = transpile(model, optimizer, mode=mode, loss_fn=loss_fn, **options)
 
             def report(step=step) -> dict[str, int]:
                 r = step.memory_report()
-                return {k: getattr(r, k) for k in ("parameters", "gradients", "optimizer_state", "peak")}
+                buckets = sorted((b.length * 4 for b in step.program.param_buckets), reverse=True)
+                return {
+                    **{k: getattr(r, k) for k in ("parameters", "gradients", "optimizer_state", "peak")},
+                    "two_buckets": sum(buckets[:2]),
+                    "gathered_peak": peak_transient_bytes(step.program.graph, is_parameter_gather),
+                }
 
             steps[variant] = (lambda step=step: step(*batch), report)
     times = interleaved_ms({v: run for v, (run, _) in steps.items()}, WARMUP)
@@ -153,16 +174,17 @@ def comm_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def theory(variant: str, psi: int, world: int) -> float:
+def theory(mode: str, psi: int, world: int) -> float:
     """Bytes per rank for fp32 AdamW as the ZeRO paper counts them (Ψ parameters)."""
-    return {"ddp": 16, "fused_allreduce": 16, "zero1": 8 + 8 / world, "zero2": 4 + 12 / world}[variant] * psi
+    per = {"ddp": 16, "fused_allreduce": 16, "zero1": 8 + 8 / world, "zero2": 4 + 12 / world, "zero3": 16 / world}
+    return per[mode] * psi
 
 
 def table(runs: list[dict]) -> str:
     lines = [
         "| W | variant | ms/step (median, range) | × DDP | parameters | gradients | optimizer state | held | "
-        "theory (ZeRO paper) | held / theory | peak in step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "theory (ZeRO paper) | held / theory | peak in step | gathered buckets alive at once (two largest) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         world, ranks = run["world"], run["ranks"]
@@ -173,12 +195,15 @@ def table(runs: list[dict]) -> str:
             held = m["parameters"] + m["gradients"] + m["optimizer_state"]
             ms = max(r[v]["ms"] for r in ranks)
             lo, hi = min(r[v]["ms_range"][0] for r in ranks), max(r[v]["ms_range"][1] for r in ranks)
-            expected = theory(v, worst["psi"], world)
+            expected = theory(VARIANTS[v][0], worst["psi"], world)
             peak = f"{m['peak'] / MIB:.2f} MiB" if m["peak"] else "–"
+            buckets = (
+                f"{m['gathered_peak'] / MIB:.2f} ({m['two_buckets'] / MIB:.2f}) MiB" if m.get("two_buckets") else "–"
+            )
             lines.append(
                 f"| {world} | {v} | {ms:.1f} ({lo:.1f}–{hi:.1f}) | {ms / ddp_ms:.2f} | {m['parameters'] / MIB:.2f} | "
                 f"{m['gradients'] / MIB:.2f} | {m['optimizer_state'] / MIB:.2f} | {held / MIB:.2f} MiB | "
-                f"{expected / MIB:.2f} MiB | {held / expected:.3f} | {peak} |"
+                f"{expected / MIB:.2f} MiB | {held / expected:.3f} | {peak} | {buckets} |"
             )
     return "\n".join(lines)
 

@@ -37,6 +37,7 @@ GRAPHS = {
     "allgather": ("allgather", [], ["step"]),
     "partial_sync": ("partial_sync", [], ["sync0"]),
     "dim_reduce": ("dim_reduce", [f"pca_path={BASIS}"], ["step"]),
+    "zero3": ("zero3", ["bucket_cap_mb=0.0005", "first_bucket_mb=0.0001"], ["step"]),
 }
 
 

@@ -147,6 +147,8 @@ def test_zero3_model_between_steps_holds_slices_and_gathered_gives_it_whole():
     with step.gathered(writeback=False):
         with torch.no_grad():
             model.proj.bias.mul_(0.0)
+        with pytest.raises(ConfigurationError, match="leave the block"):
+            step(*batch)
     for size in (8, 6, 8):  # 6: a new shape, traced again while the parameters are slices
         batch = make_batch("tied", size, gen)
         step(*batch)

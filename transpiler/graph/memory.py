@@ -11,6 +11,7 @@ allocates, in its order (the CUDA allocator's measured peak is reported beside i
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -42,8 +43,9 @@ def _bytes(value: object) -> int:
     return 0
 
 
-def peak_transient_bytes(graph: fx.Graph) -> int:
-    """The most bytes of tensors the program itself allocated that are alive at once (inputs not counted)."""
+def peak_transient_bytes(graph: fx.Graph, counted: Callable[[fx.Node], bool] | None = None) -> int:
+    """The most bytes of tensors the program itself allocated that are alive at once (inputs not counted);
+    with ``counted``, of those allocated by the nodes it accepts (ZeRO-3's gathered buckets, say)."""
     nodes = list(graph.nodes)
     root: dict[fx.Node, fx.Node | None] = {}  # the allocating node whose storage a value lives in
     size: dict[fx.Node, int] = {}
@@ -63,7 +65,7 @@ def peak_transient_bytes(graph: fx.Graph) -> int:
             root[node] = root.get(alias)
         else:
             root[node] = node
-            size[node] = _bytes(node.meta.get("val"))
+            size[node] = _bytes(node.meta.get("val")) if counted is None or counted(node) else 0
             last.setdefault(node, i)
     frees: dict[int, int] = {}
     for node, end in last.items():

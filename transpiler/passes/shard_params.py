@@ -10,9 +10,10 @@ Guarantees:
   gathers the updated values;
 - each bucket is all-gathered (``all_gather_into_tensor``) right before the forward first reads one of its
   parameters, and the forward reads views of the gathered buffer, which is freed after its last use. The
-  next bucket's all-gather is issued as this one's is waited (prefetch one bucket ahead, on NCCL; on the CPU
-  ``schedule-collectives`` runs every all-gather alone). Its issuing side is ``pinned``: hoisting every
-  gather to the top would hold the whole model;
+  next bucket's all-gather is issued as this one's is waited (prefetch one bucket ahead) on a GPU. Not on the
+  CPU: there every all-gather runs alone and is waited at once (``schedule-collectives``: gloo's heap bug), so
+  a prefetch would overlap nothing and only hold one more bucket. The issuing side is ``pinned``: hoisting
+  every gather to the top would hold the whole model;
 - with ``reshard-after-forward`` the backward gathers each bucket again, in backward order with the same
   prefetch, and recomputes from it the views and casts of the parameters it reads (``t``, ``view``,
   ``_to_copy``...), so no gathered buffer lives from the forward into the backward; without it the forward's
@@ -100,9 +101,9 @@ def _as_slice(program: StepProgram, param: fx.Node) -> tuple[list[fx.Node], list
 
 
 def _place(program: StepProgram, readers: dict[int, list[fx.Node]], phase: str) -> dict[int, dict[str, fx.Node]]:
-    """Emit each bucket's all-gather right before its first reader (the next bucket's issued right after this
-    one is waited) and re-point the readers at views of the gathered parameters; returns the views, by bucket
-    and parameter name."""
+    """Emit each bucket's all-gather right before its first reader (on a GPU the next bucket's is issued right
+    after this one is waited) and re-point the readers at views of the gathered parameters; returns the views,
+    by bucket and parameter name."""
     order = position(program.graph)
     firsts = {i: min(r, key=order.__getitem__) for i, r in readers.items() if r}
     sequence = sorted(firsts, key=lambda i: order[firsts[i]])
@@ -119,7 +120,7 @@ def _place(program: StepProgram, readers: dict[int, list[fx.Node]], phase: str) 
         for name, start, shape in zip(bucket.names, bucket.starts, bucket.shapes):
             part = cursor.emit(aten.slice.Tensor, (full, 0, start, start + math.prod(shape)), **comm)
             views[index][name] = cursor.emit(aten.view.default, (part, list(shape)), **comm)
-        if k + 1 < len(sequence):
+        if k + 1 < len(sequence) and full.meta["val"].device.type != "cpu":
             issued[sequence[k + 1]] = _issue(program, cursor, sequence[k + 1], phase)
         params = {input_node(program, Port("param", name)): view for name, view in views[index].items()}
         for reader in readers[index]:

@@ -209,6 +209,7 @@ class DistributedStep:
         multi = placement.live and placement.world_size > 1
         self._handshake = Handshake(placement.rank, placement.world_size, placement.timeout) if multi else None
         self._guard: sharded_params.SlicedForwardGuard | None = None  # zero3: a forward on slices fails clearly
+        self._gathering = False  # inside step.gathered(): the parameters are whole
 
     # ------------------------------------------------------------ inspection
     @property
@@ -308,6 +309,7 @@ class DistributedStep:
             return self._step(batch, autocast)
 
     def _step(self, batch: tuple, autocast: AutocastState) -> torch.Tensor:
+        self._refuse_inside_gathered("a training step")
         built = self.prepare(batch, autocast)
         self._require_live()
         if self._handshake is not None and built.digest != self._agreed:
@@ -476,6 +478,7 @@ class DistributedStep:
             yield self.model
             return
         self._require_live()
+        self._refuse_inside_gathered("step.gathered()")
         built = self._last
         self._hold_slices(program, built)
         before = {name: built.params[name].data for bucket in program.param_buckets for name in bucket.names}
@@ -488,13 +491,22 @@ class DistributedStep:
             placement.world_size,
             program.group_name,
         )
+        self._gathering = True
         try:
             yield self.model
         finally:
+            self._gathering = False
             if not writeback:
                 for name, data in before.items():
                     built.params[name].data = data
             sharded_params.hold_slices(built.params, program.param_buckets, program.shards)
+
+    def _refuse_inside_gathered(self, what: str) -> None:
+        if self._gathering:
+            raise ConfigurationError(
+                f"{what} inside `with step.gathered():`, where the parameters are whole for the block: leave the "
+                "block first (it keeps this rank's slice of any edit made inside)."
+            )
 
     def memory_report(self) -> MemoryReport:
         """The bytes this rank holds between steps (parameters, gradients, optimizer state, transpiler
@@ -631,6 +643,7 @@ class DistributedStep:
         slices of them (cut here if no step has yet). Empty in other modes."""
         if self._last is None or not self.program.param_buckets:
             return {}
+        self._refuse_inside_gathered("a checkpoint")
         self._hold_slices(self.program, self._last)
         return {name: tuple(shape) for name, shape in _whole_shapes(self.program).items()}
 
