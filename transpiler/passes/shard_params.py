@@ -77,6 +77,9 @@ class ShardParams(Pass):
         first = _place(program, forward, "forward")
         if self.reshard_after_forward:
             _regather_for_backward(program, first, backward)
+        for node in reversed(program.graph.nodes):  # views of parameters a phase does not read
+            if node.target in (aten.view.default, aten.slice.Tensor) and not node.users and "bucket" in node.meta:
+                program.graph.erase_node(node)
         return True
 
 
