@@ -3,7 +3,7 @@ worlds of 2 and 4.
 
 One world per size runs every scenario (tests/zero_worker.py): the tests' tied-embedding model, an MLP and a
 tiny Hugging Face GPT-2 (no dropout), with SGD with momentum, AdamW (twins), RMSprop and Adagrad (the generic
-path), one with gradient accumulation, 5 steps each. Under zero3 the parameters are compared inside
+path), with gradient accumulation in each mode, 5 steps each. Under zero3 the parameters are compared inside
 ``step.gathered()`` (which the test so uses every step), one scenario without ``reshard_after_forward``; the
 forward and backward read all-gathered copies of the parameters, whose values are the same bits.
 
@@ -17,6 +17,9 @@ Where parity is bitwise, and why:
   buckets are not DDP's: the last bit of a gradient may differ, and AdamW divides it by the square root of a
   second moment that is tiny for rarely seen embedding rows, so the parameters may move by up to 1e-5 (2.2e-6
   measured on GPT-2).
+* zero2/zero3 with accumulation reduce-scatter every micro-step and add the reduced slices (DeepSpeed's
+  stage 2); DDP's ``no_sync`` adds each rank's micro-steps and reduces once. The same terms in another order:
+  within 1e-5. zero1 accumulates whole gradients as DDP does: bitwise at W=2.
 * against one process on the whole batch: the mean of per-shard means rounds differently: within 1e-5.
 """
 
@@ -141,14 +144,23 @@ def _scenarios(world: int) -> list[str]:
     return [",".join(map(str, s)) for s in SCENARIOS[world]]
 
 
+def reduces_every_micro_step(name: str) -> bool:
+    """zero2/zero3 with accumulation: each micro-step's gradients are reduce-scattered and summed into this
+    rank's accumulator slices, where DDP's ``no_sync`` sums each rank's micro-steps and then all-reduces once:
+    the same terms added in another order."""
+    _, _, mode, steps, *_ = name.split(",")
+    return mode in ("zero2", "zero3") and int(steps) > 1
+
+
 def test_parity_with_ddp_and_single_process(runs):
+    """Bitwise at W=2 (within 1e-5 where the sums run in another order: W=4, and sharded accumulation)."""
     world, ranks = runs
     for name in _scenarios(world):
         for rank, results in enumerate(ranks):
             record = results[name]
             for step, (params, state) in enumerate(zip(record["params"], record["state"])):
                 where = f"{name} rank {rank} step {step}"
-                if world == 2:
+                if world == 2 and not reduces_every_micro_step(name):
                     assert params[0], f"{where}: parameters differ from DDP by {params[1]}"
                     assert state[0], f"{where}: optimizer-state slices differ from DDP's by {state[1]}"
                 else:

@@ -295,7 +295,9 @@ SCENARIOS = {
         ("mlp", "adamw", "zero2", 2),
         ("gpt2", "adamw", "zero1", 1),
         ("gpt2", "sgd", "zero2", 1),
+        ("tied", "adamw", "zero1", 2),
         ("tied", "adamw", "zero3", 1),
+        ("tied", "sgd", "zero3", 2),
         ("mlp", "rmsprop", "zero3", 1),
         ("gpt2", "sgd", "zero3", 1),
         ("gpt2", "adamw", "zero3", 1, {"reshard_after_forward": False}),
@@ -307,6 +309,7 @@ SCENARIOS = {
         ("gpt2", "adamw", "zero2", 1),
         ("tied", "sgd", "zero3", 1),
         ("gpt2", "adamw", "zero3", 1),
+        ("mlp", "adamw", "zero3", 4),  # micro-batches of one sample: equal sizes, as a mean of means needs
     ],
 }
 

@@ -88,10 +88,11 @@ Builder = Callable[[tuple, AutocastState], Built]
 def initial_extra(rule: str, source: str, params: dict[str, torch.nn.Parameter]) -> torch.Tensor:
     """The first value of pass-added state, by the rule its pass declared in ``program.extra_init``.
 
-    ``copy_param``: a copy of parameter ``source`` (LocalSGD snapshots); ``zeros_like_param``: zeros shaped
-    as it (accumulators, residuals); ``scalar``: a 0-d tensor from ``"<value>:<dtype>"`` (loss scale);
-    ``zeros``: float32 zeros of shape ``"d0,d1,..."``; ``eye``: the float32 identity of size ``source``
-    (DimReduce's curvature state). New tensors go where the parameters are.
+        ``copy_param``: a copy of parameter ``source`` (LocalSGD snapshots); ``zeros_like_param``: zeros shaped
+        as it (accumulators, residuals); ``scalar``: a 0-d tensor from ``"<value>:<dtype>"`` (loss scale);
+        ``zeros``: zeros of shape ``"d0,d1,..."``, float32 or the dtype after a colon (``"5:bfloat16"``;
+    sharded accumulators); ``eye``: the float32 identity of size ``source``
+        (DimReduce's curvature state). New tensors go where the parameters are.
     """
     if rule == "copy_param":
         return params[source].detach().clone()
@@ -102,7 +103,9 @@ def initial_extra(rule: str, source: str, params: dict[str, torch.nn.Parameter])
         value, _, dtype = source.partition(":")
         return torch.tensor(float(value), dtype=getattr(torch, dtype), device=device)
     if rule == "zeros":
-        return torch.zeros([int(d) for d in source.split(",")], dtype=torch.float32, device=device)
+        shape, _, dtype = source.partition(":")
+        dims = [int(d) for d in shape.split(",") if d]
+        return torch.zeros(dims, dtype=getattr(torch, dtype or "float32"), device=device)
     if rule == "eye":
         return torch.eye(int(source), dtype=torch.float32, device=device)
     raise ConfigurationError(f"unknown initialisation rule '{rule}' for extra state.")

@@ -7,7 +7,9 @@ one well-defined pipeline per program variant:
 ``prefix  [freeze-groups]  seed  [accumulate-grads]  body  [loss-scale]  [clip-grad-norm]  tail``
 
 Accumulation micro-steps run ``prefix [freeze] seed accumulate-grads{apply=false}
-[loss-scale{apply=false}]`` (no body: nothing is reduced or updated). Which
+[loss-scale{apply=false}]`` (no body: nothing is reduced or updated). A recipe with a ``micro_tail`` (ZeRO-2
+and ZeRO-3) reduces every micro-step and accumulates this rank's reduced slices instead: ``... seed body
+accumulate-grads{reduced=true} ...``, micro-steps ending with the ``micro_tail``. Which
 options compose with which mode is the table in ``docs/strategies/composition.md``,
 built from :data:`WRAPPER_OPTIONS` and each mode's option list.
 """
@@ -54,6 +56,9 @@ class Recipe:
     groups: Callable[[int], list[tuple[int, ...]]] = lambda world: []
     check: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None
     replicated: bool = False  # see Strategy; what a resharding checkpoint (save_checkpoint) needs
+    # set: an accumulation micro-step runs the body too and accumulates its reduced gradients (this rank's
+    # slices, ZeRO-2/3), then these passes in place of the tail; unset: micro-steps accumulate raw gradients
+    micro_tail: list[Pass] | None = None
 
 
 _scale = field_options(LossScale)
@@ -118,21 +123,25 @@ def compose(recipe: Recipe, values: dict[str, Any]) -> Strategy:
     scaling = _loss_scale(opts)
     clip = ClipGradNorm(max_norm=opts["max_grad_norm"], norm_type=opts["norm_type"]) if opts["max_grad_norm"] else None
 
+    sharded = recipe.micro_tail is not None
+
     def pipeline(variant: str, index: int | None) -> list[Pass]:
         apply = variant != ACCUMULATE
         passes = list(recipe.prefix)
         if index is not None:
             passes.append(FreezeGroups(groups=groups, index=index))
         passes += recipe.seed
-        if steps > 1:
+        if steps > 1 and not sharded:
             passes.append(AccumulateGrads(steps=steps, apply=apply))
-        if apply:
-            passes += recipe.body[variant]
+        if apply or sharded:
+            passes += recipe.body[variant if apply else "step"]
+        if steps > 1 and sharded:
+            passes.append(AccumulateGrads(steps=steps, apply=apply, reduced=True))
         if scaling is not None:
             passes.append(scaling if apply else LossScale(**{**_fields(scaling), "apply": False}))
         if apply and clip is not None:
             passes.append(clip)
-        return passes + (list(recipe.tail) if apply else [])
+        return passes + list(recipe.tail if apply else recipe.micro_tail or [])
 
     names = ([ACCUMULATE] if steps > 1 else []) + list(recipe.body)
     if groups:

@@ -170,8 +170,13 @@ def _zero(stage: int) -> Callable[..., Recipe]:
         # keep them and gather the parameters where the forward and backward read them (ZeRO-3)
         last = ShardParams(reshard_after_forward=reshard_after_forward) if stage == 3 else GatherParams()
         tail = [last, *_tail()]
+        # ZeRO-1 accumulates whole gradients (no communication in a micro-step, as DDP's no_sync); ZeRO-2/3
+        # reduce-scatter every micro-step into accumulators of this rank's slices, as DeepSpeed's stage 2
+        micro = None if stage == 1 else ([last] if stage == 3 else []) + [ScheduleCollectives()]
         check = _elementwise(f"zero{stage}")
-        return Recipe({"step": [shard]}, _prefix(), [ScaleLossGrad()], tail, check=check, replicated=True)
+        return Recipe(
+            {"step": [shard]}, _prefix(), [ScaleLossGrad()], tail, check=check, replicated=True, micro_tail=micro
+        )
 
     return build
 
@@ -336,7 +341,7 @@ MODES: dict[str, Mode] = {
             "zero3",
             "ZeRO-3 (fully sharded): as zero2, and parameters are held as shards, all-gathered where used",
             _zero(3),
-            {**BUCKET_OPTIONS, **LOSS_SCALING, **CLIPPING, **field_options(ShardParams)},
+            {**BUCKET_OPTIONS, **ACCUMULATION, **LOSS_SCALING, **CLIPPING, **field_options(ShardParams)},
         ),
         Mode(
             "partial_sync",
