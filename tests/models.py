@@ -166,6 +166,35 @@ class Lion(torch.optim.Optimizer):
                 state["exp_avg"].mul_(beta2).add_(p.grad, alpha=1 - beta2)
 
 
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020), written as a user would: Adam's bias-corrected step plus decoupled decay, scaled
+    per tensor by the trust ratio ``||p|| / ||update||`` (1 where either norm is 0)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["step"] += 1
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                m_hat, v_hat = m / (1 - beta1 ** state["step"]), v / (1 - beta2 ** state["step"])
+                update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p
+                w_norm, u_norm = p.norm(), update.norm()
+                ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+                p.sub_(group["lr"] * ratio * update)
+
+
 def muon_and_adamw(params) -> torch.optim.Optimizer:
     """Muon on the matrices and AdamW on the rest, as torch documents Muon, chained into one optimizer."""
     from transpiler.trace.optimizers import OptimizerChain

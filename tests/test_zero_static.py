@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import eager_step
-from tests.models import MLP, TiedLM, make_batch
+from tests.models import MLP, Lamb, TiedLM, make_batch
 from tests.test_boost_properties import assert_all_gathers_run_alone
 from transpiler import transpile
 from transpiler.errors import CheckpointError, ConfigurationError, UnsupportedOptimizerError, VerificationError
@@ -74,14 +74,14 @@ def test_world_of_one_is_eager(mode, opt):
             assert torch.equal(optimizer.state[p][key].reshape(value.shape), value), key
 
 
-def _world_programs(mode: str, world: int, **options) -> list:
+def _world_programs(mode: str, world: int, optimizer=torch.optim.AdamW, **options) -> list:
     programs = []
     for rank in range(world):
         torch.manual_seed(0)
         model = MLP()
         step = transpile(
             model,
-            torch.optim.AdamW(model.parameters()),
+            optimizer(model.parameters()),
             mode=mode,
             loss_fn=LOSS,
             example_inputs=make_batch("mlp", 4, torch.Generator().manual_seed(0)),
@@ -193,6 +193,32 @@ def test_zero3_programs_gather_before_use_and_free_before_the_backward():
                 assert not late if reshard and gather.meta["collective"]["phase"] == "forward" else True, late
             assert_all_gathers_run_alone(program.graph)
     check_shards(_world_programs("zero3", 4))
+
+
+@pytest.mark.parametrize("mode", ["zero2", "zero3"])
+def test_lamb_norms_are_whole_at_one_rank_and_one_all_reduce_at_four(mode):
+    """LAMB's per-tensor norms: at world size 1 the slice is the tensor (eager's bits, 4 steps); at W=4 every
+    rank's program sums the slices' norms with one all-reduce for all of them, and no update reads a norm
+    before it."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    reference = copy.deepcopy(model)
+    optimizer, ref_opt = Lamb(model.parameters(), lr=1e-2), Lamb(reference.parameters(), lr=1e-2)
+    step = transpile(model, optimizer, mode=mode, loss_fn=LOSS)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        batch = make_batch("tied", 8, gen)
+        step(*batch)
+        eager_step(reference, ref_opt, LOSS, batch)
+        with step.gathered():
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    for program in _world_programs(mode, 4, optimizer=Lamb):
+        norms = [n for n in program.graph.nodes if "norm" in n.meta.get("collective", {})]
+        assert len(norms) == 1 and len(norms[0].meta["collective"]["norm"]) == 2 * len(program.shards)
+        wait = next(iter(norms[0].users))
+        order = {n: i for i, n in enumerate(program.graph.nodes)}
+        updates = [u for u in program.graph.nodes if u.target is torch.ops.aten.select.int and u.args[0] in wait.users]
+        assert updates and all(order[u] > order[wait] for u in updates)
 
 
 def test_world_of_one_with_clipping_is_eager_clip_grad_norm():

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.distributed import run_rank  # noqa: E402
-from tests.models import make_batch, make_model  # noqa: E402
+from tests.models import Lamb, make_batch, make_model  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 STEPS = 5
@@ -31,6 +31,7 @@ OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),  # the generic path, state made lazily
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),  # the generic path, state made up front
+    "lamb": lambda ps: Lamb(ps, lr=1e-2),  # per-tensor norms: one all-reduce of the slices' norms
 }
 
 
@@ -256,7 +257,7 @@ def refusals(rank: int, world: int) -> dict:
     out = {}
     for name, make in {
         "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
-        "norm": lambda ps: NormalisedSGD(ps, lr=0.1),
+        "norm": lambda ps: RowNormalisedSGD(ps, lr=0.1),
     }.items():
         model = make_model("mlp")
         try:
@@ -273,8 +274,9 @@ def refusals(rank: int, world: int) -> dict:
     return out
 
 
-class NormalisedSGD(torch.optim.Optimizer):
-    """A user's optimizer that needs whole tensors: each step is scaled by the parameter's own norm."""
+class RowNormalisedSGD(torch.optim.Optimizer):
+    """A user's optimizer that needs whole rows: each row's step is scaled by that row's norm (a norm along a
+    dimension, which a slice cannot give; a whole tensor's norm it can, as LAMB's)."""
 
     def __init__(self, params, lr=0.1):
         super().__init__(params, {"lr": lr})
@@ -284,7 +286,7 @@ class NormalisedSGD(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    p.add_(p.grad / (p.grad.norm() + 1e-8), alpha=-group["lr"])
+                    p.add_(p.grad / (p.grad.norm(dim=-1, keepdim=True) + 1e-8), alpha=-group["lr"])
 
 
 SCENARIOS = {
@@ -298,6 +300,7 @@ SCENARIOS = {
         ("tied", "adamw", "zero1", 2),
         ("tied", "adamw", "zero3", 1),
         ("tied", "sgd", "zero3", 2),
+        ("tied", "lamb", "zero2", 1),
         ("mlp", "rmsprop", "zero3", 1),
         ("gpt2", "sgd", "zero3", 1),
         ("gpt2", "adamw", "zero3", 1, {"reshard_after_forward": False}),
@@ -310,6 +313,7 @@ SCENARIOS = {
         ("tied", "sgd", "zero3", 1),
         ("gpt2", "adamw", "zero3", 1),
         ("mlp", "adamw", "zero3", 4),  # micro-batches of one sample: equal sizes, as a mean of means needs
+        ("gpt2", "lamb", "zero3", 1),
     ],
 }
 

@@ -28,13 +28,13 @@ import torch
 import torch.fx as fx
 
 from transpiler.errors import ConfigurationError
-from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor, position, repair_order
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import Port, StepProgram
 
 from .gradient_flow import add_outputs, optimizer_gradients, retarget_optimizer_input
+from .sharded_norms import norms_over_ranks
 
 aten = torch.ops.aten
 EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm
@@ -94,16 +94,4 @@ class ClipGradNorm(Pass):
             local[n] if n in local else cursor.emit(aten.new_zeros.default, (g, []), role="optimizer", inspects=True)
             for n, g in grads.items()
         ]
-        stacked = cursor.emit(aten.stack.default, (norms,), role="optimizer")
-        infinite = self.norm_type == float("inf")
-        if not infinite:
-            stacked = cursor.emit(aten.pow.Tensor_Scalar, (stacked, self.norm_type), role="optimizer")
-        info = {"kind": "all_reduce", "norm": tuple(grads), "bytes": len(grads) * stacked.meta["val"].element_size()}
-        reduce = "max" if infinite else "sum"
-        total = cursor.emit(
-            C10D.all_reduce.default, (stacked, reduce, program.group_name), role="communication", collective=info
-        )
-        stacked = cursor.emit(WAIT, (total,), role="communication")
-        if infinite:
-            return stacked
-        return cursor.emit(aten.pow.Tensor_Scalar, (stacked, 1.0 / self.norm_type), role="optimizer")
+        return norms_over_ranks(program, cursor, norms, self.norm_type, tuple(grads))

@@ -22,8 +22,11 @@ gradient exists and freed once reduce-scattered, so no whole gradient outlives i
 memory is held between steps.
 
 The update must be element-wise: every op that reads a sliced tensor is a pointwise op, a copy or a
-``*_like`` factory, and its other tensor inputs are 0-d. An op that needs the whole tensor (a norm, a matrix
-product, a reshape: Adafactor, Muon, LAMB) makes the pass refuse, naming the op and the parameter.
+``*_like`` factory, and its other tensor inputs are 0-d. One whole-tensor op is taken: the norm of a whole
+sliced tensor (``linalg_vector_norm`` to a 0-d value; LAMB's and LARS's trust ratios), which becomes the norm
+of the whole tensor through one all-reduce of every slice's norm (``sharded_norms.py``). Any other op that
+needs the whole tensor (a norm along a dimension, a matrix product, a reshape: Adafactor, Muon) makes the
+pass refuse, naming the op and the parameter.
 """
 
 from __future__ import annotations
@@ -35,14 +38,15 @@ import torch.fx as fx
 
 from transpiler.errors import UnsupportedOptimizerError
 from transpiler.graph.bucket_layout import padded_length, slot_offsets
-from transpiler.graph.collectives import C10D, WAIT
-from transpiler.graph.edit import Cursor, refresh_value
+from transpiler.graph.collectives import C10D, WAIT, is_collective
+from transpiler.graph.edit import Cursor, position, refresh_value, repair_order
 from transpiler.graph.options import option
 from transpiler.graph.program import Port, StepProgram
 
 from .bucket_views import write_into_buffer
 from .bucketing import BucketedGradientPass
 from .gradient_flow import input_node, replace_gradient
+from .sharded_norms import norms_over_ranks
 
 aten = torch.ops.aten
 # not tagged pointwise, yet element for element: copies and factories shaped like their input
@@ -165,9 +169,14 @@ def _update_shards(program: StepProgram) -> None:
                 with value.fake_mode:
                     state.meta["val"] = torch.empty(hi - lo, dtype=state.meta["val"].dtype, device=value.device)
                 owner[state] = name
+    norms: list[tuple[fx.Node, str]] = []  # whole-tensor norms of sliced values: summed over the ranks below
     for node in program.graph.nodes:
         sliced = [owner[i] for i in node.all_input_nodes if i in owner]
         if node in owner or not sliced or node.op != "call_function" or node.meta.get("role") != "optimizer":
+            continue
+        if _is_whole_norm(node):
+            norms.append((node, sliced[0]))
+            refresh_value(program.graph, node)  # the norm of this rank's slice, for now
             continue
         _check_elementwise(node, sliced[0], owner)
         try:
@@ -178,6 +187,43 @@ def _update_shards(program: StepProgram) -> None:
                 f"'{node.name}' ({node.target}), so it cannot run on a shard: {str(exc).splitlines()[0][:200]}"
             ) from exc
         owner[node] = sliced[0]
+    if norms and program.world_size > 1:
+        _norms_over_ranks(program, norms)
+
+
+def _is_whole_norm(node: fx.Node) -> bool:
+    """``linalg_vector_norm`` of a whole tensor to a 0-d value (LAMB's and LARS's per-tensor trust ratios)."""
+    if node.target is not aten.linalg_vector_norm.default:
+        return False
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    return dim is None and node.meta["val"].dim() == 0
+
+
+def _norms_over_ranks(program: StepProgram, norms: list[tuple[fx.Node, str]]) -> None:
+    """Every whole-tensor norm of a sliced value becomes the norm of the whole tensor: the slices' norms, one
+    all-reduce for all of them per norm order (``sharded_norms.py``), then each reader of a norm reads its
+    entry. The updates wait for that all-reduce (``repair_order``), as they wait for a clipping norm."""
+    order = position(program.graph)
+    by_type: dict[float, list[tuple[fx.Node, str]]] = {}
+    for node, name in norms:
+        ord_ = node.args[1] if len(node.args) > 1 else node.kwargs.get("ord", 2)
+        by_type.setdefault(float(ord_), []).append((node, name))
+    for norm_type, group in by_type.items():
+        cursor = Cursor(program.graph, max((n for n, _ in group), key=order.__getitem__))
+        readers = {node: list(node.users) for node, _ in group}
+        partial = [
+            node
+            if program.shards[name][1] > program.shards[name][0]
+            # an empty slice contributes nothing (and has no inf-norm): a zero
+            else cursor.emit(aten.new_zeros.default, (node, []), role="optimizer")
+            for node, name in group
+        ]
+        total = norms_over_ranks(program, cursor, partial, norm_type, tuple(name for _, name in group))
+        for i, (node, _) in enumerate(group):
+            whole = cursor.emit(aten.select.int, (total, 0, i), role="optimizer")
+            for reader in readers[node]:
+                reader.replace_input_with(node, whole)
+    repair_order(program.graph, [n for n in program.graph.nodes if is_collective(n)])
 
 
 def _check_elementwise(node: fx.Node, name: str, owner: dict[fx.Node, str]) -> None:
@@ -193,5 +239,6 @@ def _check_elementwise(node: fx.Node, name: str, owner: dict[fx.Node, str]) -> N
         f"the optimizer's update of '{name}' runs {node.target} ('{node.name}'), which needs the whole tensor "
         f"({'it also reads ' + ', '.join(whole) if whole else 'not an element-wise op'}). A sharded mode updates "
         "each rank's slice of every parameter, so only element-wise optimizers (SGD, Adam, AdamW, RMSprop, "
-        "Adagrad, NAdam...) run there. Use fused_allreduce for this optimizer."
+        "Adagrad, NAdam...) run there, and those that also take whole-tensor norms (LAMB, LARS). Use "
+        "fused_allreduce for this optimizer."
     )
