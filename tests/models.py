@@ -144,55 +144,57 @@ def plain_sgd_factory():
     return model, torch.optim.SGD(model.parameters(), lr=1.0), loss_fn, batch
 
 
-class Lion(torch.optim.Optimizer):
+class PerParameter(torch.optim.Optimizer):
+    """A user's optimizer written per parameter: ``step()`` calls ``update`` for each one with a gradient."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.update(p, self.state[p], group)
+
+    def update(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        raise NotImplementedError
+
+
+class Lion(PerParameter):
     """Lion (Chen et al. 2023), written as a user would: sign of an interpolated momentum, decoupled decay."""
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                update = state["exp_avg"].mul(beta1).add(p.grad, alpha=1 - beta1).sign_()
-                p.add_(update, alpha=-group["lr"])
-                state["exp_avg"].mul_(beta2).add_(p.grad, alpha=1 - beta2)
+    def update(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(p)
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        update = state["exp_avg"].mul(beta1).add(p.grad, alpha=1 - beta1).sign_()
+        p.add_(update, alpha=-group["lr"])
+        state["exp_avg"].mul_(beta2).add_(p.grad, alpha=1 - beta2)
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(PerParameter):
     """LAMB (You et al. 2020), written as a user would: Adam's bias-corrected step plus decoupled decay, scaled
     per tensor by the trust ratio ``||p|| / ||update||`` (1 where either norm is 0)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-                state["step"] += 1
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                m_hat, v_hat = m / (1 - beta1 ** state["step"]), v / (1 - beta2 ** state["step"])
-                update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p
-                w_norm, u_norm = p.norm(), update.norm()
-                ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-                p.sub_(group["lr"] * ratio * update)
+    def update(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+        state["step"] += 1
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+        m_hat, v_hat = m / (1 - beta1 ** state["step"]), v / (1 - beta2 ** state["step"])
+        update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p
+        w_norm, u_norm = p.norm(), update.norm()
+        ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+        p.sub_(group["lr"] * ratio * update)
 
 
 def muon_and_adamw(params) -> torch.optim.Optimizer:
