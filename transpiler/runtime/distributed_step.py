@@ -512,17 +512,20 @@ class DistributedStep:
             )
 
     def memory_report(self) -> MemoryReport:
-        """The bytes this rank holds between steps (parameters, gradients, optimizer state, transpiler
-        state; each storage once, counted from the tensors held) and the peak during the last step
+        """The bytes this rank holds between steps (parameters, gradients with the accumulators of gradient
+        accumulation, optimizer state, transpiler state; each storage once, counted from the tensors held) and the peak during the last step
         (``runtime/memory_report.py``). ``print(step.memory_report())`` shows them in MiB."""
         if self._last_run is None or self._last is None:
             raise ConfigurationError("run a step first: the report's peak is the last step's.")
         program, batch_bytes, cuda_peak = self._last_run
         counter = StorageCounter()
         params = list(self.model.parameters())
+        accumulators = [t for k, t in self.extra.items() if k.startswith(ACCUMULATOR)]
         held = {
             "parameters": counter.count(params),
-            "gradients": counter.count([p.grad for p in params] + bucket_buffers(self._last.programs.values())),
+            "gradients": counter.count(
+                [p.grad for p in params] + bucket_buffers(self._last.programs.values()) + accumulators
+            ),
             "optimizer_state": counter.count(t for s in self.optimizer.state.values() for t in s.values()),
             "transpiler_state": counter.count(self.extra.values()),
         }

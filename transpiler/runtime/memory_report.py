@@ -2,9 +2,10 @@
 
 Each storage is counted once, in the first category that holds it (a gradient that is a view of a bucket
 buffer counts with the buffer; a tied parameter once). Between steps a rank holds its model's parameters
-(trainable and frozen), gradients (``.grad`` where set, and the persistent bucket buffers of the programs),
-the optimizer state (``optimizer.state``, a sharded mode's slices as they are) and the state passes added
-(accumulators, residuals, the loss scale). The peak during the last step is the CUDA allocator's where the
+(trainable and frozen), gradients (``.grad`` where set, the persistent bucket buffers of the programs, and
+the accumulators of gradient accumulation, whole or a sharded mode's slices), the optimizer state
+(``optimizer.state``, a sharded mode's slices as they are) and the other state passes added (residuals, the
+loss scale). The peak during the last step is the CUDA allocator's where the
 model is on a GPU; on a CPU, which keeps no such count, it is what is held plus the batch plus the most bytes
 the program's own tensors hold at once (``graph/memory.py``), and the report says which.
 """
