@@ -109,12 +109,17 @@ def test_static_checks_see_a_rank_that_updates_the_wrong_slice():
 
 
 def test_rendered_program_names_each_collective():
+    """The reduce-scatters (on the CPU an all-to-all and a local sum each, gloo's cheaper form) come first, the
+    all-gathers after the update."""
     program = _world_programs("zero1", 2)[0]
     kinds = [n.meta["collective"]["kind"] for n in program.graph.nodes if "collective" in n.meta]
     assert kinds[: len(kinds) // 2] == ["reduce_scatter"] * (len(kinds) // 2)
     assert kinds[len(kinds) // 2 :] == ["all_gather"] * (len(kinds) // 2)
     code = program.graph_module.code
-    assert "reduce_scatter_tensor" in code and "all_gather_into_tensor" in code
+    comm = [n.target for n in program.graph.nodes if n.meta.get("role") == "communication"]
+    a2a, local_sum = torch.ops._c10d_functional.all_to_all_single.default, torch.ops.aten.sum.dim_IntList
+    assert comm.count(a2a) == comm.count(local_sum) == len(kinds) // 2
+    assert "reduce_scatter_tensor" not in code and "all_to_all_single" in code and "all_gather_into_tensor" in code
 
 
 def _zero3_pair(**options):

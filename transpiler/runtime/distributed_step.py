@@ -513,8 +513,9 @@ class DistributedStep:
 
     def memory_report(self) -> MemoryReport:
         """The bytes this rank holds between steps (parameters, gradients with the accumulators of gradient
-        accumulation, optimizer state, transpiler state; each storage once, counted from the tensors held) and the peak during the last step
-        (``runtime/memory_report.py``). ``print(step.memory_report())`` shows them in MiB."""
+        accumulation, optimizer state, transpiler state; each storage once, counted from the tensors held) and
+        the peak during the last step (``runtime/memory_report.py``). ``print(step.memory_report())`` shows
+        them in MiB."""
         if self._last_run is None or self._last is None:
             raise ConfigurationError("run a step first: the report's peak is the last step's.")
         program, batch_bytes, cuda_peak = self._last_run
