@@ -129,8 +129,9 @@ def rank_main(out: str) -> None:
 
 def collective_ms(lengths: list[int], world: int) -> dict[str, float]:
     """Median ms of ``zero1``'s bucket collectives alone, without compute: the all-reduce of the same buckets
-    (what DDP and ``fused_allreduce`` send), the reduce-scatters in flight together, and the all-gathers of the
-    shards one at a time (as ``schedule-collectives`` runs them on the CPU)."""
+    (what DDP and ``fused_allreduce`` send), gloo's reduce-scatters in flight together, the all-to-alls and
+    local sums the CPU programs use in their place, and the all-gathers of the shards one at a time (as
+    ``schedule-collectives`` runs them on the CPU)."""
     c10d, group = torch.ops._c10d_functional, dist.group.WORLD.group_name
     buckets = [torch.randn(n) for n in lengths]
     shards = [b[: n // world].clone() for b, n in zip(buckets, lengths)]
@@ -138,6 +139,13 @@ def collective_ms(lengths: list[int], world: int) -> dict[str, float]:
         "all_reduce": lambda: [c10d.wait_tensor(w) for w in [c10d.all_reduce(b, "sum", group) for b in buckets]],
         "reduce_scatter": lambda: [
             c10d.wait_tensor(w) for w in [c10d.reduce_scatter_tensor(b, "sum", world, group) for b in buckets]
+        ],
+        "all_to_all_sum": lambda: [
+            c10d.wait_tensor(w).view(world, -1).sum(0)
+            for w in [
+                c10d.all_to_all_single(b, [n // world] * world, [n // world] * world, group)
+                for b, n in zip(buckets, lengths)
+            ]
         ],
         "all_gather": lambda: [c10d.wait_tensor(c10d.all_gather_into_tensor(s, world, group)) for s in shards],
     }
@@ -163,14 +171,18 @@ def interleaved_ms(runs: dict[str, Callable[[], object]], warmup: int) -> dict[s
 def comm_table(runs: list[dict]) -> str:
     """Where zero's extra time goes: its collectives alone against the all-reduce DDP sends (slowest rank)."""
     lines = [
-        "| W | all-reduce alone | reduce-scatter alone | all-gather alone | RS + AG − AR | zero1 − DDP step |",
-        "|---|---|---|---|---|---|",
+        "| W | all-reduce alone | gloo reduce-scatter alone | all-to-all + sum alone (what zero uses) | "
+        "all-gather alone | A2A + AG − AR | zero1 − DDP step |",
+        "|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         ranks = run["ranks"]
-        ar, rs, ag = (max(r["comm"][k] for r in ranks) for k in ("all_reduce", "reduce_scatter", "all_gather"))
+        keys = ("all_reduce", "reduce_scatter", "all_to_all_sum", "all_gather")
+        ar, rs, a2a, ag = (max(r["comm"][k] for r in ranks) for k in keys)
         extra = max(r["zero1"]["ms"] for r in ranks) - max(r["ddp"]["ms"] for r in ranks)
-        lines.append(f"| {run['world']} | {ar:.1f} | {rs:.1f} | {ag:.1f} | {rs + ag - ar:.1f} | {extra:.1f} |")
+        lines.append(
+            f"| {run['world']} | {ar:.1f} | {rs:.1f} | {a2a:.1f} | {ag:.1f} | {a2a + ag - ar:.1f} | {extra:.1f} |"
+        )
     return "\n".join(lines)
 
 
