@@ -1,0 +1,64 @@
+"""Where a mode's step time goes on the CPU: torch.profiler's self time per op on rank 0, modes side by side.
+
+    python bench/profile_modes.py zero1 zero2      # launches torchrun at W=2 over gloo, prints one table per mode
+
+Each rank builds every mode from the same weights (AdamW, the 5M-parameter MLP of bench/models.py), warms it
+up for 3 steps, and profiles 5 more. ``wait_tensor`` is the time a rank blocks on its collectives (what the
+schedule did not overlap, and any skew between the ranks); the aten ops are the compute. Nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.models import batch_for, build  # noqa: E402
+from transpiler import transpile  # noqa: E402
+
+MODEL, PER_RANK, WARMUP, STEPS = "mlp_5m", 32, 3, 5
+
+
+def rank_main(modes: list[str]) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    base = build(MODEL)
+    batch = batch_for(MODEL, PER_RANK, torch.Generator().manual_seed(rank))
+    for mode in modes:
+        model = copy.deepcopy(base)
+        step = transpile(model, torch.optim.AdamW(model.parameters(), lr=1e-4), mode, torch.nn.CrossEntropyLoss())
+        for _ in range(WARMUP):
+            step(*batch)
+        dist.barrier()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(STEPS):
+                step(*batch)
+        if rank == 0:
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=45)
+            print(f"{mode}: {STEPS} steps on rank 0\n{table}", flush=True)
+    # no destroy_process_group(): torch 2.13 can deadlock there (bench/memory.py); the tables are printed
+    os._exit(0)
+
+
+def main() -> None:
+    modes = sys.argv[1:] or ["zero1", "zero2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29583"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    subprocess.run([*cmd, __file__, *modes], check=True, timeout=900, env=env, cwd=ROOT)
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:
+        rank_main(sys.argv[1:])
+    else:
+        main()
