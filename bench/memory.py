@@ -168,13 +168,22 @@ def interleaved_ms(runs: dict[str, Callable[[], object]], warmup: int) -> dict[s
     return times
 
 
+def header(*columns: str) -> list[str]:
+    """A markdown table's first two lines."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def comm_table(runs: list[dict]) -> str:
     """Where zero's extra time goes: its collectives alone against the all-reduce DDP sends (slowest rank)."""
-    lines = [
-        "| W | all-reduce alone | gloo reduce-scatter alone | all-to-all + sum alone (what zero uses) | "
-        "all-gather alone | A2A + AG − AR | zero1 − DDP step |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = header(
+        "W",
+        "all-reduce alone",
+        "gloo reduce-scatter alone",
+        "all-to-all + sum alone (what zero uses)",
+        "all-gather alone",
+        "A2A + AG − AR",
+        "zero1 − DDP step",
+    )
     for run in runs:
         ranks = run["ranks"]
         keys = ("all_reduce", "reduce_scatter", "all_to_all_sum", "all_gather")
@@ -193,11 +202,20 @@ def theory(mode: str, psi: int, world: int) -> float:
 
 
 def table(runs: list[dict]) -> str:
-    lines = [
-        "| W | variant | ms/step (median, range) | × DDP | parameters | gradients | optimizer state | held | "
-        "theory (ZeRO paper) | held / theory | peak in step | gathered buckets alive at once (two largest) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = header(
+        "W",
+        "variant",
+        "ms/step (median, range)",
+        "× DDP",
+        "parameters",
+        "gradients",
+        "optimizer state",
+        "held",
+        "theory (ZeRO paper)",
+        "held / theory",
+        "peak in step",
+        "gathered buckets alive at once (two largest)",
+    )
     for run in runs:
         world, ranks = run["world"], run["ranks"]
         ddp_ms = max(r["ddp"]["ms"] for r in ranks)

@@ -65,9 +65,7 @@ class AccumulateGrads(Pass):
         for grad in _reduced_gradients(program) if self.reduced else gradient_nodes(program):
             name = grad.meta["reduced_grad_of"] if self.reduced else grad.meta.pop("grad_of")
             port = Port("extra", PREFIX + name)
-            value = grad.meta["val"]
-            init = ("zeros", f"{','.join(map(str, value.shape))}:{str(value.dtype).removeprefix('torch.')}")
-            acc = add_state(program, port.name, grad, init if self.reduced else ("zeros_like_param", name))
+            acc = add_state(program, port.name, grad, _zeros_like(grad) if self.reduced else ("zeros_like_param", name))
             cursor = Cursor(program.graph, grad)
             if self.reduced:
                 total = cursor.emit(aten.add.Tensor, (acc, grad), role="optimizer")
@@ -84,6 +82,12 @@ class AccumulateGrads(Pass):
         if not self.apply:
             keep_inputs(program, ("param", "state"))
         return True
+
+
+def _zeros_like(node: fx.Node) -> tuple[str, str]:
+    """The initialisation rule for zeros shaped as ``node``'s value (a reduced slice, not a whole parameter)."""
+    value = node.meta["val"]
+    return "zeros", f"{','.join(map(str, value.shape))}:{str(value.dtype).removeprefix('torch.')}"
 
 
 def _reduced_gradients(program: StepProgram) -> list[fx.Node]:

@@ -121,7 +121,7 @@ def _scatter_sum(program: StepProgram, cursor: Cursor, flat: fx.Node, shard: int
     """This rank's shard of the sum over ranks of ``flat``: a reduce-scatter (NCCL). On the CPU an all-to-all
     and a local sum of the W chunks received instead: torch 2.13's gloo has no reduce-scatter of its own (it
     clones the buffer, all-reduces all of it and copies a chunk out), and the all-to-all moves 1/W of the bytes
-    (17.6 against 24.5 ms for four 4.7 MB buckets at W=2, docs/memory.md). At W=2 the sum is the same one
+    (19.5 against 29.0 ms for the benchmark MLP's buckets at W=2, docs/memory.md). At W=2 the sum is the same one
     addition, so the bits are gloo's; beyond, the W chunks are added in rank order. The collective's meta kind
     stays ``reduce_scatter``."""
     world, group = program.world_size, program.group_name

@@ -78,7 +78,8 @@ class ShardParams(Pass):
         if self.reshard_after_forward:
             _regather_for_backward(program, first, backward)
         for node in reversed(program.graph.nodes):  # views of parameters a phase does not read
-            if node.target in (aten.view.default, aten.slice.Tensor) and not node.users and "bucket" in node.meta:
+            gathered = node.meta.get("bucket", ("",))[0] == "params"
+            if gathered and node.target in (aten.view.default, aten.slice.Tensor) and not node.users:
                 program.graph.erase_node(node)
         return True
 

@@ -70,6 +70,7 @@ class Built:
     buffers: dict[str, torch.Tensor] = field(init=False)
     positions: dict[str, int] = field(init=False)
     extra_init: dict[str, tuple[str, str]] = field(init=False)  # pass-added state of every variant -> (rule, source)
+    whole: dict[str, torch.Size] = field(init=False)  # ZeRO-3: each parameter held as a slice -> its whole shape
     digest: bytes = field(init=False)  # of the setup: equal digests need no new handshake
 
     def __post_init__(self) -> None:
@@ -78,6 +79,9 @@ class Built:
         self.buffers = dict(zip(self.state.buffer_names, self.state.buffers))
         self.positions = {n: i for i, n in enumerate(self.state.names)}
         self.extra_init = {name: rule for p in self.programs.values() for name, rule in p.extra_init.items()}
+        self.whole = {
+            n: torch.Size(s) for p in self.programs.values() for b in p.param_buckets for n, s in zip(b.names, b.shapes)
+        }
         self.runners = {v: self.runners.get(v, p.graph_module) for v, p in self.programs.items()}
         self.digest = hashlib.sha256(pickle.dumps(self.setup)).digest()
 
@@ -88,11 +92,11 @@ Builder = Callable[[tuple, AutocastState], Built]
 def initial_extra(rule: str, source: str, params: dict[str, torch.nn.Parameter]) -> torch.Tensor:
     """The first value of pass-added state, by the rule its pass declared in ``program.extra_init``.
 
-        ``copy_param``: a copy of parameter ``source`` (LocalSGD snapshots); ``zeros_like_param``: zeros shaped
-        as it (accumulators, residuals); ``scalar``: a 0-d tensor from ``"<value>:<dtype>"`` (loss scale);
-        ``zeros``: zeros of shape ``"d0,d1,..."``, float32 or the dtype after a colon (``"5:bfloat16"``;
-    sharded accumulators); ``eye``: the float32 identity of size ``source``
-        (DimReduce's curvature state). New tensors go where the parameters are.
+    ``copy_param``: a copy of parameter ``source`` (LocalSGD snapshots); ``zeros_like_param``: zeros shaped
+    as it (accumulators, residuals); ``scalar``: a 0-d tensor from ``"<value>:<dtype>"`` (loss scale);
+    ``zeros``: zeros of shape ``"d0,d1,..."``, float32 or the dtype after a colon (``"5:bfloat16"``: sharded
+    accumulators); ``eye``: the float32 identity of size ``source`` (DimReduce's curvature state). New tensors
+    go where the parameters are.
     """
     if rule == "copy_param":
         return params[source].detach().clone()
@@ -144,11 +148,6 @@ def _checkpoint_module() -> Any:
     from . import sharded_checkpoint
 
     return sharded_checkpoint
-
-
-def _whole_shapes(program: StepProgram) -> dict[str, torch.Size]:
-    """The whole shape of every parameter the program reads as a slice (ZeRO-3), by name."""
-    return {n: torch.Size(s) for bucket in program.param_buckets for n, s in zip(bucket.names, bucket.shapes)}
 
 
 def batch_key(batch: tuple) -> tuple:
@@ -213,6 +212,7 @@ class DistributedStep:
         self._handshake = Handshake(placement.rank, placement.world_size, placement.timeout) if multi else None
         self._guard: sharded_params.SlicedForwardGuard | None = None  # zero3: a forward on slices fails clearly
         self._gathering = False  # inside step.gathered(): the parameters are whole
+        self._sliced = False  # zero3: the model's parameters are this rank's slices (cut once, again after gathered())
 
     # ------------------------------------------------------------ inspection
     @property
@@ -377,7 +377,7 @@ class DistributedStep:
         shaped as its parameter is cut to this rank's slice, and a stored one is replaced by its slice for good
         (so the whole tensor is freed): ``optimizer.state`` then holds 1-D slices, a 0-d ``step`` whole."""
         state, plan = built.state, built.plan
-        whole = _whole_shapes(program)
+        whole = built.whole
         tensors = {}
         for i, (name, param) in enumerate(zip(state.names, state.params)):
             bounds = program.shards.get(name)
@@ -463,9 +463,13 @@ class DistributedStep:
                 self.extra[name] = initial_extra(rule, source, built.params)
 
     def _hold_slices(self, program: StepProgram, built: Built) -> None:
-        """ZeRO-3: the model holds this rank's slice of each sharded parameter (cut once, after the startup
-        broadcast), and a forward on the slices fails clearly."""
+        """ZeRO-3: the model holds this rank's slice of each sharded parameter (cut after the startup broadcast
+        and after ``gathered()``, the only places they are whole; a no-op every other step), and a forward on
+        the slices fails clearly."""
+        if self._sliced:
+            return
         sharded_params.hold_slices(built.params, program.param_buckets, program.shards)
+        self._sliced = True
         if self._guard is None:
             self._guard = sharded_params.SlicedForwardGuard(self.model, program.param_buckets, program.shards)
 
@@ -494,7 +498,7 @@ class DistributedStep:
             placement.world_size,
             program.group_name,
         )
-        self._gathering = True
+        self._gathering, self._sliced = True, False
         try:
             yield self.model
         finally:
@@ -502,7 +506,7 @@ class DistributedStep:
             if not writeback:
                 for name, data in before.items():
                     built.params[name].data = data
-            sharded_params.hold_slices(built.params, program.param_buckets, program.shards)
+            self._hold_slices(program, built)
 
     def _refuse_inside_gathered(self, what: str) -> None:
         if self._gathering:
@@ -567,10 +571,11 @@ class DistributedStep:
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Write this step's state to the folder ``path`` with ``torch.distributed.checkpoint``; every rank calls
-        it. A sharded mode's ranks each write their slices of the optimizer state; what is the same on every
-        rank is written once. :meth:`load_checkpoint` reads it back at any world size, in any mode that keeps
-        the ranks in step (``allreduce``, ``fused_allreduce``, ``zero1``, ``zero2``, ``zero3``), and a plain model and
-        optimizer read it with ``get_state_dict``/``dcp.load``/``set_state_dict`` (``docs/checkpoints.md``)."""
+        it. A sharded mode's ranks each write their slices of the optimizer state (and under ``zero3`` of the
+        parameters); what is the same on every rank is written once. :meth:`load_checkpoint` reads it back at
+        any world size, in any mode that keeps the ranks in step (``allreduce``, ``fused_allreduce``, ``zero1``,
+        ``zero2``, ``zero3``), and a plain model and optimizer read it with
+        ``get_state_dict``/``dcp.load``/``set_state_dict`` (``docs/checkpoints.md``)."""
         if not self.replicated:
             raise CheckpointError(
                 f"mode {self.mode_specs} keeps ranks apart between updates (their parameters or state differ), so "
@@ -652,7 +657,7 @@ class DistributedStep:
             return {}
         self._refuse_inside_gathered("a checkpoint")
         self._hold_slices(self.program, self._last)
-        return {name: tuple(shape) for name, shape in _whole_shapes(self.program).items()}
+        return {name: tuple(shape) for name, shape in self._last.whole.items()}
 
     def _fqns(self) -> dict[int, str]:
         """Each parameter's name in the model (a tied one under its first name), by ``id``."""
