@@ -33,7 +33,7 @@ def fresh_tied(mode: str, example: tuple | None = None):
 
 def dcp_checkpoints(rank: int, world: int, root: str) -> dict:
     """torch.distributed.checkpoint: a same-size resume, bitwise (zero3 at W=4, whose parameters are slices
-    too; zero1 at W=2); at W=4 the checkpoint the other sizes read; at W=2 that checkpoint read into zero3
+    too; zero1 and zero2 at W=2); at W=4 the checkpoint the other sizes read; at W=2 that checkpoint read into zero3
     (built first: each rank reads only its slices of parameters and state) and into a zero1 step not yet built
     (whole tensors, cut at the first step), each then trained 2 steps next to DDP loaded from the same
     checkpoint with get_state_dict/dcp.load/set_state_dict."""
@@ -42,29 +42,31 @@ def dcp_checkpoints(rank: int, world: int, root: str) -> dict:
 
     data = batches("tied", world)
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    out: dict = {}
-    mode = "zero3" if world == 4 else "zero1"
-    model, optimizer, step = fresh_tied(mode)
-    torch.manual_seed(1234)
-    model.load_state_dict(build_model("tied").state_dict())
-    for x, y in data[:3]:
-        step(x[shard], y[shard])
-    path = os.path.join(root, f"dcp_w{world}")
-    step.save_checkpoint(path)
-    out["path"] = path
-    with step.gathered():
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    out["saved"] = {"params": params, "state": whole_state(model, optimizer), "shards": dict(step.program.shards)}
-    for x, y in data[3:]:
-        step(x[shard], y[shard])
-    model2, optimizer2, step2 = fresh_tied(mode)
-    step2.load_checkpoint(path)
-    for x, y in data[3:]:
-        step2(x[shard], y[shard])
-    out["resume"] = {
-        "params": largest(dict(model.named_parameters()), dict(model2.named_parameters())),
-        "state": largest(whole_state(model, optimizer), whole_state(model2, optimizer2)),
-    }
+    out: dict = {"resume": {}}
+    for mode in ("zero3",) if world == 4 else ("zero1", "zero2"):
+        model, optimizer, step = fresh_tied(mode)
+        torch.manual_seed(1234)
+        model.load_state_dict(build_model("tied").state_dict())
+        for x, y in data[:3]:
+            step(x[shard], y[shard])
+        path = os.path.join(root, f"dcp_w{world}" + ("" if mode == "zero3" else f"_{mode}"))
+        step.save_checkpoint(path)
+        if world == 4:  # what the world of 2 and the plain model read
+            out["path"] = path
+            with step.gathered():
+                params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            state, shards = whole_state(model, optimizer), dict(step.program.shards)
+            out["saved"] = {"params": params, "state": state, "shards": shards}
+        for x, y in data[3:]:
+            step(x[shard], y[shard])
+        model2, optimizer2, step2 = fresh_tied(mode)
+        step2.load_checkpoint(path)
+        for x, y in data[3:]:
+            step2(x[shard], y[shard])
+        out["resume"][mode] = {
+            "params": largest(dict(model.named_parameters()), dict(model2.named_parameters())),
+            "state": largest(whole_state(model, optimizer), whole_state(model2, optimizer2)),
+        }
     source = os.path.join(root, "dcp_w4")
     if world == 2 and os.path.exists(source):
         for name, reader, example in (("built", "zero3", tuple(t[shard] for t in data[3])), ("unbuilt", "zero1", None)):
