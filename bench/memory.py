@@ -1,13 +1,17 @@
 """Bytes per rank and step time: DDP, ``fused_allreduce``, ``zero1``, ``zero2`` and ``zero3``, at 2 and 4 processes.
 
     python bench/memory.py            # launches torchrun at W=2 and W=4 over gloo, writes docs/memory.md
+    python bench/memory.py --keep-freed-memory   # the same with glibc keeping freed memory (its own table)
 
 Each rank builds every variant from the same weights (AdamW, the 5M-parameter MLP of bench/models.py), runs the
 variants interleaved round by round, and reports the median step time over rounds and the bytes it holds
 between steps, counted from the tensors held (``step.memory_report()``; for DDP the same counter over its
 parameters, its gradients, which are views of its buckets, and its optimizer state). It then times ``zero1``'s
 bucket collectives alone (all-reduce, reduce-scatter, all-gather), to say how much of zero's extra step time is
-communication. Nothing here is a test.
+communication. ``--keep-freed-memory`` runs the ranks with glibc's ``MALLOC_MMAP_THRESHOLD_`` and
+``MALLOC_TRIM_THRESHOLD_`` at 1 GiB: glibc then keeps freed blocks instead of returning them to the kernel, so
+the buffers a step allocates (zero's all-to-all receive buffers, ``zero2``'s buckets) do not fault their pages
+in again every step. Nothing here is a test.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from transpiler import transpile  # noqa: E402
 from transpiler.graph.memory import peak_transient_bytes  # noqa: E402
 from transpiler.runtime.memory_report import StorageCounter  # noqa: E402
 
-MODEL, PER_RANK, WARMUP, STEPS, ROUNDS = "mlp_5m", 32, 2, 5, 5
+MODEL, PER_RANK, WARMUP, STEPS, ROUNDS = "mlp_5m", 32, 2, 5, 9
 # label -> (mode, options); zero3 also with buckets about one layer each (the MLP's big layers are 8 MiB), as
 # FSDP wraps a block per unit: with DDP's 25 MB cap its two big layers share one bucket, gathered whole
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -49,6 +53,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "zero3, 8.5 MB, no reshard": ("zero3", {"bucket_cap_mb": 8.5, "reshard_after_forward": False}),
 }
 COMMAND = "python bench/memory.py"
+KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+# where each configuration's table starts in docs/memory.md; each runs to the next marker or the end
+MARKERS = {False: "<!-- table -->", True: "<!-- table: glibc keeps freed memory -->"}
 MIB = 1024 * 1024
 HEADER = "# Memory per rank: DDP, fused_allreduce, zero1, zero2, zero3\n\n"
 
@@ -106,10 +113,7 @@ def rank_main(out: str) -> None:
 
             steps[variant] = (lambda step=step: step(*batch), report)
     times = interleaved_ms({v: run for v, (run, _) in steps.items()}, WARMUP)
-    result = {
-        v: {"ms": statistics.median(times[v]), "ms_range": (min(times[v]), max(times[v])), **steps[v][1]()}
-        for v in VARIANTS
-    }
+    result = {v: {"ms": statistics.median(times[v]), "rounds": times[v], **steps[v][1]()} for v in VARIANTS}
     result["psi"] = sum(p.numel() for p in base.parameters())
     lengths = [
         n.meta["collective"]["length"]
@@ -201,12 +205,20 @@ def theory(mode: str, psi: int, world: int) -> float:
     return per[mode] * psi
 
 
+def paired_ratios(ranks: list[dict], variant: str) -> list[float]:
+    """The variant's time over DDP's, round by round (each the slowest rank's): the rounds ran interleaved, so
+    a ratio within a round cancels the drift of a shared machine that a ratio of medians keeps."""
+    world_ms = [max(times) for times in zip(*(r[variant]["rounds"] for r in ranks))]
+    ddp_ms = [max(times) for times in zip(*(r["ddp"]["rounds"] for r in ranks))]
+    return [v / d for v, d in zip(world_ms, ddp_ms)]
+
+
 def table(runs: list[dict]) -> str:
     lines = header(
         "W",
         "variant",
         "ms/step (median, range)",
-        "× DDP",
+        "× DDP (median of rounds, range)",
         "parameters",
         "gradients",
         "optimizer state",
@@ -218,20 +230,21 @@ def table(runs: list[dict]) -> str:
     )
     for run in runs:
         world, ranks = run["world"], run["ranks"]
-        ddp_ms = max(r["ddp"]["ms"] for r in ranks)
         for v in VARIANTS:
             worst = max(ranks, key=lambda r: r[v]["parameters"] + r[v]["gradients"] + r[v]["optimizer_state"])
             m = worst[v]
             held = m["parameters"] + m["gradients"] + m["optimizer_state"]
             ms = max(r[v]["ms"] for r in ranks)
-            lo, hi = min(r[v]["ms_range"][0] for r in ranks), max(r[v]["ms_range"][1] for r in ranks)
+            lo, hi = min(min(r[v]["rounds"]) for r in ranks), max(max(r[v]["rounds"]) for r in ranks)
+            ratios = paired_ratios(ranks, v)
             expected = theory(VARIANTS[v][0], worst["psi"], world)
             peak = f"{m['peak'] / MIB:.2f} MiB" if m["peak"] else "–"
             buckets = (
                 f"{m['gathered_peak'] / MIB:.2f} ({m['two_buckets'] / MIB:.2f}) MiB" if m.get("two_buckets") else "–"
             )
             lines.append(
-                f"| {world} | {v} | {ms:.1f} ({lo:.1f}–{hi:.1f}) | {ms / ddp_ms:.2f} | {m['parameters'] / MIB:.2f} | "
+                f"| {world} | {v} | {ms:.1f} ({lo:.1f}–{hi:.1f}) | {statistics.median(ratios):.2f} "
+                f"({min(ratios):.2f}–{max(ratios):.2f}) | {m['parameters'] / MIB:.2f} | "
                 f"{m['gradients'] / MIB:.2f} | {m['optimizer_state'] / MIB:.2f} | {held / MIB:.2f} MiB | "
                 f"{expected / MIB:.2f} MiB | {held / expected:.3f} | {peak} | {buckets} |"
             )
@@ -239,35 +252,37 @@ def table(runs: list[dict]) -> str:
 
 
 def main() -> None:
+    keep_freed = "--keep-freed-memory" in sys.argv[1:]
     runs = []
     for world in (2, 4):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "memory.json"
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                str(world),
-                "--master-port",
-                "29581",
-                __file__,
-                str(out),
-            ]
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+            cmd += ["--master-port", "29581", __file__, str(out)]
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(KEEP_FREED if keep_freed else {}))
             subprocess.run(cmd, check=True, timeout=1800, env=env, cwd=ROOT)
             runs.append(json.loads(out.read_text()))
             print(f"W={world} done", flush=True)
     text = f"{table(runs)}\n\nzero1's collectives alone, ms per step (medians, no compute):\n\n{comm_table(runs)}"
     print(text)
-    doc = ROOT / "docs" / "memory.md"
-    head, _, _ = doc.read_text().partition("<!-- table -->") if doc.exists() else (HEADER, "", "")
     cpu = platform.processor() or platform.machine()
-    doc.write_text(
-        f"{head}<!-- table -->\n{text}\n\nMeasured with `{COMMAND}` on {cpu}, {os.cpu_count()} cores, torch "
+    command = f"{COMMAND} --keep-freed-memory" if keep_freed else COMMAND
+    section = (
+        f"{MARKERS[keep_freed]}\n{text}\n\nMeasured with `{command}` on {cpu}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}: {MODEL} ({runs[0]['ranks'][0]['psi']:,} parameters), AdamW, {PER_RANK} samples "
         f"per rank, medians of {ROUNDS} rounds of {STEPS} steps, variants interleaved.\n"
     )
+    doc = ROOT / "docs" / "memory.md"
+    doc.write_text(with_section(doc.read_text() if doc.exists() else HEADER, keep_freed, section))
+
+
+def with_section(text: str, keep_freed: bool, section: str) -> str:
+    """``text`` with the section of this configuration replaced by ``section`` (appended when it has none)."""
+    start = text.find(MARKERS[keep_freed])
+    if start < 0:
+        return f"{text.rstrip()}\n\n{section}"
+    end = text.find(MARKERS[not keep_freed], start + 1)
+    return text[:start] + section + ("\n" + text[end:] if end > start else "")
 
 
 if __name__ == "__main__":

@@ -4,13 +4,16 @@
 
 Each rank builds every mode from the same weights (AdamW, the 5M-parameter MLP of bench/models.py), warms it
 up for 3 steps, and profiles 5 more. ``wait_tensor`` is the time a rank blocks on its collectives (what the
-schedule did not overlap, and any skew between the ranks); the aten ops are the compute. Nothing here is a test.
+schedule did not overlap, and any skew between the ranks); the aten ops are the compute. The minor page faults
+per step count the memory the allocator took back from the kernel (glibc returns large freed blocks, so a
+buffer allocated each step faults its pages in again). Nothing here is a test.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import resource
 import subprocess
 import sys
 from datetime import timedelta
@@ -40,12 +43,14 @@ def rank_main(modes: list[str]) -> None:
         for _ in range(WARMUP):
             step(*batch)
         dist.barrier()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(STEPS):
                 step(*batch)
+        faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / STEPS
         if rank == 0:
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=45)
-            print(f"{mode}: {STEPS} steps on rank 0\n{table}", flush=True)
+            print(f"{mode}: {STEPS} steps on rank 0, {faults:.0f} minor page faults per step\n{table}", flush=True)
     # no destroy_process_group(): torch 2.13 can deadlock there (bench/memory.py); the tables are printed
     os._exit(0)
 

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from transpiler.graph.bucket_layout import BUCKET_READY, OUT_FORMS, is_view, padded_length, slot_offsets
-from transpiler.graph.edit import Cursor, emit
+from transpiler.graph.edit import Cursor, emit, position
 from transpiler.graph.program import StepProgram
 
 from .gradient_flow import add_constant, reads_raw_gradient
@@ -71,31 +71,51 @@ def _slot_name(program: StepProgram, tag: str, index: int) -> str:
     return name
 
 
+def _gaps(starts: list[int], sizes: list[int], length: int) -> list[tuple[int, int]]:
+    """The element ranges of a bucket buffer that no slot covers: alignment padding and the shards' tail."""
+    ends = [start + n for start, n in zip(starts, sizes)]
+    spans = zip([0, *ends], [*starts, length])
+    return [(lo, hi) for lo, hi in spans if hi > lo]
+
+
 def write_into_buffer(
-    program: StepProgram, nodes: list[fx.Node], tag: str, index: int, cursor: Cursor, shards: int = 1
+    program: StepProgram,
+    nodes: list[fx.Node],
+    tag: str,
+    index: int,
+    cursor: Cursor,
+    shards: int = 1,
+    persistent: bool = True,
 ) -> tuple[fx.Node, list[int]]:
-    """Lay ``nodes`` out in a persistent buffer, in order, copies emitted at ``cursor``. Returns the buffer
+    """Lay ``nodes`` out in one bucket buffer, in order, copies emitted at ``cursor``. Returns the buffer
     once all are in, and the offset each node starts at. With ``shards`` the buffer is padded at its end
-    to that many equal, aligned shards (``padded_length``), for a reduce-scatter."""
+    to that many equal, aligned shards (``padded_length``), for a reduce-scatter. A ``persistent`` buffer is a
+    constant of the program (zeroed once); otherwise each step allocates it right before the first write, zeroes
+    its padding, and frees it after its last reader (ZeRO-2: no gradient memory between steps, no packing copy)."""
     first = nodes[0].meta["val"]
     sizes = [n.meta["val"].numel() for n in nodes]
     starts = slot_offsets(sizes, first.element_size())
+    length = padded_length(starts[-1] + sizes[-1], first.element_size(), shards)
     comm = {"role": "communication", "bucket": (tag, index)}
-    buffer = add_constant(
-        program,
-        _slot_name(program, tag, index),
-        torch.zeros(
-            padded_length(starts[-1] + sizes[-1], first.element_size(), shards), dtype=first.dtype, device=first.device
-        ),
-        bucket=comm["bucket"],
-    )
+    producers = [_producer(node) for node in nodes]
+    if persistent:
+        zeros = torch.zeros(length, dtype=first.dtype, device=first.device)
+        buffer = add_constant(program, _slot_name(program, tag, index), zeros, bucket=comm["bucket"])
+    else:
+        order = position(program.graph)
+        earliest = min((p if p is not None else n for p, n in zip(producers, nodes)), key=order.__getitem__)
+        with program.graph.inserting_before(earliest):
+            factory = {"dtype": first.dtype, "device": first.device, "pin_memory": False}
+            buffer = emit(program.graph, aten.empty.memory_format, ([length],), factory, **comm)
     slots, at = [], Cursor(program.graph, buffer)
+    if not persistent:  # only the padding is zeroed: the writes fill the rest
+        for lo, hi in _gaps(starts, sizes, length):
+            at.emit(aten.zero_.default, (at.emit(aten.slice.Tensor, (buffer, 0, lo, hi), **comm),), **comm)
     for node, start, n in zip(nodes, starts, sizes):
         piece = at.emit(aten.slice.Tensor, (buffer, 0, start, start + n), **comm)
         slots.append(at.emit(aten.view.default, (piece, list(node.meta["val"].shape)), **comm))
     writes = []
-    for node, slot in zip(nodes, slots):
-        producer = _producer(node)
+    for node, slot, producer in zip(nodes, slots, producers):
         if producer is None:
             writes.append(cursor.emit(aten.copy_.default, (slot, node), **comm))
             continue

@@ -17,9 +17,9 @@ Guarantees:
   passes that wrap the update (loss scaling, clipping) have run on the slices.
 
 With ``keep-gradient-buckets`` (ZeRO-1) a bucket is a persistent buffer the gradients are produced into
-(``bucket_views.py``, DDP's ``gradient_as_bucket_view``). Without it (ZeRO-2) a bucket is packed when its last
-gradient exists and freed once reduce-scattered, so no whole gradient outlives its bucket and no gradient
-memory is held between steps.
+(``bucket_views.py``, DDP's ``gradient_as_bucket_view``). Without it (ZeRO-2) the same buffer is allocated each
+step right before the bucket's first gradient, produced into the same way (no packing copy), and freed once
+reduce-scattered, so no whole gradient outlives its bucket and no gradient memory is held between steps.
 
 The update must be element-wise: every op that reads a sliced tensor is a pointwise op, a copy or a
 ``*_like`` factory, and its other tensor inputs are 0-d. One whole-tensor op is taken: the norm of a whole
@@ -37,7 +37,6 @@ import torch
 import torch.fx as fx
 
 from transpiler.errors import UnsupportedOptimizerError
-from transpiler.graph.bucket_layout import padded_length, slot_offsets
 from transpiler.graph.collectives import C10D, WAIT, is_collective
 from transpiler.graph.edit import Cursor, position, refresh_value, repair_order
 from transpiler.graph.options import option
@@ -90,10 +89,8 @@ class ShardOptimizer(BucketedGradientPass):
     def _reduce_scatter(self, program: StepProgram, nodes: list[fx.Node], index: int, cursor: Cursor) -> None:
         world, rank = program.world_size, program.rank
         comm = {"role": "communication", "bucket": ("grads", index)}
-        if self.keep_gradient_buckets:
-            flat, starts = write_into_buffer(program, nodes, "grads", index, cursor, shards=world)
-        else:
-            flat, starts = _packed(nodes, cursor, comm, world)
+        persistent = self.keep_gradient_buckets
+        flat, starts = write_into_buffer(program, nodes, "grads", index, cursor, shards=world, persistent=persistent)
         sizes = [n.meta["val"].numel() for n in nodes]
         itemsize = nodes[0].meta["val"].element_size()
         length = flat.meta["val"].numel()
@@ -140,25 +137,6 @@ def owned(start: int, size: int, rank: int, shard: int) -> tuple[int, int]:
     buffer cut into shards of ``shard`` elements; ``lo == hi`` when none are."""
     lo = min(max(rank * shard - start, 0), size)
     return lo, max(min((rank + 1) * shard - start, size), lo)
-
-
-def _packed(nodes: list[fx.Node], cursor: Cursor, comm: dict, world: int) -> tuple[fx.Node, list[int]]:
-    """ZeRO-2's bucket: the gradients packed (``cat``) where their last one exists, laid out as a persistent
-    bucket would be (aligned starts, padded to ``world`` shards), zeros between."""
-    itemsize = nodes[0].meta["val"].element_size()
-    sizes = [n.meta["val"].numel() for n in nodes]
-    starts = slot_offsets(sizes, itemsize)
-    length = padded_length(starts[-1] + sizes[-1], itemsize, world)
-    parts, end = [], 0
-    for node, start, n in zip(nodes, starts, sizes):
-        if start > end:
-            parts.append(cursor.emit(aten.new_zeros.default, (node, [start - end]), **comm))
-        parts.append(cursor.emit(aten.reshape.default, (node, [-1]), **comm))
-        end = start + n
-    if length > end:
-        parts.append(cursor.emit(aten.new_zeros.default, (nodes[-1], [length - end]), **comm))
-    flat = parts[0] if len(parts) == 1 else cursor.emit(aten.cat.default, (parts,), **comm)
-    return flat, starts
 
 
 def _update_shards(program: StepProgram) -> None:
