@@ -17,7 +17,7 @@ from tests.models import MLP, Lamb, TiedLM, make_batch
 from tests.test_boost_properties import assert_all_gathers_run_alone
 from transpiler import transpile
 from transpiler.errors import CheckpointError, ConfigurationError, UnsupportedOptimizerError, VerificationError
-from transpiler.graph.bucket_layout import SLOT_ALIGN_BYTES, is_view, padded_length, slot_offsets
+from transpiler.graph.bucket_layout import BUCKET_READY, SLOT_ALIGN_BYTES, is_view, padded_length, slot_offsets
 from transpiler.graph.collectives import WAIT
 from transpiler.graph.verify import check_shards
 from transpiler.passes.shard_optimizer import owned
@@ -106,6 +106,32 @@ def test_static_checks_see_a_rank_that_updates_the_wrong_slice():
     programs[1].shards[name] = (lo + 1, hi)
     with pytest.raises(VerificationError, match=name):
         check_shards(programs)
+
+
+@pytest.mark.parametrize("mode", ["zero2", "zero3"])
+def test_unkept_buckets_are_made_each_step_and_written_in_place(mode):
+    """Without kept buckets each bucket is allocated in the step before its first gradient, its padding is
+    zeroed, weight gradients are produced into it (``mm`` with ``out=``), nothing packs them (no ``cat``), and
+    the program holds no bucket constant."""
+    aten = torch.ops.aten
+    program = _world_programs(mode, 4)[1]
+    graph = program.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    buffers = [n for n in graph.nodes if n.target is aten.empty.memory_format and "bucket" in n.meta]
+    assert buffers and not [n for n in graph.nodes if n.op == "get_attr" and "bucket" in n.meta]
+    scattered = [n.args[0] for n in graph.nodes if n.meta.get("collective", {}).get("kind") == "reduce_scatter"]
+    assert scattered and all(n.target is BUCKET_READY for n in scattered)
+    for buffer in buffers:
+        views = [u for u in buffer.users if u.target is aten.slice.Tensor]
+        zeroed = sorted((v.args[2], v.args[3]) for v in views if any(w.target is aten.zero_.default for w in v.users))
+        slots = sorted(
+            (v.args[2], v.args[3]) for v in views if not any(w.target is aten.zero_.default for w in v.users)
+        )
+        covered = sorted(zeroed + slots)
+        assert covered[0][0] == 0 and covered[-1][1] == buffer.meta["val"].numel()
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), "slots and zeroed padding tile the buffer"
+        writers = [n for n in graph.nodes if n.target is aten.mm.out and n.kwargs["out"].args[0] in views]
+        assert writers and all(order[buffer] < order[w] for w in writers)
 
 
 def test_rendered_program_names_each_collective():
