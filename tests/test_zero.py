@@ -2,8 +2,9 @@
 worlds of 2 and 4.
 
 One world per size runs every scenario (tests/zero_worker.py): the tests' tied-embedding model, an MLP and a
-tiny Hugging Face GPT-2 (no dropout), with SGD with momentum, AdamW (twins), RMSprop and Adagrad (the generic
-path), with gradient accumulation in each mode, 5 steps each. Under zero3 the parameters are compared inside
+tiny Hugging Face GPT-2 (no dropout), with SGD with momentum, AdamW (twins), RMSprop, Adagrad and NAdam (the
+generic path) and the tests' Lion and LAMB (users' optimizers), with gradient accumulation in each mode, 5 steps
+each. Under zero3 the parameters are compared inside
 ``step.gathered()`` (which the test so uses every step), one scenario without ``reshard_after_forward``; the
 forward and backward read all-gathered copies of the parameters, whose values are the same bits.
 
@@ -23,6 +24,9 @@ Where parity is bitwise, and why:
 * LAMB (a test optimizer from the paper's formula) takes each tensor's norm: under a sharded optimizer the
   slices' norms summed over the ranks by one all-reduce, in another order than the whole tensor's: within 1e-5.
 * against one process on the whole batch: the mean of per-shard means rounds differently: within 1e-5.
+* where DDP itself is further than that from one process on the whole batch (NAdam on GPT-2 at W=4: 6.6e-5 by
+  step 3, its early steps divide by a tiny second moment as AdamW's do, with a larger step), the bound is twice
+  DDP's own distance, measured in the same run: a sum in another order moves these parameters that far.
 """
 
 from __future__ import annotations
@@ -159,6 +163,8 @@ def test_parity_with_ddp_and_single_process(runs):
     norms)."""
     world, ranks = runs
     for name in _scenarios(world):
+        spread = 2 * max(ranks[0][name]["ddp_single"])  # how far a sum in another order moves DDP itself
+        atol, atol_single = max(ATOL_W4, spread), max(ATOL_SINGLE, spread)
         for rank, results in enumerate(ranks):
             record = results[name]
             for step, (params, state) in enumerate(zip(record["params"], record["state"])):
@@ -167,8 +173,8 @@ def test_parity_with_ddp_and_single_process(runs):
                     assert params[0], f"{where}: parameters differ from DDP by {params[1]}"
                     assert state[0], f"{where}: optimizer-state slices differ from DDP's by {state[1]}"
                 else:
-                    assert params[1] <= ATOL_W4 and state[1] <= ATOL_W4, f"{where}: {params[1]}, {state[1]}"
-        assert max(ranks[0][name]["single"]) <= ATOL_SINGLE, f"{name}: {ranks[0][name]['single']}"
+                    assert params[1] <= atol and state[1] <= atol, f"{where}: {params[1]}, {state[1]}"
+        assert max(ranks[0][name]["single"]) <= atol_single, f"{name}: {ranks[0][name]['single']}"
         finals = [r[name]["final"] for r in ranks]
         for other in finals[1:]:  # every rank ends with the same whole parameters
             assert all(torch.equal(finals[0][k], other[k]) for k in finals[0]), name

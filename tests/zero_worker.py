@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.distributed import run_rank  # noqa: E402
-from tests.models import Lamb, make_batch, make_model  # noqa: E402
+from tests.models import Lamb, Lion, make_batch, make_model  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 STEPS = 5
@@ -32,6 +32,8 @@ OPTIMIZERS = {
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),  # the generic path, state made lazily
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),  # the generic path, state made up front
     "lamb": lambda ps: Lamb(ps, lr=1e-2),  # per-tensor norms: one all-reduce of the slices' norms
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-3, weight_decay=0.01),  # the generic path, mu products
+    "lion": lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1),  # a user's optimizer: sign of a momentum mix
 }
 
 
@@ -105,7 +107,7 @@ def scenario(
     options.update(mode_options)
     loss_fn = None if model_name == "gpt2" else torch.nn.CrossEntropyLoss()
     step = transpile(ours, ours_opt, mode=mode, loss_fn=loss_fn, **options)
-    record: dict = {"params": [], "state": [], "single": []}
+    record: dict = {"params": [], "state": [], "single": [], "ddp_single": []}
     for batch in data:
         micro = [tuple(t[shard][i::accumulate] for t in batch) for i in range(accumulate)]
         for part in micro:
@@ -134,6 +136,7 @@ def scenario(
             )
             if rank == 0:
                 record["single"].append(largest(dict(ours.named_parameters()), dict(single.named_parameters()))[1])
+                record["ddp_single"].append(largest(theirs, dict(single.named_parameters()))[1])
             record["final"] = {n: p.detach().clone() for n, p in ours.named_parameters()}
     report = step.memory_report()
     record["memory"] = {k: getattr(report, k) for k in ("parameters", "gradients", "optimizer_state", "peak")}
@@ -304,6 +307,8 @@ SCENARIOS = {
         ("mlp", "rmsprop", "zero3", 1),
         ("gpt2", "sgd", "zero3", 1),
         ("gpt2", "adamw", "zero3", 1, {"reshard_after_forward": False}),
+        ("tied", "nadam", "zero2", 1),
+        ("mlp", "lion", "zero3", 1),
     ],
     4: [
         ("tied", "adamw", "zero1", 1),
@@ -314,6 +319,8 @@ SCENARIOS = {
         ("gpt2", "adamw", "zero3", 1),
         ("mlp", "adamw", "zero3", 4),  # micro-batches of one sample: equal sizes, as a mean of means needs
         ("gpt2", "lamb", "zero3", 1),
+        ("gpt2", "nadam", "zero1", 1),
+        ("tied", "lion", "zero2", 1),
     ],
 }
 
