@@ -41,6 +41,29 @@ def test_buckets_partition_respect_cap_and_never_mix_keys(items, cap, first):
         assert all(len(b) == 1 for b in buckets)
 
 
+@given(
+    items=st.lists(st.tuples(st.integers(1, 3000), st.sampled_from(["f32", "f64"]), st.integers(0, 6)), max_size=40),
+    cap=st.integers(1, 5000),
+    first=st.integers(1, 5000),
+)
+def test_grouped_buckets_never_split_a_run_of_one_group(items, cap, first):
+    """``zero3``'s module-aligned buckets: a partition in order, no bucket mixes keys, consecutive items of one
+    key and group share a bucket, and a bucket exceeds its cap only by one run larger than the cap."""
+    sizes, keys, groups = [s for s, _, _ in items], [k for _, k, _ in items], [str(g) for _, _, g in items]
+    buckets = assign_buckets(sizes, keys, cap, first, groups)
+    assert sorted(i for b in buckets for i in b) == list(range(len(items)))
+    where = {i: n for n, bucket in enumerate(buckets) for i in bucket}
+    for key in set(keys):
+        mine = [i for i in range(len(items)) if keys[i] == key]
+        for a, b in zip(mine, mine[1:]):
+            if groups[a] == groups[b]:
+                assert where[a] == where[b], (a, b)
+    for bucket in buckets:
+        assert len({keys[i] for i in bucket}) == 1 and bucket == sorted(bucket)
+        if any(groups[a] != groups[b] for a, b in zip(bucket, bucket[1:])):  # more than one run
+            assert sum(sizes[i] for i in bucket) <= max(cap, first)
+
+
 class MixedDtypes(nn.Module):
     """float32 and float64 layers: the fused pass must keep them in separate buckets."""
 

@@ -56,11 +56,13 @@ def caps_in_bytes(bucket_cap_mb: float, first_bucket_mb: float) -> tuple[int, in
 
 
 def placed_buckets(
-    program: StepProgram, nodes: list[fx.Node], cap: int, first_cap: int
+    program: StepProgram, nodes: list[fx.Node], cap: int, first_cap: int, groups: list[str] | None = None
 ) -> Iterator[tuple[int, list[int], Cursor]]:
-    """The buckets of ``nodes`` (:func:`assign_buckets` by their bytes, dtype and device): each one's index,
-    its members' indices in ``nodes``, and a cursor just after its last member in graph order."""
-    buckets = assign_buckets([node_bytes(n) for n in nodes], [bucket_key(n) for n in nodes], cap, first_cap)
+    """The buckets of ``nodes`` (:func:`assign_buckets` by their bytes, dtype and device, never splitting a run
+    of one of ``groups``): each one's index, its members' indices in ``nodes``, and a cursor just after its last
+    member in graph order."""
+    sizes, keys = [node_bytes(n) for n in nodes], [bucket_key(n) for n in nodes]
+    buckets = assign_buckets(sizes, keys, cap, first_cap, groups)
     order = position(program.graph)  # computed once, for linear time; new nodes are never members
     for index, members in enumerate(buckets):
         yield index, members, Cursor(program.graph, max((nodes[i] for i in members), key=order.__getitem__))
@@ -84,17 +86,24 @@ class BucketedGradientPass(Pass):
     def reduce(self, program: StepProgram, grads: list[fx.Node]) -> None:
         raise NotImplementedError
 
-    def buckets(self, program: StepProgram, nodes: list[fx.Node]) -> Iterator[tuple[int, list[int], Cursor]]:
-        return placed_buckets(program, nodes, *caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb))
+    def buckets(
+        self, program: StepProgram, nodes: list[fx.Node], groups: list[str] | None = None
+    ) -> Iterator[tuple[int, list[int], Cursor]]:
+        return placed_buckets(program, nodes, *caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb), groups)
 
 
-def assign_buckets(sizes: list[int], keys: list[tuple], cap_bytes: int, first_cap_bytes: int) -> list[list[int]]:
+def assign_buckets(
+    sizes: list[int], keys: list[tuple], cap_bytes: int, first_cap_bytes: int, groups: list[str] | None = None
+) -> list[list[int]]:
     """Partition item indices into buckets, in order, one open bucket per key.
 
     An item joins its key's open bucket unless that would exceed the cap; the
     first bucket of each key has ``first_cap_bytes``. ``cap_bytes <= 0`` puts
-    every item alone. Buckets come back ordered by their last item.
+    every item alone. With ``groups`` (say each item's module), a run of items of one group and key is
+    never split: the cap is checked when the run starts, against the whole run (a run larger than the cap
+    is a bucket of its own). Buckets come back ordered by their last item.
     """
+    runs = _run_bytes(sizes, keys, groups) if groups is not None else sizes
     open_bucket: dict[tuple, list[int]] = {}
     open_bytes: dict[tuple, int] = {}
     closed: dict[tuple, int] = {}
@@ -104,7 +113,8 @@ def assign_buckets(sizes: list[int], keys: list[tuple], cap_bytes: int, first_ca
             done.append([i])
             continue
         cap = first_cap_bytes if closed.get(key, 0) == 0 else cap_bytes
-        if key in open_bucket and open_bytes[key] + size > cap:
+        same_run = groups is not None and key in open_bucket and groups[open_bucket[key][-1]] == groups[i]
+        if key in open_bucket and not same_run and open_bytes[key] + runs[i] > cap:
             done.append(open_bucket.pop(key))
             closed[key] = closed.get(key, 0) + 1
         if key not in open_bucket:
@@ -113,6 +123,19 @@ def assign_buckets(sizes: list[int], keys: list[tuple], cap_bytes: int, first_ca
         open_bytes[key] += size
     done.extend(open_bucket.values())
     return sorted(done, key=lambda b: b[-1])
+
+
+def _run_bytes(sizes: list[int], keys: list[tuple], groups: list[str]) -> list[int]:
+    """For each item, the bytes of the run of items of its key and group that it starts (the items of one key
+    taken in order); an item inside a run gets the bytes from it to the run's end."""
+    out = list(sizes)
+    after: dict[tuple, int] = {}  # key -> the next item of that key
+    for i in reversed(range(len(sizes))):
+        nxt = after.get(keys[i])
+        if nxt is not None and groups[nxt] == groups[i]:
+            out[i] += out[nxt]
+        after[keys[i]] = i
+    return out
 
 
 def reduce_in_buckets(

@@ -74,6 +74,11 @@ class ShardOptimizer(BucketedGradientPass):
         help="persistent full-size gradient buckets (ZeRO-1); false: a bucket lives only until it is "
         "reduce-scattered (ZeRO-2)",
     )
+    module_buckets: bool = option(
+        False,
+        help="cut buckets only between modules, so a layer's parameters share one bucket (ZeRO-3 gathers the "
+        "parameters by bucket: a layer then needs one gather)",
+    )
 
     def reduce(self, program: StepProgram, grads: list[fx.Node]) -> None:
         flat_params = [g for g in grads if g.meta["val"].dim() == 0]
@@ -82,7 +87,8 @@ class ShardOptimizer(BucketedGradientPass):
                 f"parameter '{flat_params[0].meta['grad_of']}' is 0-d; a sharded optimizer cuts parameters into "
                 "1-D slices. Make it a 1-element tensor (nn.Parameter(torch.tensor([v]))), or use fused_allreduce."
             )
-        for index, members, cursor in self.buckets(program, grads):
+        modules = [g.meta["grad_of"].rpartition(".")[0] for g in grads] if self.module_buckets else None
+        for index, members, cursor in self.buckets(program, grads, modules):
             self._reduce_scatter(program, [grads[i] for i in members], index, cursor)
         _update_shards(program)
 

@@ -164,7 +164,10 @@ def _twin_only(optimizer: torch.optim.Optimizer) -> None:
 def _zero(stage: int) -> Callable[..., Recipe]:
     def build(bucket_cap_mb: float, first_bucket_mb: float, reshard_after_forward: bool = True) -> Recipe:
         shard = ShardOptimizer(
-            bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, keep_gradient_buckets=stage == 1
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=first_bucket_mb,
+            keep_gradient_buckets=stage == 1,
+            module_buckets=stage == 3,  # ZeRO-3 gathers by bucket: a layer's parameters in one
         )
         # after loss scaling and clipping, which run on the slices: gather the updated slices (ZeRO-1, 2), or
         # keep them and gather the parameters where the forward and backward read them (ZeRO-3)
