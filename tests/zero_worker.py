@@ -320,7 +320,7 @@ SCENARIOS = {
         ("mlp", "adamw", "zero3", 4),  # micro-batches of one sample: equal sizes, as a mean of means needs
         ("gpt2", "lamb", "zero3", 1),
         ("gpt2", "nadam", "zero1", 1),
-        ("tied", "lion", "zero2", 1),
+        ("mlp", "lion", "zero2", 1),
     ],
 }
 
