@@ -49,3 +49,31 @@ def assert_rewrite_is_final(program, passes, where: str = "") -> None:
         assert p.run(program) is False, f"{where}{p.name} changed an already rewritten graph"
     program.recompile()
     assert program.graph_module.code == code
+
+
+class ReplayByCalling:
+    """Stands in for torch.cuda's capture on the CPU (``cuda_graph.CAPTURER``): a replay calls the captured
+    function, which is what a correct capture means, so everything around the capture runs without a GPU."""
+
+    host_split = False  # on the CPU every tensor is on the host
+
+    @staticmethod
+    def new_pool() -> tuple:
+        return ("cpu-test-pool",)
+
+    @staticmethod
+    def warm_up(fn):
+        return fn()
+
+    @staticmethod
+    def capture(fn, pool):
+        return fn  # a real capture runs no kernel now either
+
+
+def capture_by_calling(setattr_) -> None:
+    """Make ``cuda_graph=True`` capture with :class:`ReplayByCalling` and skip its setup check (a GPU, NCCL:
+    tests/test_gpu.py). ``setattr_`` is ``monkeypatch.setattr`` in a test, ``setattr`` in a spawned rank."""
+    from transpiler.runtime import cuda_graph
+
+    setattr_(cuda_graph, "CAPTURER", ReplayByCalling())
+    setattr_(cuda_graph, "check_capturable_setup", lambda *args: None)

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from tests.helpers import state_addresses
+from tests.helpers import capture_by_calling, state_addresses
 from tests.models import make_batch, make_model
 from transpiler import ConfigurationError, transpile
 from transpiler.runtime import cuda_graph as cg
@@ -35,31 +35,15 @@ CASES = {  # label: (model, optimizer, mode, options)
     "local_sgd": ("mlp", "sgd", "local_sgd", {"k_steps": 3}),
     "accumulate": ("mlp", "adamw", "fused_allreduce", {"accumulate_steps": 2}),
     "clip_loss_scale": ("mlp", "sgd", "fused_allreduce", {"max_grad_norm": 1.0, "loss_scale": "dynamic"}),
+    "zero1": ("tied", "adamw", "zero1", {}),
+    "zero2": ("mlp", "adamw", "zero2", {}),
+    "zero3": ("tied", "adamw", "zero3", {}),
 }
-
-
-class ReplayByCalling:
-    """Stands in for torch.cuda's capture on the CPU: a replay calls the captured function."""
-
-    host_split = False  # on the CPU every tensor is on the host
-
-    @staticmethod
-    def new_pool() -> tuple:
-        return ("cpu-test-pool",)
-
-    @staticmethod
-    def warm_up(fn):
-        return fn()
-
-    @staticmethod
-    def capture(fn, pool):
-        return fn  # a real capture runs no kernel now either
 
 
 @pytest.fixture(autouse=True)
 def replay_by_calling(monkeypatch):
-    monkeypatch.setattr(cg, "CAPTURER", ReplayByCalling())
-    monkeypatch.setattr(cg, "check_capturable_setup", lambda *args: None)  # a GPU and NCCL: tests/test_gpu.py
+    capture_by_calling(monkeypatch.setattr)
 
 
 def _pair(model_name, opt_name, mode, options):
@@ -117,6 +101,29 @@ def test_new_state_tensors_are_captured_again_and_a_retrace_has_its_own_capture(
     _run_both(plain, captured, "cnn", 2, gen)
     assert captured[2].captures == {"step": 0}  # the eval program is still warming up
     _run_both(plain, captured, "cnn", 2, gen)
+    assert captured[2].captures == {"step": 1}
+
+
+def test_zero3_gathered_between_steps_keeps_the_capture():
+    """zero3 between steps: ``step.gathered()`` makes the parameters whole (an evaluation, an edit written back)
+    and puts each rank's slice back into the tensor it was, so the captured program keeps reading its inputs
+    where it captured them: one capture over 10 steps, bitwise the uncaptured step doing the same."""
+    plain, captured = _pair("tied", "adamw", "zero3", {})
+    gen = torch.Generator().manual_seed(4)
+    _run_both(plain, captured, "tied", 3, gen)
+    addresses = state_addresses(captured[0], captured[1])
+    probe = make_batch("tied", 8, gen)[0]
+    for i in range(7):
+        _run_both(plain, captured, "tied", 1, gen)
+        outputs = []
+        for model, _, step in (plain, captured):
+            with step.gathered():
+                outputs.append(model(probe))
+                if i == 2:
+                    with torch.no_grad():
+                        next(model.parameters()).mul_(0.5)  # written back: each rank keeps its slice
+        assert torch.equal(*outputs)
+    assert state_addresses(captured[0], captured[1]) == addresses
     assert captured[2].captures == {"step": 1}
 
 

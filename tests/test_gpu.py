@@ -138,6 +138,9 @@ CAPTURED_CASES = {  # label: (model, optimizer, mode, options, autocast)
         {"max_grad_norm": 1.0, "loss_scale": "dynamic"},
         torch.float16,
     ),
+    "zero1": ("tied", "adamw", "zero1", {}, None),
+    "zero2": ("mlp", "sgd", "zero2", {}, None),
+    "zero3": ("tied", "adamw", "zero3", {}, None),
 }
 
 

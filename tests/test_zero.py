@@ -257,6 +257,20 @@ def test_loss_scaling_and_clipping_compose_with_shards(runs):
                 assert any(theirs > float(clip.split(",")[0].strip("( ")) for _, theirs in record["norms"]), where
 
 
+def test_captured_steps_follow_ddp_and_capture_once(runs):
+    """``cuda_graph=True`` under the zero modes at W=2, the capture replayed by calling (a GPU's capture is
+    tests/test_gpu.py): bitwise DDP in test_parity_with_ddp_and_single_process, and each program captured
+    once over 5 steps, zero3's through ``gathered()`` every step (it puts the slices back where they were)."""
+    world, ranks = runs
+    captured = [name for name in _scenarios(world) if "cuda_graph" in name]
+    if world != 2:
+        pytest.skip("captured in the world of 2")
+    assert len(captured) == 3
+    for results in ranks:
+        for name in captured:
+            assert results[name]["captures"] == {"step": 1}, (name, results[name]["captures"])
+
+
 def test_resume_is_bitwise(runs):
     _, ranks = runs
     for results in ranks:

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.distributed import run_rank  # noqa: E402
+from tests.helpers import capture_by_calling  # noqa: E402
 from tests.models import Lamb, Lion, make_batch, make_model  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
@@ -144,6 +145,7 @@ def scenario(
     record["model_bytes"] = sum(p.numel() * p.element_size() for p in ddp.module.parameters())
     record["shards"] = dict(step.program.shards)
     record["kinds"] = [n.meta["collective"]["kind"] for n in step.graph_module.graph.nodes if "collective" in n.meta]
+    record["captures"] = step.captures
     return record
 
 
@@ -309,6 +311,11 @@ SCENARIOS = {
         ("gpt2", "adamw", "zero3", 1, {"reshard_after_forward": False}),
         ("tied", "nadam", "zero2", 1),
         ("mlp", "lion", "zero3", 1),
+        # cuda_graph=True with the capture replayed by calling (tests/helpers.ReplayByCalling): warm-ups, one
+        # capture, replays reading the sharded inputs where they were captured, across gathered() every step
+        ("tied", "adamw", "zero3", 1, {"cuda_graph": True}),
+        ("gpt2", "adamw", "zero1", 1, {"cuda_graph": True}),
+        ("mlp", "sgd", "zero2", 1, {"cuda_graph": True}),
     ],
     4: [
         ("tied", "adamw", "zero1", 1),
@@ -358,4 +365,5 @@ def checks(rank: int, world: int) -> dict:
 
 
 if __name__ == "__main__":
+    capture_by_calling(setattr)  # only the scenarios that ask for cuda_graph=True capture
     run_rank(lambda rank, world: checks(rank, world))

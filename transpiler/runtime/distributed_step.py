@@ -462,13 +462,13 @@ class DistributedStep:
             if name not in self.extra:
                 self.extra[name] = initial_extra(rule, source, built.params)
 
-    def _hold_slices(self, program: StepProgram, built: Built) -> None:
+    def _hold_slices(self, program: StepProgram, built: Built, keep: dict[str, torch.Tensor] | None = None) -> None:
         """ZeRO-3: the model holds this rank's slice of each sharded parameter (cut after the startup broadcast
-        and after ``gathered()``, the only places they are whole; a no-op every other step), and a forward on
-        the slices fails clearly."""
+        and after ``gathered()``, the only places they are whole, into the ``keep`` tensors where given; a
+        no-op every other step), and a forward on the slices fails clearly."""
         if self._sliced:
             return
-        sharded_params.hold_slices(built.params, program.param_buckets, program.shards)
+        sharded_params.hold_slices(built.params, program.param_buckets, program.shards, keep)
         self._sliced = True
         if self._guard is None:
             self._guard = sharded_params.SlicedForwardGuard(self.model, program.param_buckets, program.shards)
@@ -506,7 +506,7 @@ class DistributedStep:
             if not writeback:
                 for name, data in before.items():
                     built.params[name].data = data
-            self._hold_slices(program, built)
+            self._hold_slices(program, built, keep=before)  # the same slice tensors: no new capture
 
     def _refuse_inside_gathered(self, what: str) -> None:
         if self._gathering:

@@ -21,16 +21,30 @@ from transpiler.graph.program import ParamBucket
 Shards = dict[str, tuple[int, int]]
 
 
-def hold_slices(params: dict[str, torch.nn.Parameter], buckets: list[ParamBucket], shards: Shards) -> None:
+def hold_slices(
+    params: dict[str, torch.nn.Parameter],
+    buckets: list[ParamBucket],
+    shards: Shards,
+    keep: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Cut every whole parameter of ``buckets`` to this rank's slice (a copy, so the whole tensor, or the bucket
-    buffer :func:`gather_whole` made it a view of, is freed); a parameter already held as its slice stays."""
+    buffer :func:`gather_whole` made it a view of, is freed); a parameter already held as its slice stays.
+    With ``keep`` (the slices held before ``step.gathered()``), a slice is copied back into the tensor it was
+    before, so a captured program, which reads its inputs where they were captured, need not capture again."""
     for bucket in buckets:
         for name in bucket.names:
             param, (lo, hi) = params[name], shards[name]
             own = param.untyped_storage().nbytes() == (hi - lo) * param.element_size()
             if tuple(param.shape) == (hi - lo,) and own:  # not a view of a gathered bucket
                 continue
-            param.data = param.detach().reshape(-1)[lo:hi].clone()  # a view would hold a gathered bucket
+            mine = param.detach().reshape(-1)[lo:hi]
+            old = (keep or {}).get(name)
+            if old is not None and (old.shape, old.dtype, old.device) == (mine.shape, mine.dtype, mine.device):
+                with torch.no_grad():
+                    old.copy_(mine)
+                param.data = old
+            else:
+                param.data = mine.clone()  # a view would hold a gathered bucket
 
 
 def gather_whole(
