@@ -31,20 +31,21 @@ def hold_slices(
     buffer :func:`gather_whole` made it a view of, is freed); a parameter already held as its slice stays.
     With ``keep`` (the slices held before ``step.gathered()``), a slice is copied back into the tensor it was
     before, so a captured program, which reads its inputs where they were captured, need not capture again."""
+    keep = keep or {}
     for bucket in buckets:
         for name in bucket.names:
             param, (lo, hi) = params[name], shards[name]
+            old = keep.get(name)
+            if old is not None and (old.shape, old.dtype, old.device) == ((hi - lo,), param.dtype, param.device):
+                if param.data_ptr() != old.data_ptr():  # whole (gathered, or replaced inside the block)
+                    with torch.no_grad():
+                        old.copy_(param.detach().reshape(-1)[lo:hi])
+                param.data = old
+                continue
             own = param.untyped_storage().nbytes() == (hi - lo) * param.element_size()
             if tuple(param.shape) == (hi - lo,) and own:  # not a view of a gathered bucket
                 continue
-            mine = param.detach().reshape(-1)[lo:hi]
-            old = (keep or {}).get(name)
-            if old is not None and (old.shape, old.dtype, old.device) == (mine.shape, mine.dtype, mine.device):
-                with torch.no_grad():
-                    old.copy_(mine)
-                param.data = old
-            else:
-                param.data = mine.clone()  # a view would hold a gathered bucket
+            param.data = param.detach().reshape(-1)[lo:hi].clone()  # a view would hold a gathered bucket
 
 
 def gather_whole(

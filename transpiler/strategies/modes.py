@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -162,7 +163,7 @@ def _twin_only(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _zero(stage: int) -> Callable[..., Recipe]:
-    def build(bucket_cap_mb: float, first_bucket_mb: float, reshard_after_forward: bool = True) -> Recipe:
+    def build(bucket_cap_mb: float | str, first_bucket_mb: float, reshard_after_forward: bool = True) -> Recipe:
         shard = ShardOptimizer(
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_mb=first_bucket_mb,
@@ -261,6 +262,10 @@ BUCKET_OPTIONS = {name: field_options(LocalSGDAverage)[name] for name in ("bucke
 FUSED_OPTIONS = {  # bucket_cap_mb takes "auto" here
     name: field_options(FuseAllReduce)[name] for name in ("bucket_cap_mb", "first_bucket_mb", "gradient_as_bucket_view")
 }
+ZERO3_BUCKETS = {  # bucket_cap_mb takes "layer" here, its default: about one layer gathered at a time
+    "bucket_cap_mb": dataclasses.replace(field_options(ShardOptimizer)["bucket_cap_mb"], default="layer"),
+    "first_bucket_mb": BUCKET_OPTIONS["first_bucket_mb"],
+}
 COMPRESS = {"compress": field_options(FuseAllReduce)["compress"]}
 SPARSIFY = {
     "sparsify": OptionSpec(float, 0.0, minimum=0, maximum=1, help="send this share of each bucket, top-K (0: off)"),
@@ -344,7 +349,7 @@ MODES: dict[str, Mode] = {
             "zero3",
             "ZeRO-3 (fully sharded): as zero2, and parameters are held as shards, all-gathered where used",
             _zero(3),
-            {**BUCKET_OPTIONS, **ACCUMULATION, **LOSS_SCALING, **CLIPPING, **field_options(ShardParams)},
+            {**ZERO3_BUCKETS, **ACCUMULATION, **LOSS_SCALING, **CLIPPING, **field_options(ShardParams)},
         ),
         Mode(
             "partial_sync",
