@@ -103,6 +103,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
         raise FactoryError(f"mode '{args.mode}' has variants {', '.join(variants)}; --variant {variant} is not one.")
     if len(variants) > 1:
         print(f"# variant '{variant}' of {', '.join(variants)} (choose with --variant)", file=sys.stderr)
+    for name, choice in variants[variant].decisions.items():  # what a pass chose for this model
+        print(f"# {name}: {choice}", file=sys.stderr)
     text = _render(variants[variant], args.format, diff=args.diff)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
