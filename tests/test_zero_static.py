@@ -227,6 +227,26 @@ def test_zero3_programs_gather_before_use_and_free_before_the_backward():
     check_shards(_world_programs("zero3", 4))
 
 
+def test_zero3_default_buckets_are_one_layer_each():
+    """``bucket_cap_mb="layer"``, zero3's default: the cap is the gradient bytes of the largest module, so each of
+    the MLP's layers is one bucket (its weight and bias together, one gather), and ``decisions`` says so; the
+    other modes keep DDP's 25 MB (the whole MLP in one bucket)."""
+    model = MLP()
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    largest = max(sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers.values())
+    example = make_batch("mlp", 4, torch.Generator().manual_seed(0))
+    step = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, world_size=2, rank=0)
+    modules = [{name.rpartition(".")[0] for name in bucket.names} for bucket in step.program.param_buckets]
+    assert sorted(m for group in modules for m in group) == sorted(layers) and all(len(g) == 1 for g in modules)
+    assert f"{largest / 2**20:.3g} MiB" in step.program.decisions["shard-optimizer"]
+    other = MLP()
+    zero2 = transpile(other, torch.optim.AdamW(other.parameters()), "zero2", LOSS, example, world_size=2, rank=0)
+    reduce_scatters = [
+        n for n in zero2.program.graph.nodes if n.meta.get("collective", {}).get("kind") == "reduce_scatter"
+    ]
+    assert len(reduce_scatters) == 1 and "shard-optimizer" not in zero2.program.decisions
+
+
 @pytest.mark.parametrize("mode", ["zero2", "zero3"])
 def test_lamb_norms_are_one_all_reduce_on_every_rank(mode):
     """LAMB's per-tensor norms at W=4: every rank's program sums the slices' norms with one all-reduce for all
