@@ -24,10 +24,19 @@ from transpiler.graph.program import StepProgram
 from .bucket_views import aliased_to_output, write_into_buffer
 from .gradient_flow import unreduced_gradients
 
+DEFAULT_CAP_MB = 25.0  # DDP's bucket_cap_mb
 
-def bucket_cap_option() -> float:
-    """The ``bucket-cap-mb`` field of a bucketing pass (DDP's default cap)."""
-    return option(25.0, minimum=0, help="bucket size cap in MiB; 0 puts each gradient in its own bucket")
+
+def bucket_cap_option(word: str = "", meaning: str = "") -> float:
+    """The ``bucket-cap-mb`` field of a bucketing pass (DDP's default cap); ``word`` names a value that the pass
+    chooses itself (``auto``, ``layer``), which ``meaning`` explains in the help."""
+    return option(
+        DEFAULT_CAP_MB,
+        minimum=0,
+        words=((word, word),) if word else (),
+        help="bucket size cap in MiB; 0 puts each gradient in its own bucket"
+        + (f"; {word}: {meaning}" if word else ""),
+    )
 
 
 def first_bucket_option() -> float:

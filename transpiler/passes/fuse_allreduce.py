@@ -27,7 +27,17 @@ from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import StepProgram
 
 from .bucket_plan import choose_caps
-from .bucketing import MB, WIRE, bucket_key, caps_in_bytes, compress_option, first_bucket_option, reduce_in_buckets
+from .bucketing import (
+    DEFAULT_CAP_MB,
+    MB,
+    WIRE,
+    bucket_cap_option,
+    bucket_key,
+    caps_in_bytes,
+    compress_option,
+    first_bucket_option,
+    reduce_in_buckets,
+)
 from .gradient_flow import replace_gradient, unreduced_gradients
 
 
@@ -36,13 +46,7 @@ class FuseAllReduce(Pass):
     name = "fuse-allreduce"
     summary = "coalesce gradients into dtype/size buckets, one all-reduce per bucket"
     reduces_gradients = True
-    bucket_cap_mb: float | str = option(
-        25.0,
-        minimum=0,
-        words=(("auto", "auto"),),
-        help="bucket size cap in MiB; 0 puts each gradient in its own bucket; auto picks both caps from a "
-        "cost model measured at startup",
-    )
+    bucket_cap_mb: float | str = bucket_cap_option("auto", "picks both caps from a cost model measured at startup")
     first_bucket_mb: float = first_bucket_option()
     compress: str = compress_option()
     gradient_as_bucket_view: bool = option(
@@ -83,7 +87,7 @@ class FuseAllReduce(Pass):
                 "bucket_cap_mb=auto fell back to 25 MiB (first 1 MiB): no cost model, which is measured only "
                 "when the step runs in a world of more than one process"
             )
-            return 25 * MB, MB
+            return int(DEFAULT_CAP_MB * MB), MB
         wire = WIRE[self.compress]
         nbytes = [g.meta["val"].numel() * (wire or g.meta["val"].dtype).itemsize for g in grads]
         choice = choose_caps(

@@ -43,12 +43,11 @@ from transpiler.graph.options import option
 from transpiler.graph.program import Port, StepProgram
 
 from .bucket_views import write_into_buffer
-from .bucketing import MB, BucketedGradientPass, caps_in_bytes, placed_buckets
+from .bucketing import DEFAULT_CAP_MB, MB, BucketedGradientPass, bucket_cap_option, caps_in_bytes, placed_buckets
 from .gradient_flow import input_node, replace_gradient
 from .sharded_norms import norms_over_ranks
 
 aten = torch.ops.aten
-DEFAULT_CAP_MB = 25.0  # DDP's
 # not tagged pointwise, yet element for element: copies and factories shaped like their input
 SHAPE_FOLLOWING = frozenset(
     {
@@ -75,12 +74,8 @@ class ShardOptimizer(BucketedGradientPass):
         help="persistent full-size gradient buckets (ZeRO-1); false: a bucket lives only until it is "
         "reduce-scattered (ZeRO-2)",
     )
-    bucket_cap_mb: float | str = option(
-        25.0,
-        minimum=0,
-        words=(("layer", "layer"),),
-        help="bucket size cap in MiB; 0 puts each gradient in its own bucket; layer: the largest module's "
-        "gradients, at most 25 MiB (zero3's default: about one layer gathered at a time)",
+    bucket_cap_mb: float | str = bucket_cap_option(
+        "layer", "the largest module's gradients, at most 25 MiB (zero3's default: about one layer gathered at a time)"
     )
     module_buckets: bool = option(
         False,
@@ -96,20 +91,19 @@ class ShardOptimizer(BucketedGradientPass):
                 "1-D slices. Make it a 1-element tensor (nn.Parameter(torch.tensor([v]))), or use fused_allreduce."
             )
         modules = [g.meta["grad_of"].rpartition(".")[0] for g in grads]
-        cap, first = caps_in_bytes(self._cap_mb(program, grads, modules), self.first_bucket_mb)
-        first = min(first, cap) if self.bucket_cap_mb == "layer" else first
+        cap, first = self._caps(program, grads, modules)
         groups = modules if self.module_buckets else None
         for index, members, cursor in placed_buckets(program, grads, cap, first, groups):
             self._reduce_scatter(program, [grads[i] for i in members], index, cursor)
         _update_shards(program)
 
-    def _cap_mb(self, program: StepProgram, grads: list[fx.Node], modules: list[str]) -> float:
-        """The cap as given, or with ``layer`` the bytes of the module with the most gradient bytes, at most
-        DDP's 25 MiB: ZeRO-3 then gathers about one layer at a time, as FSDP wraps one block per unit and
-        DeepSpeed's ``auto`` prefetch bucket is 0.9 hidden² elements. One bucket for a small model would hold
-        it whole in every step."""
+    def _caps(self, program: StepProgram, grads: list[fx.Node], modules: list[str]) -> tuple[int, int]:
+        """The caps in bytes: as given, or with ``layer`` the bytes of the module with the most gradient bytes,
+        at most DDP's 25 MiB, for the first bucket too. ZeRO-3 then gathers about one layer at a time, as FSDP
+        wraps one block per unit and DeepSpeed's ``auto`` prefetch bucket is 0.9 hidden² elements; one bucket
+        for a small model would hold it whole in every step."""
         if self.bucket_cap_mb != "layer":
-            return self.bucket_cap_mb
+            return caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb)
         per_module: dict[str, int] = {}
         for grad, module in zip(grads, modules):
             per_module[module] = per_module.get(module, 0) + node_bytes(grad)
@@ -119,7 +113,8 @@ class ShardOptimizer(BucketedGradientPass):
             f"bucket_cap_mb=layer: {cap_mb:.3g} MiB, the gradients of '{module or '(the model)'}', the largest "
             f"module (at most {DEFAULT_CAP_MB:g} MiB)"
         )
-        return cap_mb
+        cap, first = caps_in_bytes(cap_mb, self.first_bucket_mb)
+        return cap, min(first, cap)
 
     def _reduce_scatter(self, program: StepProgram, nodes: list[fx.Node], index: int, cursor: Cursor) -> None:
         world, rank = program.world_size, program.rank
