@@ -314,7 +314,8 @@ SCENARIOS = {
         # cuda_graph=True with the capture replayed by calling (tests/helpers.ReplayByCalling): warm-ups, one
         # capture, replays reading the sharded inputs where they were captured, across gathered() every step
         ("tied", "adamw", "zero3", 1, {"cuda_graph": True}),
-        ("gpt2", "adamw", "zero1", 1, {"cuda_graph": True}),
+        # (the MLP, not GPT-2: gloo's heap bug, docs/strategies/zero.md, shows around GPT-2's many small buckets)
+        ("mlp", "adamw", "zero1", 1, {"cuda_graph": True}),
         ("mlp", "sgd", "zero2", 1, {"cuda_graph": True}),
     ],
     4: [
