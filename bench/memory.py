@@ -1,17 +1,18 @@
 """Bytes per rank and step time: DDP, ``fused_allreduce``, ``zero1``, ``zero2`` and ``zero3``, at 2 and 4 processes.
 
     python bench/memory.py            # launches torchrun at W=2 and W=4 over gloo, writes docs/memory.md
-    python bench/memory.py --keep-freed-memory   # the same with glibc keeping freed memory (its own table)
+    python bench/memory.py --return-freed-memory   # the same with keep_freed_memory=False (its own table)
 
 Each rank builds every variant from the same weights (AdamW, the 5M-parameter MLP of bench/models.py), runs the
 variants interleaved round by round, and reports the median step time over rounds and the bytes it holds
 between steps, counted from the tensors held (``step.memory_report()``; for DDP the same counter over its
 parameters, its gradients, which are views of its buckets, and its optimizer state). It then times ``zero1``'s
 bucket collectives alone (all-reduce, reduce-scatter, all-gather), to say how much of zero's extra step time is
-communication. ``--keep-freed-memory`` runs the ranks with glibc's ``MALLOC_MMAP_THRESHOLD_`` and
-``MALLOC_TRIM_THRESHOLD_`` at 1 GiB: glibc then keeps freed blocks instead of returning them to the kernel, so
-the buffers a step allocates (zero's all-to-all receive buffers, ``zero2``'s buckets) do not fault their pages
-in again every step. Nothing here is a test.
+communication. By default ``transpile()`` has glibc keep the memory a step frees (``keep_freed_memory=True``,
+``transpiler/runtime/host_memory.py``), which DDP in the same process then has too;
+``--return-freed-memory`` passes ``keep_freed_memory=False`` to every variant, so glibc returns large freed
+blocks to the kernel as it comes, and the buffers a step allocates (zero's all-to-all receive buffers,
+``zero2``'s buckets) fault their pages in again. Nothing here is a test.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "zero3, 25 MB buckets": ("zero3", {"bucket_cap_mb": 25}),
 }
 COMMAND = "python bench/memory.py"
-KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+RETURN_FREED = "--return-freed-memory"
 # where each configuration's table starts in docs/memory.md; each runs to the next marker or the end
-MARKERS = {False: "<!-- table -->", True: "<!-- table: glibc keeps freed memory -->"}
+MARKERS = {False: "<!-- table -->", True: "<!-- table: glibc returns freed memory -->"}
 MIB = 1024 * 1024
 HEADER = "# Memory per rank: DDP, fused_allreduce, zero1, zero2, zero3\n\n"
 
@@ -76,7 +77,7 @@ def ddp_bytes(model: DDP, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     }
 
 
-def rank_main(out: str) -> None:
+def rank_main(out: str, return_freed: bool) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
@@ -100,7 +101,9 @@ def rank_main(out: str) -> None:
             steps[variant] = (run, lambda model=model, optimizer=optimizer: ddp_bytes(model, optimizer))
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            step = transpiled[variant] = transpile(model, optimizer, mode=mode, loss_fn=loss_fn, **options)
+            keep = not return_freed
+            step = transpile(model, optimizer, mode=mode, loss_fn=loss_fn, keep_freed_memory=keep, **options)
+            transpiled[variant] = step
 
             def report(step=step) -> dict[str, int]:
                 r = step.memory_report()
@@ -252,41 +255,41 @@ def table(runs: list[dict]) -> str:
 
 
 def main() -> None:
-    keep_freed = "--keep-freed-memory" in sys.argv[1:]
+    return_freed = RETURN_FREED in sys.argv[1:]
     runs = []
     for world in (2, 4):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "memory.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
-            cmd += ["--master-port", "29581", __file__, str(out)]
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(KEEP_FREED if keep_freed else {}))
+            cmd += ["--master-port", "29581", __file__, str(out), *([RETURN_FREED] if return_freed else [])]
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
             subprocess.run(cmd, check=True, timeout=1800, env=env, cwd=ROOT)
             runs.append(json.loads(out.read_text()))
             print(f"W={world} done", flush=True)
     text = f"{table(runs)}\n\nzero1's collectives alone, ms per step (medians, no compute):\n\n{comm_table(runs)}"
     print(text)
     cpu = platform.processor() or platform.machine()
-    command = f"{COMMAND} --keep-freed-memory" if keep_freed else COMMAND
+    command = f"{COMMAND} {RETURN_FREED}" if return_freed else COMMAND
     section = (
-        f"{MARKERS[keep_freed]}\n{text}\n\nMeasured with `{command}` on {cpu}, {os.cpu_count()} cores, torch "
+        f"{MARKERS[return_freed]}\n{text}\n\nMeasured with `{command}` on {cpu}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}: {MODEL} ({runs[0]['ranks'][0]['psi']:,} parameters), AdamW, {PER_RANK} samples "
         f"per rank, medians of {ROUNDS} rounds of {STEPS} steps, variants interleaved.\n"
     )
     doc = ROOT / "docs" / "memory.md"
-    doc.write_text(with_section(doc.read_text() if doc.exists() else HEADER, keep_freed, section))
+    doc.write_text(with_section(doc.read_text() if doc.exists() else HEADER, return_freed, section))
 
 
-def with_section(text: str, keep_freed: bool, section: str) -> str:
+def with_section(text: str, return_freed: bool, section: str) -> str:
     """``text`` with the section of this configuration replaced by ``section`` (appended when it has none)."""
-    start = text.find(MARKERS[keep_freed])
+    start = text.find(MARKERS[return_freed])
     if start < 0:
         return f"{text.rstrip()}\n\n{section}"
-    end = text.find(MARKERS[not keep_freed], start + 1)
+    end = text.find(MARKERS[not return_freed], start + 1)
     return text[:start] + section + ("\n" + text[end:] if end > start else "")
 
 
 if __name__ == "__main__":
     if "RANK" in os.environ:
-        rank_main(sys.argv[1])
+        rank_main(sys.argv[1], RETURN_FREED in sys.argv[2:])
     else:
         main()

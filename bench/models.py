@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -40,3 +43,14 @@ def batch_for(name: str, n: int, gen: torch.Generator) -> tuple[torch.Tensor, to
 
 def build(name: str) -> nn.Module:
     return mlp_5m()[0] if name == "mlp_5m" else TinyTransformer()
+
+
+def start_rank(name: str, per_rank: int) -> tuple[int, nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """Under torchrun: join the gloo group, one intra-op thread, and build the model (the same weights on every
+    rank) and this rank's batch. Returns the rank, the model and the batch."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build(name)
+    return rank, model, batch_for(name, per_rank, torch.Generator().manual_seed(rank))

@@ -5,8 +5,9 @@
 Each rank builds every mode from the same weights (AdamW, the 5M-parameter MLP of bench/models.py), warms it
 up for 3 steps, and profiles 5 more. ``wait_tensor`` is the time a rank blocks on its collectives (what the
 schedule did not overlap, and any skew between the ranks); the aten ops are the compute. The minor page faults
-per step count the memory the allocator took back from the kernel (glibc returns large freed blocks, so a
-buffer allocated each step faults its pages in again). Nothing here is a test.
+per step count the memory the allocator took back from the kernel: with ``keep_freed_memory=False`` glibc
+returns large freed blocks, so a buffer allocated each step faults its pages in again; the default keeps them
+(bench/host_memory.py compares the two). Nothing here is a test.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import os
 import resource
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -24,19 +24,14 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.models import batch_for, build  # noqa: E402
+from bench.models import start_rank  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 MODEL, PER_RANK, WARMUP, STEPS = "mlp_5m", 32, 3, 5
 
 
 def rank_main(modes: list[str]) -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    rank = dist.get_rank()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    base = build(MODEL)
-    batch = batch_for(MODEL, PER_RANK, torch.Generator().manual_seed(rank))
+    rank, base, batch = start_rank(MODEL, PER_RANK)
     for mode in modes:
         model = copy.deepcopy(base)
         step = transpile(model, torch.optim.AdamW(model.parameters(), lr=1e-4), mode, torch.nn.CrossEntropyLoss())

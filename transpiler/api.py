@@ -22,7 +22,7 @@ from transpiler.graph.verify import (
     check_output_shapes,
     check_shards,
 )
-from transpiler.runtime import cost_probe
+from transpiler.runtime import cost_probe, host_memory
 from transpiler.runtime import cuda_graph as cuda_graph_module
 from transpiler.runtime.compile import CompiledProgram
 from transpiler.runtime.cuda_graph import CapturedProgram
@@ -56,6 +56,7 @@ def transpile(
     max_cached_programs: int = 8,
     compile: bool = False,
     cuda_graph: bool = False,
+    keep_freed_memory: bool = True,
     **options: Any,
 ) -> DistributedStep:
     """Trace one training step and rewrite it into this rank's distributed program.
@@ -77,12 +78,15 @@ def transpile(
     Adam or AdamW) captures each program as a CUDA graph after two warm-up steps and replays it every step,
     bitwise the uncaptured step (``transpiler/runtime/cuda_graph.py``); it composes with ``compile=True``.
     ``optimizer`` may be a list of optimizers over disjoint parameters (Muon for the matrices, AdamW for the
-    rest): they are stepped as one (``trace/optimizers/chain.py``).
+    rest): they are stepped as one (``trace/optimizers/chain.py``). On the CPU, ``keep_freed_memory=True`` has
+    glibc keep the memory a step frees for the next step, up to what the step holds at once, as the CUDA caching
+    allocator does, instead of faulting it in again every step (process-wide; ``transpiler/runtime/host_memory.py``,
+    the choice is in ``step.program.decisions``).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     optimizer = as_optimizer(optimizer)
-    for flag, value in (("compile", compile), ("cuda_graph", cuda_graph)):
+    for flag, value in (("compile", compile), ("cuda_graph", cuda_graph), ("keep_freed_memory", keep_freed_memory)):
         if not isinstance(value, bool):
             raise ConfigurationError(f"{flag} must be True or False, got {value!r}.")
     if isinstance(max_cached_programs, bool) or not isinstance(max_cached_programs, int) or max_cached_programs < 1:
@@ -122,6 +126,10 @@ def transpile(
             variant: rewrite(traced, passes, placement, verify=verify, on_pass=on_pass, subgroups=subgroups)
             for variant, passes in strategy.variants.items()
         }
+        if keep_freed_memory and host_memory.runs_on_cpu(programs.values()):
+            kept = host_memory.keep_freed_memory(programs.values())
+            for program in programs.values():
+                program.decisions["keep-freed-memory"] = kept
         for program in programs.values() if shards is not None else ():
             shards.update(program.shards)
             whole.update((n, s) for bucket in program.param_buckets for n, s in zip(bucket.names, bucket.shapes))

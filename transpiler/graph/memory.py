@@ -76,3 +76,22 @@ def peak_transient_bytes(graph: fx.Graph, counted: Callable[[fx.Node], bool] | N
         peak = max(peak, live)
         live -= frees.get(i, 0)
     return peak
+
+
+def largest_allocation_bytes(graph: fx.Graph) -> int:
+    """The bytes of the largest single tensor the program allocates (an all-gathered bucket, a gradient)."""
+    sizes = [
+        _bytes(value)
+        for node in graph.nodes
+        if node.op == "call_function" and _aliased_input(node) is None
+        for value in _tensors(node.meta.get("val"))
+    ]
+    return max(sizes, default=0)
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
