@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from tests.models import MLP, make_batch
 from transpiler import transpile
@@ -19,6 +22,8 @@ from transpiler.graph.memory import largest_allocation_bytes, peak_transient_byt
 from transpiler.runtime import host_memory
 
 LOSS = torch.nn.CrossEntropyLoss()
+aten = torch.ops.aten
+VIEWS_AND_IN_PLACE = {aten.t.default, aten.mul_.Tensor, aten.mul_.Scalar}
 ROOT = Path(__file__).resolve().parent.parent
 ON_GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -131,3 +136,32 @@ def test_a_freed_tensor_faults_no_pages_in_again_once_a_step_is_built():
     assert min(eval(before)) > 10_000, before  # 40 MiB is 10,240 pages
     assert said.startswith("glibc keeps up to") and "tensors of up to" in said, said
     assert max(eval(after)[-5:]) < 100, after  # once the heap has grown to hold it (2 to 6 times here)
+
+
+OPS = {
+    "add": lambda x: x + 1,
+    "mul_": lambda x: x.mul_(2),  # in place: no new storage
+    "t": lambda x: x.t(),  # a view
+    "mm": lambda x: x @ x.t(),
+    "cat": lambda x: torch.cat([x, x]),
+    "relu": torch.relu,
+    "sum": lambda x: x.sum(0, keepdim=True),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.sampled_from(sorted(OPS)), min_size=1, max_size=8), rows=st.integers(1, 6))
+def test_the_largest_allocation_is_within_the_peak(ops, rows):
+    """What ``keep_freed_memory`` sizes its thresholds by: the largest tensor a program allocates is alive when
+    it is made, so it is at most the peak, and the peak is at most every allocation summed."""
+
+    def program(x):
+        for op in ops:
+            x = OPS[op](x)
+        return x
+
+    graph = make_fx(program)(torch.randn(rows, 3)).graph
+    largest, peak = largest_allocation_bytes(graph), peak_transient_bytes(graph)
+    allocated = [n.meta["val"] for n in graph.nodes if n.op == "call_function" and n.target not in VIEWS_AND_IN_PLACE]
+    assert largest <= peak <= sum(t.numel() * t.element_size() for t in allocated)
+    assert largest == max((t.numel() * t.element_size() for t in allocated), default=0)
