@@ -79,7 +79,7 @@ def transpile(
     bitwise the uncaptured step (``transpiler/runtime/cuda_graph.py``); it composes with ``compile=True``.
     ``optimizer`` may be a list of optimizers over disjoint parameters (Muon for the matrices, AdamW for the
     rest): they are stepped as one (``trace/optimizers/chain.py``). On the CPU, ``keep_freed_memory=True`` has
-    glibc keep the memory a step frees for the next step, up to what the step holds at once, as the CUDA caching
+    glibc keep the memory a step frees for the next step, sized by what the step holds at once, as the CUDA caching
     allocator does, instead of faulting it in again every step (process-wide; ``transpiler/runtime/host_memory.py``,
     the choice is in ``step.program.decisions``).
     """

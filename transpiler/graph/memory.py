@@ -36,11 +36,15 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
 
 
 def _bytes(value: object) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return [value]
     if isinstance(value, (tuple, list)):
-        return sum(_bytes(v) for v in value)
-    return 0
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def peak_transient_bytes(graph: fx.Graph, counted: Callable[[fx.Node], bool] | None = None) -> int:
@@ -87,11 +91,3 @@ def largest_allocation_bytes(graph: fx.Graph) -> int:
         for value in _tensors(node.meta.get("val"))
     ]
     return max(sizes, default=0)
-
-
-def _tensors(value: object) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []

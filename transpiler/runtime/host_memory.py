@@ -7,9 +7,10 @@ gathered shards, ``zero2``'s buckets) and every mode some; which steps fault dep
 the cost comes and goes (docs/memory.md). The CUDA caching allocator keeps its freed blocks for the same
 reason. On the CPU ``transpile()`` therefore raises glibc's ``M_MMAP_THRESHOLD`` above the program's largest
 tensor and ``M_TRIM_THRESHOLD`` above the most bytes its tensors hold at once (``graph/memory.py``), never
-below glibc's own dynamic maxima (32 and 64 MiB on 64-bit). What glibc then keeps is at most what the step
-allocates at once, which every step reaches anyway: the peak does not grow, and between steps the process
-holds those pages instead of the kernel. The thresholds are process-wide and only ever raised.
+below glibc's own dynamic maxima (32 and 64 MiB on 64-bit). What glibc then keeps is about what the step
+allocates at once, which every step reaches anyway: the process's peak stays within the noise of runs
+(bench/host_memory.py), and between steps it holds those pages instead of the kernel. The thresholds are
+process-wide and only ever raised.
 
 Nothing is set where the user chose: glibc's ``MALLOC_*_`` variables or malloc tunables, another allocator in
 ``LD_PRELOAD`` (jemalloc, tcmalloc, mimalloc), a C library other than glibc, or
@@ -22,7 +23,7 @@ import ctypes
 import functools
 import os
 import platform
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -77,7 +78,7 @@ def keep_freed_memory(programs: Iterable[StepProgram]) -> str:
     )
 
 
-def users_choice(environ: os._Environ | dict[str, str]) -> str | None:
+def users_choice(environ: Mapping[str, str]) -> str | None:
     """The allocator setting the user made in the environment, which the step leaves alone; None if none."""
     named = next((name for name in USER_SETTINGS if name in environ), None)
     if named is not None:
