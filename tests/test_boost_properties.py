@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from passes.partitions import group_bounds, partition_of
 from tests.helpers import assert_rewrite_is_final
 from transpiler import transpile
 from transpiler.api import rewrite
-from transpiler.passes.partitions import group_bounds, partition_of
 from transpiler.runtime.process_group import Placement
 from transpiler.strategies.modes import build_strategy
 from transpiler.strategies.schedules import EveryStep, FreezeSchedule, continuous_freeze_cycle

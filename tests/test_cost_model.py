@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from passes.bucket_plan import CANDIDATE_MB, choose_caps
+from passes.bucketing import MB, assign_buckets
 from transpiler.graph.cost_model import CostModel, fit_alpha_beta
-from transpiler.passes.bucket_plan import CANDIDATE_MB, choose_caps
-from transpiler.passes.bucketing import MB, assign_buckets
 
 
 @given(alpha=st.floats(1e-6, 1e-2), beta=st.floats(1e-11, 1e-8))

@@ -128,8 +128,8 @@ def test_changed_hyper_parameter_asks_for_a_new_transpile():
 
 def test_a_pass_that_breaks_an_invariant_is_named():
     """allreduce-grads after fuse-allreduce finds nothing left; a second reduction is caught by the verifier."""
+    from passes.allreduce_grads import AllReduceGrads
     from transpiler.api import rewrite
-    from transpiler.passes.allreduce_grads import AllReduceGrads
     from transpiler.runtime.process_group import Placement
     from transpiler.trace.tracer import trace_step
 
@@ -149,7 +149,7 @@ def test_a_pass_that_breaks_an_invariant_is_named():
 
     model = nn.Linear(3, 2)
     traced, *_ = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), BATCH)
-    from transpiler.passes import PASSES
+    from passes import PASSES
 
     with pytest.raises(VerificationError, match="reduce-again.*allreduce-grads"):
         rewrite(traced, [PASSES["allreduce-grads"](), ReduceAgain()], Placement(2, 0, "world", False))

@@ -1,32 +1,221 @@
-"""The package's layers (docs/design.md): each imports only the layers below it, and the public API loads directly."""
+"""The package's layers (docs/design.md#layers): the design card's top level (``transpiler/`` and ``passes/``), each
+layer importing only the layers below it, any module importable first, and a wheel that carries both packages."""
 
+import ast
+import shutil
 import subprocess
 import sys
+import textwrap
+import zipfile
 from pathlib import Path
 
+import pytest
 from importlinter.cli import lint_imports
 
+import passes
 import transpiler
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("transpiler", "passes")
+
+
+def project_modules() -> list[str]:
+    """Every module of both packages, by dotted name, from the files on disk (a new module is covered)."""
+    names = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_the_top_level_is_the_design_cards():
+    """``passes/`` beside ``transpiler/``: one module per pass, each in the registry; transpiler/ holds the rest."""
+    assert (ROOT / "passes" / "__init__.py").is_file() and not (ROOT / "transpiler" / "passes").exists()
+    assert sorted(p.name for p in (ROOT / "transpiler").iterdir() if p.is_dir() and p.name != "__pycache__") == [
+        "graph",
+        "runtime",
+        "strategies",
+        "trace",
+    ]
+    modules_of_passes = {f"passes.{cls.__module__.rpartition('.')[2]}" for cls in passes.PASSES.values()}
+    assert len(modules_of_passes) == len(passes.PASSES), "one pass per module"
+    assert all(getattr(passes, cls.__name__) is cls for cls in passes.PASSES.values())
 
 
 def test_layers_import_downward_only(monkeypatch):
-    """The import-linter contracts in pyproject.toml: no layer imports a layer above it, every module of
-    transpiler/ sits in a layer (exhaustive), so a new module has to be placed; inside trace/, the tracer reads
-    the optimizer plans and an optimizer's path runs one way (generic plan, then twins and chains)."""
+    """The import-linter contracts in pyproject.toml hold: the stack (cli, api, runtime, strategies, passes, trace,
+    graph, errors) imports downward only, passes never import tracing, and every module of transpiler/ and of
+    passes/ is placed in a layer (exhaustive)."""
     monkeypatch.chdir(ROOT)
     assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
 
 
+BREAKS = {
+    # a helper of the passes reaching up into the strategies
+    "upward": (
+        {"passes/gradient_flow.py": "import transpiler.strategies.modes\n"},
+        [
+            "passes is not allowed to import transpiler.strategies: "
+            "- passes.gradient_flow -> transpiler.strategies.modes"
+        ],
+    ),
+    # below the passes in the stack, yet out of bounds: a pass sees only the program
+    "tracing": (
+        {"passes/gradient_flow.py": "import transpiler.trace.tracer\n"},
+        ["passes is not allowed to import transpiler.trace: - passes.gradient_flow -> transpiler.trace.tracer"],
+    ),
+    # new modules that nobody placed in a layer
+    "unplaced": (
+        {"transpiler/stray.py": "", "passes/stray_pass.py": ""},
+        ["transpiler.stray", "passes.stray_pass"],
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BREAKS))
+def test_the_contracts_fail_on_a_broken_tree(tmp_path, kind):
+    """A copy of the tree with one kind of break: lint-imports fails and names the module that broke it."""
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    additions, expected = BREAKS[kind]
+    for relative, text in additions.items():
+        with open(tmp_path / relative, "a") as f:
+            f.write(text)
+    code = "from importlinter.cli import lint_imports; raise SystemExit(lint_imports(no_cache=True, no_logo=True))"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = " ".join(done.stdout.split())  # the report wraps long lines
+    for phrase in expected:
+        assert phrase in report, report
+
+
 def test_the_public_api_is_imported_not_loaded_lazily():
     assert "transpile" in vars(transpiler) and "DistributedStep" in vars(transpiler)
-    assert not hasattr(transpiler, "__getattr__")
+    assert "PASSES" in vars(passes) and "FuseAllReduce" in vars(passes)
+    assert not hasattr(transpiler, "__getattr__") and not hasattr(passes, "__getattr__")
+
+
+# Imports inside a function, of the project's own modules, with the reason each is deferred. None dodges a cycle.
+DEFERRED_IMPORTS = {
+    ("transpiler.runtime.distributed_step", "transpiler.runtime.sharded_checkpoint"): (
+        "torch.distributed.checkpoint is loaded when a DCP checkpoint is written or read, not at start-up"
+    ),
+}
+
+
+def test_no_import_inside_a_function_dodges_a_cycle():
+    found = set()
+    for name in project_modules():
+        path = ROOT / (name.replace(".", "/") + ".py")
+        if not path.exists():
+            path = ROOT / name.replace(".", "/") / "__init__.py"
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.ImportFrom):
+                    base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+                    module = ".".join(filter(None, (base, node.module)))
+                    targets = [module] if node.module else [f"{module}.{alias.name}" for alias in node.names]
+                elif isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                else:
+                    continue
+                found |= {(name, t) for t in targets if t.split(".")[0] in PACKAGES}
+    assert found == set(DEFERRED_IMPORTS)
+
+
+FIRST_IMPORT_DRIVER = textwrap.dedent(
+    """
+    import os, sys, traceback
+    # What the project imports from outside, loaded once; each statement then runs in a forked child that has
+    # none of the project's modules loaded: to the import system, a fresh interpreter.
+    import torch, torch._dynamo, torch.distributed, torch.fx, networkx, rich
+    assert not any(m.split(".")[0] in ("transpiler", "passes") for m in sys.modules)
+    def child(statement):
+        try:
+            exec(statement, {})
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+
+    running, failed = {}, []
+
+    def reap():
+        pid, status = os.wait()
+        statement = running.pop(pid)
+        if status:
+            failed.append(statement)
+
+    for statement in sys.argv[1:]:
+        if len(running) == os.cpu_count():  # as many children at a time as there are cores
+            reap()
+        pid = os.fork()
+        if pid == 0:
+            child(statement)
+        running[pid] = statement
+    while running:
+        reap()
+    print("FAILED:", failed)
+    sys.exit(1 if failed else 0)
+    """
+)
 
 
 def test_any_module_can_be_imported_first():
-    """A pass module imported before anything else (a user's own pipeline does that) loads the whole package
-    through its root without a circular import."""
-    code = "import transpiler.passes.adasum, transpiler.graph.program; from transpiler import transpile"
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    """Each statement as the first import of the project, in an interpreter that has loaded none of it: the
+    card's ``import passes``, every module of ``passes/`` and of ``transpiler/``, and the public API."""
+    statements = [
+        "import passes",
+        "from passes import PASSES, FuseAllReduce",
+        "import transpiler",
+        "from transpiler import transpile",
+        *(f"import {name}" for name in project_modules()),
+    ]
+    assert "import passes.fuse_allreduce" in statements and "import transpiler.graph.program" in statements
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_IMPORT_DRIVER, *statements],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert "FAILED: []" in done.stdout
+
+
+def test_the_wheel_installs_exactly_transpiler_and_passes(tmp_path):
+    """The built wheel, installed into an empty target, puts ``transpiler`` and ``passes`` at the top of
+    site-packages and nothing else besides its metadata (no tests, benches or examples)."""
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path, ROOT],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert built.returncode == 0, built.stderr
+    (wheel,) = tmp_path.glob("fx_transpiler-*.whl")
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {t for t in tops if not t.endswith(".dist-info")} == set(PACKAGES)
+    target = tmp_path / "site-packages"
+    installed = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", target, wheel],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert installed.returncode == 0, installed.stderr
+    listed = {p.name for p in target.iterdir() if not p.name.endswith(".dist-info")}
+    assert listed == {"transpiler", "passes", "bin"}  # bin/: the `transpiler` command
+    assert (target / "passes" / "fuse_allreduce.py").is_file() and (target / "transpiler" / "graph").is_dir()

@@ -10,12 +10,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from passes import PASSES
+from passes.bucketing import MB, assign_buckets
 from tests.helpers import assert_rewrite_is_final
 from transpiler.api import rewrite
 from transpiler.graph.bucket_layout import BUCKET_READY, slot_offsets
 from transpiler.graph.collectives import collective_sequence, is_collective
-from transpiler.passes import PASSES
-from transpiler.passes.bucketing import MB, assign_buckets
 from transpiler.runtime.process_group import LOCAL_GROUP, Placement, ensure_local_group
 from transpiler.strategies.modes import build_passes
 from transpiler.trace.tracer import trace_step

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from passes.shard_optimizer import owned
 from tests.helpers import eager_step
 from tests.models import MLP, Lamb, TiedLM, make_batch
 from tests.test_boost_properties import assert_all_gathers_run_alone
@@ -20,7 +21,6 @@ from transpiler.errors import CheckpointError, ConfigurationError, UnsupportedOp
 from transpiler.graph.bucket_layout import BUCKET_READY, SLOT_ALIGN_BYTES, is_view, padded_length, slot_offsets
 from transpiler.graph.collectives import WAIT
 from transpiler.graph.verify import check_shards
-from transpiler.passes.shard_optimizer import owned
 from transpiler.runtime.sharded_checkpoint import flat_boxes
 
 pytestmark = pytest.mark.bitwise

@@ -1,9 +1,9 @@
 """Distributed-training transpiler for PyTorch: trace a training step, rewrite it with passes.
 
 The package is layered (``docs/design.md``): ``graph`` (the step program, passes' toolkit) at the bottom,
-``trace`` and ``passes`` on it, ``strategies`` (modes to passes and schedules), ``runtime`` (running a
-rank's programs), then ``api`` and ``cli``. ``errors`` sits below them all. Each layer imports only the
-ones below it; ``tests/test_layers.py`` holds the package to that with import-linter.
+``trace`` and the top-level ``passes`` package on it, ``strategies`` (modes to passes and schedules), ``runtime``
+(running a rank's programs), then ``api`` and ``cli``. ``errors`` sits below them all. Each layer imports only
+the ones below it; ``tests/test_layers.py`` holds both packages to that with import-linter.
 """
 
 from .api import transpile

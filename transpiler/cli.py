@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from passes.registry import PASSES
 from transpiler.graph.basis import compute_basis
 from transpiler.graph.options import key_values
 from transpiler.graph.pipeline import format_value
@@ -19,7 +20,6 @@ from transpiler.strategies.modes import MODES
 
 from .api import transpile
 from .errors import FactoryError, TranspilerError
-from .passes import PASSES
 
 
 def load_factory(spec: str) -> tuple:

@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
+from passes.accumulate_grads import PREFIX as ACCUMULATOR  # zeros after every update: made again
+from passes.loss_scale import SCALE, TRACKER
+from passes.shard_params import ShardParams
 from transpiler.errors import CheckpointError, ConfigurationError, RetraceWarning
 from transpiler.graph.memory import peak_transient_bytes
 from transpiler.graph.program import StepProgram
-from transpiler.passes.accumulate_grads import PREFIX as ACCUMULATOR  # zeros after every update: made again
-from transpiler.passes.loss_scale import SCALE, TRACKER
-from transpiler.passes.shard_params import ShardParams
 from transpiler.strategies.schedules import EveryStep
 from transpiler.trace.environment import AutocastState, running_environment
 from transpiler.trace.optimizers import TWINS, OptimizerPlan

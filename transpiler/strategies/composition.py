@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
+from passes.accumulate_grads import AccumulateGrads
+from passes.clip_grad_norm import ClipGradNorm
+from passes.freeze_groups import FreezeGroups
+from passes.loss_scale import LossScale
 from transpiler.errors import ConfigurationError
 from transpiler.graph.options import OptionSpec, field_options
 from transpiler.graph.pipeline import Pass
-from transpiler.passes.accumulate_grads import AccumulateGrads
-from transpiler.passes.clip_grad_norm import ClipGradNorm
-from transpiler.passes.freeze_groups import FreezeGroups
-from transpiler.passes.loss_scale import LossScale
 
 from .schedules import ACCUMULATE, AccumulationSchedule, EveryStep, FreezeSchedule
 

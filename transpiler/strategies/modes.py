@@ -9,25 +9,25 @@ from typing import Any
 
 import torch
 
+from passes.adasum import AdaSum, AdaSumGeometry
+from passes.allgather_grads import AllGatherGrads
+from passes.allreduce_grads import AllReduceGrads
+from passes.broadcast_params import BroadcastParams
+from passes.dim_reduce import DimReduce
+from passes.fuse_allreduce import FuseAllReduce
+from passes.gather_params import GatherParams
+from passes.local_sgd import LocalSGDAverage
+from passes.partial_average import PartialAverage
+from passes.registry import PASSES
+from passes.reinplace_optimizer import ReinplaceOptimizer
+from passes.scale_loss_grad import ScaleLossGrad
+from passes.schedule_collectives import ScheduleCollectives
+from passes.shard_optimizer import ShardOptimizer
+from passes.shard_params import ShardParams
+from passes.sparse_allreduce import SparseAllReduce
 from transpiler.errors import ConfigurationError
 from transpiler.graph.options import OptionSpec, field_options, parse_options
 from transpiler.graph.pipeline import Pass, parse_spec
-from transpiler.passes import PASSES
-from transpiler.passes.adasum import AdaSum, AdaSumGeometry
-from transpiler.passes.allgather_grads import AllGatherGrads
-from transpiler.passes.allreduce_grads import AllReduceGrads
-from transpiler.passes.broadcast_params import BroadcastParams
-from transpiler.passes.dim_reduce import DimReduce
-from transpiler.passes.fuse_allreduce import FuseAllReduce
-from transpiler.passes.gather_params import GatherParams
-from transpiler.passes.local_sgd import LocalSGDAverage
-from transpiler.passes.partial_average import PartialAverage
-from transpiler.passes.reinplace_optimizer import ReinplaceOptimizer
-from transpiler.passes.scale_loss_grad import ScaleLossGrad
-from transpiler.passes.schedule_collectives import ScheduleCollectives
-from transpiler.passes.shard_optimizer import ShardOptimizer
-from transpiler.passes.shard_params import ShardParams
-from transpiler.passes.sparse_allreduce import SparseAllReduce
 from transpiler.trace.optimizers import TWINS
 
 from .composition import (

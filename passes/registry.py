@@ -1,4 +1,8 @@
-"""Rewrite passes, one per module. ``PASSES`` is the registry, listed by hand."""
+"""The registry of passes, listed by hand: the name a pipeline spec uses, to the pass's class.
+
+Its own module, not ``passes/__init__.py``, because ``transpiler.strategies`` and ``transpiler.cli`` read it
+while ``passes/__init__.py`` may still be waiting on the package root (docs/design.md#layers)."""
+
 
 from transpiler.graph.pipeline import Pass
 
@@ -46,26 +50,3 @@ PASSES: dict[str, type[Pass]] = {
         ReinplaceOptimizer,
     )
 }
-
-__all__ = [
-    "PASSES",
-    "AccumulateGrads",
-    "AdaSum",
-    "AllGatherGrads",
-    "AllReduceGrads",
-    "BroadcastParams",
-    "ClipGradNorm",
-    "DimReduce",
-    "FreezeGroups",
-    "FuseAllReduce",
-    "GatherParams",
-    "LocalSGDAverage",
-    "LossScale",
-    "PartialAverage",
-    "ReinplaceOptimizer",
-    "ScaleLossGrad",
-    "ScheduleCollectives",
-    "ShardOptimizer",
-    "ShardParams",
-    "SparseAllReduce",
-]
