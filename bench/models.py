@@ -54,3 +54,70 @@ def start_rank(name: str, per_rank: int) -> tuple[int, nn.Module, tuple[torch.Te
     torch.manual_seed(0)
     model = build(name)
     return rank, model, batch_for(name, per_rank, torch.Generator().manual_seed(rank))
+
+
+class NarrowBlock(nn.Module):
+    """A pre-norm GPT block: causal self-attention and a 4x MLP, each with its LayerNorm and biases."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.ln2, self.fc, self.out = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(d, 2))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class NarrowGPT(nn.Module):
+    """A 12-block GPT of width 16 (about 40k parameters in 149 tensors): narrow enough that a step's time is the
+    host's (dispatching ops), not the arithmetic's. Returns logits flattened to (batch * seq, vocab)."""
+
+    def __init__(self, blocks: int = 12, dim: int = 16, heads: int = 2, vocab: int = 64, seq: int = 16):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Parameter(torch.zeros(seq, dim))
+        self.blocks = nn.Sequential(*(NarrowBlock(dim, heads) for _ in range(blocks)))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(self.embed(tokens) + self.pos))).flatten(0, 1)
+
+
+class NarrowResidual(nn.Module):
+    """conv-BN-ReLU-conv-BN plus the input, then ReLU (ResNet's basic block, no bias before BatchNorm)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.conv2, self.bn2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+class NarrowResNet(nn.Module):
+    """16 residual blocks of 8 channels with BatchNorm (about 19k parameters in 101 tensors) on 8x8 images."""
+
+    def __init__(self, blocks: int = 16, channels: int = 8, classes: int = 10):
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.blocks = nn.Sequential(*(NarrowResidual(channels) for _ in range(blocks)))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(torch.relu(self.bn(self.stem(images)))).mean((2, 3)))
+
+
+def narrow_batch(name: str, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of ``n`` samples for :data:`NARROW` model ``name``: GPT tokens and next tokens, or 8x8 images."""
+    if name == "gpt":
+        tokens = torch.randint(0, 64, (n, 17), generator=gen)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].reshape(-1).contiguous()
+    return torch.randn(n, 3, 8, 8, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+
+
+NARROW = {"gpt": NarrowGPT, "cnn": NarrowResNet}

@@ -64,6 +64,14 @@ def _producer(grad: fx.Node) -> fx.Node | None:
     return node
 
 
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
 def _slot_name(program: StepProgram, tag: str, index: int) -> str:
     name, n = f"bucket_{tag}_{index}", 1
     while hasattr(program.graph_module, name):
@@ -111,18 +119,15 @@ def write_into_buffer(
     if not persistent:  # only the padding is zeroed: the writes fill the rest
         for lo, hi in _gaps(starts, sizes, length):
             at.emit(aten.zero_.default, (at.emit(aten.slice.Tensor, (buffer, 0, lo, hi), **comm),), **comm)
-    for node, start, n in zip(nodes, starts, sizes):
-        piece = at.emit(aten.slice.Tensor, (buffer, 0, start, start + n), **comm)
-        slots.append(at.emit(aten.view.default, (piece, list(node.meta["val"].shape)), **comm))
+    for node, start, producer in zip(nodes, starts, producers):
+        # one view op per slot, in the shape it is written in (sum(keepdim=True) is [1, n] where the gradient is [n])
+        shape = list((producer or node).meta["val"].shape)
+        slots.append(at.emit(aten.as_strided.default, (buffer, shape, _contiguous_strides(shape), start), **comm))
     writes = []
     for node, slot, producer in zip(nodes, slots, producers):
         if producer is None:
             writes.append(cursor.emit(aten.copy_.default, (slot, node), **comm))
             continue
-        shape = list(producer.meta["val"].shape)  # sum(keepdim=True) is [1, n] where the gradient is [n]
-        if shape != list(node.meta["val"].shape):
-            with program.graph.inserting_after(slot):
-                slot = emit(program.graph, aten.view.default, (slot, shape), **comm)
         producer.target = OUT_FORMS[producer.target]
         producer.kwargs = {**producer.kwargs, "out": slot}
         writes.append(node)

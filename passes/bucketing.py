@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor, node_bytes, position
 from transpiler.graph.options import option
@@ -52,6 +53,13 @@ def compress_option() -> str:
 WIRE: dict[str, torch.dtype | None] = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 MB = 1024 * 1024
 aten = torch.ops.aten
+
+
+def in_group_order(program: StepProgram, names: list[str]) -> list[int]:
+    """The indices of ``names`` (a bucket's members, in production order) sorted by optimizer param group, stably:
+    a bucket lays out each group's parameters next to each other, so one update op can serve each group's run
+    (``flatten-update``). The order of slots changes no value that is reduced."""
+    return sorted(range(len(names)), key=lambda i: program.param_groups.get(names[i], 0))
 
 
 def bucket_key(node: fx.Node) -> tuple[str, str]:
@@ -182,6 +190,7 @@ def _reduce_bucket(
     compress: torch.dtype | None,
     bucket_views: bool,
 ) -> dict[fx.Node, fx.Node]:
+    members = [members[i] for i in in_group_order(program, [name for name, _ in members])]
     nodes = [node for _, node in members]
     dtype = nodes[0].meta["val"].dtype
     wire = compress if compress is not None and dtype.is_floating_point else dtype
@@ -215,6 +224,10 @@ def _reduce_bucket(
         waited = cursor.emit(aten._to_copy.default, (waited,), {"dtype": dtype}, **comm)
     if len(nodes) == 1:
         return {nodes[0]: waited}
+    sizes = tuple(n.meta["val"].numel() for n in nodes)
+    starts = starts if starts is not None else [0, *itertools.accumulate(sizes)][:-1]
+    names = tuple(name for name, _ in members)
+    waited.meta[FLAT_GRADS] = FlatGrads(f"{tag}{index}", names, tuple(starts), sizes)
     return unflatten(cursor, waited, nodes, comm, starts)
 
 

@@ -13,6 +13,7 @@ from .allreduce_grads import AllReduceGrads
 from .broadcast_params import BroadcastParams
 from .clip_grad_norm import ClipGradNorm
 from .dim_reduce import DimReduce
+from .flatten_update import FlattenUpdate
 from .freeze_groups import FreezeGroups
 from .fuse_allreduce import FuseAllReduce
 from .gather_params import GatherParams
@@ -46,6 +47,7 @@ PASSES: dict[str, type[Pass]] = {
         GatherParams,
         ShardParams,
         DimReduce,
+        FlattenUpdate,
         ScheduleCollectives,
         ReinplaceOptimizer,
     )

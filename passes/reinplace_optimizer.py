@@ -3,12 +3,14 @@
 Requires: a functional step graph (any pass before it may have run).
 Guarantees: an out-of-place optimizer op (``add``, ``mul``, ``lerp``,
 ``addcmul``, ``addcdiv``, ``div``, ``sqrt``, ``neg``) becomes its in-place twin
-when the tensor it would overwrite is a parameter, an optimizer-state input or
-an optimizer temporary of the same shape and dtype, and nothing reads that
-storage later (the graph's outputs count as later). The kernels are the same,
-so results are bitwise unchanged; what goes away is a fresh allocation per
-parameter and state tensor each step. Runs last: no pass after it needs to see
-the functional form.
+when the tensor it would overwrite is a parameter, an optimizer-state input, a
+flat buffer (``flatten-update``) or a view of one, or an optimizer temporary of
+the same shape and dtype, and nothing reads those elements later (the graph's
+outputs count as later; a ``copy_`` into them writes, it does not read). The
+kernels are the same, so results are bitwise unchanged; what goes away is a
+fresh allocation per parameter and state tensor each step. A ``copy_`` that
+then writes a value back where it already is goes too. Runs last: no pass
+after it needs to see the functional form.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.fx as fx
 from transpiler.graph.edit import position
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import StepProgram
+from transpiler.graph.views import contiguous_views, flat_range
 
 aten = torch.ops.aten
 INPLACE = {
@@ -33,7 +36,7 @@ INPLACE = {
     aten.sqrt.default: aten.sqrt_.default,
     aten.neg.default: aten.neg_.default,
 }
-WRITABLE_INPUTS = ("param", "state")
+WRITABLE_INPUTS = ("param", "state", "flat")
 
 
 def _same_layout(a: fx.Node, b: fx.Node) -> bool:
@@ -53,29 +56,88 @@ def _writable(node: fx.Node) -> bool:
     return node.meta.get("role") == "optimizer" and node.target in set(INPLACE) | set(INPLACE.values())
 
 
+class _Storage:
+    """The writable tensors and what aliases each: its contiguous views and the in-place results written into it,
+    each with the elements ``[lo, hi)`` of the tensor it covers."""
+
+    def __init__(self, program: StepProgram) -> None:
+        self.order = position(program.graph)
+        self.aliases: dict[fx.Node, list[tuple[fx.Node, int, int]]] = {}
+        self.views: set[fx.Node] = set()
+        self.region: dict[fx.Node, tuple[fx.Node, int, int]] = {}  # an aliasing node -> (tensor, lo, hi)
+
+    def of(self, node: fx.Node) -> tuple[fx.Node, int, int] | None:
+        """Which writable tensor ``node`` is, views or was written into, and where; None if none."""
+        if node in self.region:
+            return self.region[node]
+        ranged = flat_range(node)
+        if ranged is None or not _writable(ranged[0]):
+            return None
+        root = ranged[0]
+        if root is not node and root.op != "placeholder":
+            return None  # a view of a temporary: leave it out of place
+        if root not in self.aliases:
+            numel = root.meta["val"].numel()
+            views = contiguous_views(root)
+            self.views.update(views)
+            self.aliases[root] = [(root, 0, numel)] + [(v, lo, hi) for v, (lo, hi) in views.items()]
+            self.region.update({v: (root, lo, hi) for v, lo, hi in self.aliases[root]})
+        return self.region[node]
+
+    def read_later(self, region: tuple[fx.Node, int, int], node: fx.Node) -> bool:
+        """Whether anything after ``node`` (or the output) reads the old values of ``region``."""
+        root, lo, hi = region
+        for alias, a, b in self.aliases[root]:
+            if b <= lo or a >= hi:
+                continue
+            for user in alias.users:
+                if user is node or user in self.views:  # a view reads nothing
+                    continue
+                if user.target is aten.copy_.default and user.args[0] is alias:
+                    continue  # it writes these elements, it does not read them
+                if user.op == "output" or self.order[user] > self.order[node]:
+                    return True
+        return False
+
+    def written(self, node: fx.Node, region: tuple[fx.Node, int, int]) -> None:
+        root, lo, hi = region
+        self.aliases[root].append((node, lo, hi))
+        self.region[node] = region
+
+
 @dataclass(frozen=True)
 class ReinplaceOptimizer(Pass):
     name = "reinplace-optimizer"
     summary = "turn out-of-place optimizer updates into in-place ones where nothing reads the old value"
 
     def run(self, program: StepProgram) -> bool:
-        order = position(program.graph)
-        root: dict[fx.Node, fx.Node] = {}  # storage each in-place result aliases
-        aliases: dict[fx.Node, list[fx.Node]] = {}
-        changed = False
+        storage = _Storage(program)
+        written: set[fx.Node] = set()
         for node in program.graph.nodes:
             if node.meta.get("role") != "optimizer" or node.target not in INPLACE:
                 continue
             target = node.args[0]
-            if not isinstance(target, fx.Node) or not _writable(target) or not _same_layout(target, node):
+            if not isinstance(target, fx.Node) or not _same_layout(target, node):
                 continue
-            base = root.get(target, target)
-            readers = [u for m in aliases.get(base, [base]) for u in m.users if u is not node]
-            if any(u.op == "output" or order[u] > order[node] for u in readers):
+            region = storage.of(target)
+            if region is None or storage.read_later(region, node):
                 continue
             node.target = INPLACE[node.target]
-            node.meta["inplace_of"] = base.name
-            root[node] = base
-            aliases.setdefault(base, [base]).append(node)
-            changed = True
-        return changed
+            node.meta["inplace_of"] = region[0].name
+            storage.written(node, region)
+            written.add(node)
+        return _drop_self_copies(program, storage) or bool(written)
+
+
+def _drop_self_copies(program: StepProgram, storage: _Storage) -> bool:
+    """``copy_(dest, value)`` where ``value`` was computed in place in ``dest``'s elements: nothing to copy."""
+    dropped = False
+    for node in list(program.graph.nodes):
+        if node.target is not aten.copy_.default or node.meta.get("role") != "optimizer":
+            continue
+        dest, value = node.args[0], node.args[1]
+        if value in storage.region and storage.region.get(value) == storage.of(dest):
+            node.replace_all_uses_with(dest)
+            program.graph.erase_node(node)
+            dropped = True
+    return dropped

@@ -43,7 +43,15 @@ from transpiler.graph.options import option
 from transpiler.graph.program import Port, StepProgram
 
 from .bucket_views import write_into_buffer
-from .bucketing import DEFAULT_CAP_MB, MB, BucketedGradientPass, bucket_cap_option, caps_in_bytes, placed_buckets
+from .bucketing import (
+    DEFAULT_CAP_MB,
+    MB,
+    BucketedGradientPass,
+    bucket_cap_option,
+    caps_in_bytes,
+    in_group_order,
+    placed_buckets,
+)
 from .gradient_flow import input_node, replace_gradient
 from .sharded_norms import norms_over_ranks
 
@@ -94,7 +102,9 @@ class ShardOptimizer(BucketedGradientPass):
         cap, first = self._caps(program, grads, modules)
         groups = modules if self.module_buckets else None
         for index, members, cursor in placed_buckets(program, grads, cap, first, groups):
-            self._reduce_scatter(program, [grads[i] for i in members], index, cursor)
+            nodes = [grads[i] for i in members]
+            order = in_group_order(program, [n.meta["grad_of"] for n in nodes])
+            self._reduce_scatter(program, [nodes[i] for i in order], index, cursor)
         _update_shards(program)
 
     def _caps(self, program: StepProgram, grads: list[fx.Node], modules: list[str]) -> tuple[int, int]:

@@ -6,6 +6,8 @@ import copy
 
 import torch
 
+from transpiler.graph.program import Port
+
 
 def eager_twin(model: torch.nn.Module, make_opt):
     twin = copy.deepcopy(model)
@@ -77,3 +79,25 @@ def capture_by_calling(setattr_) -> None:
 
     setattr_(cuda_graph, "CAPTURER", ReplayByCalling())
     setattr_(cuda_graph, "check_capturable_setup", lambda *args: None)
+
+
+def run_by_ports(program, values: dict) -> dict:
+    """Run ``program``'s graph on ``values`` (a tensor per input port, as the traced program takes them) and return
+    a tensor per output port. Flat buffers (``flatten-update``) are filled from the per-parameter values as the
+    runtime lays them out, and their views come back under the ports of the parameters and state they hold."""
+    feeds, flats = dict(values), []
+    for layout in program.flat_buffers:
+        buffer = torch.zeros(layout.length, dtype=getattr(torch, layout.dtype), device=layout.device)
+        ports = [
+            Port("param", n) if layout.kind == "param" else Port("state", f"{n}.{layout.key}") for n in layout.names
+        ]
+        for port, start, shape in zip(ports, layout.starts, layout.shapes):
+            numel = torch.Size(shape).numel()
+            buffer[start : start + numel].copy_(values[port].reshape(-1))
+        feeds[Port("flat", layout.port)] = buffer
+        flats.append((layout, ports, buffer))
+    results = dict(zip(program.outputs, program.graph_module(*[feeds[p] for p in program.inputs])))
+    for layout, ports, buffer in flats:
+        for port, start, shape in zip(ports, layout.starts, layout.shapes):
+            results[port] = buffer[start : start + torch.Size(shape).numel()].view(shape)
+    return results

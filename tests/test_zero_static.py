@@ -18,9 +18,17 @@ from tests.models import MLP, Lamb, TiedLM, make_batch
 from tests.test_boost_properties import assert_all_gathers_run_alone
 from transpiler import transpile
 from transpiler.errors import CheckpointError, ConfigurationError, UnsupportedOptimizerError, VerificationError
-from transpiler.graph.bucket_layout import BUCKET_READY, SLOT_ALIGN_BYTES, is_view, padded_length, slot_offsets
+from transpiler.graph.bucket_layout import (
+    BUCKET_READY,
+    SLOT_ALIGN_BYTES,
+    SLOT_VIEWS,
+    is_view,
+    padded_length,
+    slot_offsets,
+)
 from transpiler.graph.collectives import WAIT
 from transpiler.graph.verify import check_shards
+from transpiler.graph.views import flat_range
 from transpiler.runtime.sharded_checkpoint import flat_boxes
 
 pytestmark = pytest.mark.bitwise
@@ -122,15 +130,13 @@ def test_unkept_buckets_are_made_each_step_and_written_in_place(mode):
     scattered = [n.args[0] for n in graph.nodes if n.meta.get("collective", {}).get("kind") == "reduce_scatter"]
     assert scattered and all(n.target is BUCKET_READY for n in scattered)
     for buffer in buffers:
-        views = [u for u in buffer.users if u.target is aten.slice.Tensor]
-        zeroed = sorted((v.args[2], v.args[3]) for v in views if any(w.target is aten.zero_.default for w in v.users))
-        slots = sorted(
-            (v.args[2], v.args[3]) for v in views if not any(w.target is aten.zero_.default for w in v.users)
-        )
+        views = [u for u in buffer.users if u.target in SLOT_VIEWS]
+        zeroed = sorted(flat_range(v)[1:] for v in views if any(w.target is aten.zero_.default for w in v.users))
+        slots = sorted(flat_range(v)[1:] for v in views if not any(w.target is aten.zero_.default for w in v.users))
         covered = sorted(zeroed + slots)
         assert covered[0][0] == 0 and covered[-1][1] == buffer.meta["val"].numel()
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), "slots and zeroed padding tile the buffer"
-        writers = [n for n in graph.nodes if n.target is aten.mm.out and n.kwargs["out"].args[0] in views]
+        writers = [n for n in graph.nodes if n.target is aten.mm.out and n.kwargs["out"] in views]
         assert writers and all(order[buffer] < order[w] for w in writers)
 
 

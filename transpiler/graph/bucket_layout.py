@@ -13,17 +13,34 @@ into the functional ``cat`` that Inductor takes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 
 from transpiler.errors import VerificationError
 
 from .program import StepProgram
+from .views import flat_range
 
 aten = torch.ops.aten
 OUT_FORMS = {aten.mm.default: aten.mm.out, aten.sum.dim_IntList: aten.sum.IntList_out}
+SLOT_VIEWS = frozenset({aten.as_strided.default, aten.slice.Tensor})  # how a bucket buffer's slots are viewed
 # At least the CPU allocator's 64 bytes (what eager's outputs get) and cuBLASLt's largest alignment preference.
 SLOT_ALIGN_BYTES = 256
+FLAT_GRADS = "flat_grads"  # the meta key of a node that holds a bucket's reduced gradients, flat
+
+
+@dataclass(frozen=True)
+class FlatGrads:
+    """What ``meta[FLAT_GRADS]`` says of a 1-D node: the reduced gradients of a bucket laid out in it."""
+
+    tag: str  # names the bucket: "grads3"
+    names: tuple[str, ...]
+    starts: tuple[int, ...]  # where each gradient starts, in the node's elements
+    sizes: tuple[int, ...]
+
+
 _lib = torch.library.Library("transpiler", "FRAGMENT")
 _lib.define("bucket_ready(Tensor(a) buffer, Tensor[] written) -> Tensor(a)")
 
@@ -69,7 +86,7 @@ def padded_length(end: int, itemsize: int, shards: int) -> int:
 
 def slot_span(write: fx.Node, buffer: fx.Node) -> tuple[int, int] | None:
     """The element range of ``buffer`` that a write fills (``copy_``'s destination, or the ``out=`` of the
-    producer under views), or None when it does not write into a slice of that buffer."""
+    producer under views), or None when it does not write into a contiguous view of that buffer."""
     if write.target is aten.copy_.default:
         slot = write.args[0]
     else:
@@ -77,11 +94,8 @@ def slot_span(write: fx.Node, buffer: fx.Node) -> tuple[int, int] | None:
         while is_view(node):
             node = node.args[0]
         slot = node.kwargs.get("out")
-    while slot is not None and slot.target is aten.view.default:
-        slot = slot.args[0]
-    if slot is None or slot.target is not aten.slice.Tensor or slot.args[0] is not buffer:
-        return None
-    return slot.args[2], slot.args[3]
+    ranged = flat_range(slot) if isinstance(slot, fx.Node) and slot is not buffer else None
+    return ranged[1:] if ranged is not None and ranged[0] is buffer else None
 
 
 def check_bucket_views(program: StepProgram, final: bool) -> None:
@@ -109,7 +123,7 @@ def check_bucket_views(program: StepProgram, final: bool) -> None:
                 f"{where}: its writes fill {offset} of {buffer.meta['val'].numel()} elements, expected {length} "
                 "with the padding of its shards."
             )
-        strangers = [u.name for u in buffer.users if u is not ready and u.target is not aten.slice.Tensor]
+        strangers = [u.name for u in buffer.users if u is not ready and u.target not in SLOT_VIEWS]
         if strangers:
             raise VerificationError(f"{where} is read by {strangers[:3]}, which are not its views.")
         reduce = next((u for u in ready.users if u.meta.get("collective")), None)

@@ -21,8 +21,8 @@ ROLES = ("forward", "loss", "loss_grad", "backward", "communication", "optimizer
 class Port:
     """One graph input or output: what it carries and the name it refers to."""
 
-    kind: str  # inputs: param, frozen, buffer, state, batch, scalar, extra; outputs: loss, param, state, buffer,
-    # extra (state a pass added), metric (a float the schedule reads)
+    kind: str  # inputs: param, frozen, buffer, state, batch, scalar, extra, flat (a FlatBuffer); outputs: loss,
+    # param, state, buffer, extra (state a pass added), metric (a float the schedule reads)
     name: str
 
 
@@ -36,6 +36,30 @@ class ParamBucket:
     starts: tuple[int, ...]
     length: int
     shapes: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class FlatBuffer:
+    """One flat input of the program that holds tensors the user sees one by one (``flatten-update``): the
+    parameters of a bucket, or one optimizer-state entry of a run of them. The runtime allocates it once and
+    binds each parameter's ``.data`` (``kind="param"``), or its ``optimizer.state[p][key]`` (``kind="state"``),
+    to the view of ``shapes[i]`` at ``starts[i]``; the program reads and writes the buffer whole.
+
+    ``spans[i]`` are the elements of parameter ``names[i]`` that the view holds: all of them, or this rank's
+    ``[lo, hi)`` under a sharded optimizer (the view is then 1-D). A 0-d state entry (Adam's ``step``) has one
+    element per parameter, a *lane*: every lane of a run holds the same value, since one update serves them all.
+    Elements no view covers (alignment padding) are zero when allocated and never read by a user's tensor."""
+
+    port: str
+    kind: str  # "param" or "state"
+    key: str  # the state key ("" for parameters)
+    names: tuple[str, ...]
+    starts: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    spans: tuple[tuple[int, int], ...]
+    length: int
+    dtype: str
+    device: str
 
 
 @dataclass
@@ -58,6 +82,8 @@ class StepProgram:
     decisions: dict[str, str] = field(default_factory=dict)  # pass -> what it chose from measurements, in words
     shards: dict[str, tuple[int, int]] = field(default_factory=dict)  # param -> flat [lo, hi) this rank updates
     param_buckets: list[ParamBucket] = field(default_factory=list)  # parameters held as shards (ZeRO-3)
+    param_groups: dict[str, int] = field(default_factory=dict)  # trainable param -> its optimizer param group
+    flat_buffers: list[FlatBuffer] = field(default_factory=list)  # flat inputs the runtime binds (flatten-update)
 
     @property
     def graph(self) -> fx.Graph:
@@ -93,4 +119,6 @@ class StepProgram:
             dict(self.decisions),
             dict(self.shards),
             list(self.param_buckets),
+            dict(self.param_groups),
+            list(self.flat_buffers),
         )

@@ -46,6 +46,7 @@ from transpiler.trace.tracer import ModelState, check_batch
 
 from . import sharded_params
 from .failures import communication_error, is_communication_failure
+from .flat_storage import FlatStorage
 from .handshake import Handshake, Setup
 from .memory_report import MemoryReport, StorageCounter, bucket_buffers
 from .process_group import LOCAL_GROUP, Placement, ensure_local_group
@@ -213,6 +214,7 @@ class DistributedStep:
         self._guard: sharded_params.SlicedForwardGuard | None = None  # zero3: a forward on slices fails clearly
         self._gathering = False  # inside step.gathered(): the parameters are whole
         self._sliced = False  # zero3: the model's parameters are this rank's slices (cut once, again after gathered())
+        self._flat = FlatStorage()  # the flat buffers the programs declare, bound to parameters and state
 
     # ------------------------------------------------------------ inspection
     @property
@@ -322,6 +324,7 @@ class DistributedStep:
             self._run_startup(built)
         variant = self.schedule.variant()
         program = built.programs[variant]
+        self._flat.bind(program.flat_buffers, built.params, self.optimizer)
         self._init_extra(built)
         inputs = self._inputs(program, built, batch, variant)
         device = next(iter(built.params.values())).device if built.params else None
@@ -332,6 +335,7 @@ class DistributedStep:
         peak = torch.cuda.max_memory_allocated(device) if on_gpu else None
         self._last_run = (program, sum(t.numel() * t.element_size() for t in batch), peak)
         metrics = self._write_back(program, built, outputs)
+        self._flat.written(self.optimizer, skipped=metrics.get("overflow", 0.0) != 0.0)
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.schedule.observe(variant, metrics, lr)
         self.last_variant, self.last_metrics = variant, metrics
@@ -360,15 +364,22 @@ class DistributedStep:
     def _inputs(self, program: StepProgram, built: Built, batch: tuple, variant: str) -> list:
         if program.param_buckets:
             self._hold_slices(program, built)
+        kinds = {port.kind for port in program.inputs}  # a flattened program reads no parameter or state one by one
         tensors = {
-            "param": {n: p.detach() for n, p in built.params.items()},
-            "frozen": {n: p.detach() for n, p in built.frozen.items()},
             "buffer": built.buffers,
-            "state": self._state_inputs(program, built),
             "batch": {f"batch{i}": t for i, t in enumerate(batch)},
             "scalar": self._scalars(program, built, variant),
             "extra": self.extra,
+            "flat": self._flat.buffers,
         }
+        if "param" in kinds:
+            tensors["param"] = {
+                port.name: built.params[port.name].detach() for port in program.inputs if port.kind == "param"
+            }
+        if "frozen" in kinds:
+            tensors["frozen"] = {n: p.detach() for n, p in built.frozen.items()}
+        if "state" in kinds:
+            tensors["state"] = self._state_inputs(program, built)
         return [tensors[port.kind][port.name] for port in program.inputs]
 
     @staticmethod

@@ -14,6 +14,7 @@ from passes.allgather_grads import AllGatherGrads
 from passes.allreduce_grads import AllReduceGrads
 from passes.broadcast_params import BroadcastParams
 from passes.dim_reduce import DimReduce
+from passes.flatten_update import FlattenUpdate
 from passes.fuse_allreduce import FuseAllReduce
 from passes.gather_params import GatherParams
 from passes.local_sgd import LocalSGDAverage
@@ -84,7 +85,7 @@ def _prefix() -> list[Pass]:
 
 
 def _tail() -> list[Pass]:
-    return [ScheduleCollectives(), ReinplaceOptimizer()]
+    return [FlattenUpdate(), ScheduleCollectives(), ReinplaceOptimizer()]
 
 
 def _allreduce() -> Recipe:

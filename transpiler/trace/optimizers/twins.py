@@ -181,19 +181,28 @@ class OptimizerPlan:
                     values += [0.0, 1.0] if first else [float(group["momentum"]), 1.0 - float(group["dampening"])]
                 continue
             beta1, beta2 = group["betas"]
-            steps = {float(self.optimizer.state[self.params[i]]["step"]) for i in g.param_positions}
-            if len(steps) > 1:
-                raise UnsupportedOptimizerError(
-                    f"param group {g.index} has parameters at different step counts {sorted(steps)}; "
-                    "the transpiler needs one step count per group."
-                )
-            step = float(next(iter(steps), 0.0) + 1.0 + ahead)
+            step = self._group_step(g) + 1.0 + ahead
             bias_correction1 = 1 - beta1**step
             bias_correction2 = 1 - beta2**step
             values += [-(lr / bias_correction1), bias_correction2**0.5]
             if "decay_factor" in g.slots:
                 values.append(1 - lr * group["weight_decay"])
         return values
+
+    def _group_step(self, g: GroupPlan) -> float:
+        """The step count of a group's parameters, which must agree. Read once where they are lanes of one flat
+        buffer (``runtime/flat_storage.py`` checks that the lanes agree before every step), else from each."""
+        counts = [self.optimizer.state[self.params[i]]["step"] for i in g.param_positions]
+        lanes = counts[0]._base if counts else None
+        if lanes is not None and all(t._base is lanes for t in counts):
+            return float(counts[0])
+        steps = {float(t) for t in counts}
+        if len(steps) > 1:
+            raise UnsupportedOptimizerError(
+                f"param group {g.index} has parameters at different step counts {sorted(steps)}; "
+                "the transpiler needs one step count per group."
+            )
+        return next(iter(steps), 0.0)
 
     def output_state_keys(self, position: int) -> list[str]:
         """The state keys the traced step outputs for one parameter, in order."""

@@ -1,0 +1,50 @@
+"""Count the aten ops a step dispatches: what a host pays per step, exactly, whatever the machine's load.
+
+A ``TorchDispatchMode`` around the step sees every aten op: forward, backward (the autograd engine carries the
+mode to its thread), DDP's bucket copies and the optimizer, eager and traced alike. Ops split into *work*,
+which on a GPU is about one kernel launch each, and *views* (``func.is_view``, ``detach``, ``alias``), which
+launch nothing but still cost the host a dispatch. Dynamo refuses such a mode around a compiled call, so
+compiled programs are timed, not counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+VIEWLIKE = frozenset({aten.detach.default, aten.alias.default})
+
+
+def is_view_op(func: torch._ops.OpOverload) -> bool:
+    return func.is_view or func in VIEWLIKE
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts each aten op dispatched while it is active (``counts``: op -> calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def work(self) -> int:
+        return sum(n for func, n in self.counts.items() if not is_view_op(func))
+
+    @property
+    def views(self) -> int:
+        return sum(n for func, n in self.counts.items() if is_view_op(func))
+
+
+def count_ops(run: Callable[[], object]) -> DispatchCounter:
+    """The ops one call of ``run`` dispatches."""
+    with DispatchCounter() as counter:
+        run()
+    return counter
