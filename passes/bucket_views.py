@@ -116,9 +116,11 @@ def write_into_buffer(
             factory = {"dtype": first.dtype, "device": first.device, "pin_memory": False}
             buffer = emit(program.graph, aten.empty.memory_format, ([length],), factory, **comm)
     slots, at = [], Cursor(program.graph, buffer)
-    if not persistent:  # only the padding is zeroed: the writes fill the rest
-        for lo, hi in _gaps(starts, sizes, length):
-            at.emit(aten.zero_.default, (at.emit(aten.slice.Tensor, (buffer, 0, lo, hi), **comm),), **comm)
+    gaps = _gaps(starts, sizes, length)
+    if not persistent and gaps:  # only the padding is zeroed, in one op: the writes fill the rest
+        where = torch.cat([torch.arange(lo, hi) for lo, hi in gaps]).to(first.device)
+        padding = add_constant(program, _slot_name(program, f"{tag}_padding", index), where, padding_of=comm["bucket"])
+        at.emit(aten.index_fill_.int_Scalar, (buffer, 0, padding, 0), **comm)
     for node, start, producer in zip(nodes, starts, producers):
         # one view op per slot, in the shape it is written in (sum(keepdim=True) is [1, n] where the gradient is [n])
         shape = list((producer or node).meta["val"].shape)

@@ -227,7 +227,7 @@ def _reduce_bucket(
     sizes = tuple(n.meta["val"].numel() for n in nodes)
     starts = starts if starts is not None else [0, *itertools.accumulate(sizes)][:-1]
     names = tuple(name for name, _ in members)
-    waited.meta[FLAT_GRADS] = FlatGrads(f"{tag}{index}", names, tuple(starts), sizes)
+    waited.meta[FLAT_GRADS] = FlatGrads(f"{tag}{index}", names, tuple(starts), sizes, waited.meta["val"].numel())
     return unflatten(cursor, waited, nodes, comm, starts)
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads
+from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads, is_view
 from transpiler.graph.edit import Cursor, position, repair_order
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import FlatBuffer, Port, StepProgram
@@ -73,9 +73,12 @@ class _Chain:
     """One parameter's update: its sources and the optimizer nodes computed from them, in graph order."""
 
     name: str
-    param: fx.Node
+    placeholder: fx.Node  # the parameter's own input (the forward's, whole)
+    param: fx.Node  # what the update reads of it: the input, or this rank's slice of it (a sharded optimizer)
     grad: fx.Node
     states: dict[str, fx.Node]  # state key -> its input
+    held: tuple[int, int]  # the parameter's elements the update covers
+    at: int  # where they start in the flat gradients
     nodes: list[fx.Node] = field(default_factory=list)
     outputs: dict[tuple[str, str], fx.Node] = field(default_factory=dict)  # (kind, key) -> value written back
     signature: tuple = ()
@@ -105,10 +108,9 @@ def _flatten_bucket(program: StepProgram, base: fx.Node) -> bool:
         program.decisions.setdefault("flatten-update", "")
         program.decisions["flatten-update"] += f"{info.tag}: per parameter ({chains}). "
         return False
-    params = [c.param for c in chains]
-    length = base.meta["val"].numel()
+    params = [c.placeholder for c in chains]
     value = params[0].meta["val"]
-    flat_param = _flat_input(program, f"{info.tag}.param", value, length)
+    flat_param = _flat_input(program, f"{info.tag}.param", value, info.length)
     program.flat_buffers.append(
         FlatBuffer(
             f"{info.tag}.param",
@@ -118,7 +120,7 @@ def _flatten_bucket(program: StepProgram, base: fx.Node) -> bool:
             info.starts,
             tuple(tuple(p.meta["val"].shape) for p in params),
             tuple((0, n) for n in info.sizes),
-            length,
+            info.length,
             str(value.dtype).removeprefix("torch."),
             str(value.device),
         )
@@ -136,29 +138,47 @@ def _flatten_bucket(program: StepProgram, base: fx.Node) -> bool:
 
 def _chains(program: StepProgram, base: fx.Node, info: FlatGrads) -> list[_Chain] | str:
     """Each parameter's update chain, or why the bucket cannot be flattened."""
+    numel = base.meta["val"].numel()
     grads = _grad_views(base, info)
     ports = {p.name: p for p in program.inputs}
     outputs = dict(zip(program.outputs, output_values(program)))
     chains = []
-    for name, size in zip(info.names, info.sizes):
+    for i, (name, size) in enumerate(zip(info.names, info.sizes)):
         if name not in grads:
             return f"the optimizer does not read '{name}''s gradient as a view of the bucket"
-        if Port("param", name) not in set(program.inputs) or Port("param", name) not in outputs:
-            return f"'{name}' is not a parameter input and output of the program"
-        param = input_node(program, Port("param", name))
-        val = param.meta["val"]
+        if Port("param", name) not in ports.values():
+            return f"'{name}' is not a parameter input of the program"
+        placeholder = input_node(program, Port("param", name))
+        val = placeholder.meta["val"]
         if val.dim() == 0 or val.numel() != size:
             return f"'{name}' is 0-d or not the size of its slot"
         if (str(val.dtype).removeprefix("torch."), str(val.device)) != _dtype_device(base):
             return f"'{name}' is not the bucket's dtype and device"
+        lo, hi = info.held(i, numel)
+        param = _shard_read(placeholder, name) or placeholder  # a sharded update reads its slice
+        if param.meta["val"].numel() != hi - lo:
+            return f"the update of '{name}' does not read its elements [{lo}, {hi})"
         keys = [p.name.rsplit(".", 1)[1] for p in program.inputs if p.kind == "state" and p.name.startswith(name + ".")]
         states = {key: input_node(program, ports[f"{name}.{key}"]) for key in keys}
-        chain = _Chain(name, param, grads[name], states)
+        at = min(max(info.starts[i] + lo - info.offset, 0), numel)
+        chain = _Chain(name, placeholder, param, grads[name], states, (lo, hi), at)
         why = _trace_chain(chain, outputs)
         if why:
             return why
         chains.append(chain)
     return chains
+
+
+def _shard_read(placeholder: fx.Node, name: str) -> fx.Node | None:
+    """The node through which a sharded update reads its slice of the parameter (``meta["shard_of"]``)."""
+    stack = list(placeholder.users)
+    while stack:
+        node = stack.pop()
+        if node.meta.get("shard_of") == name:
+            return node
+        if is_view(node):
+            stack.extend(node.users)
+    return None
 
 
 def _dtype_device(node: fx.Node) -> tuple[str, str]:
@@ -167,10 +187,19 @@ def _dtype_device(node: fx.Node) -> tuple[str, str]:
 
 
 def _grad_views(base: fx.Node, info: FlatGrads) -> dict[str, fx.Node]:
-    """Per parameter, the node that views its gradient's slot of ``base``."""
-    slot = {(start, start + size): name for name, start, size in zip(info.names, info.starts, info.sizes)}
+    """Per parameter, the node that views its gradient's slot of ``base``: the one its pass tagged
+    (``meta["grad_slot"]``, empty slices of a shard too), else the view of its slot that the update reads."""
+    numel = base.meta["val"].numel()
+    slot = {}
+    for i, (name, start) in enumerate(zip(info.names, info.starts)):
+        lo, hi = info.held(i, numel)
+        if hi > lo:
+            slot[(start + lo - info.offset, start + hi - info.offset)] = name
     found: dict[str, fx.Node] = {}
     for node, span in contiguous_views(base).items():
+        if node.meta.get("grad_slot") in info.names:
+            found[node.meta["grad_slot"]] = node
+            continue
         name = slot.get(span)
         if name is not None and any(u.meta.get("role") == "optimizer" for u in node.users):
             found.setdefault(name, node)  # the view the update reads (unflatten's last, after split and getitem)
@@ -200,7 +229,7 @@ def _trace_chain(chain: _Chain, outputs: dict[Port, fx.Node]) -> str:
         elif port.kind == "state" and port.name.rsplit(".", 1)[0] == chain.name:
             return f"'{port.name}' is an output without an input"
     if set(chain.outputs) != set(wanted.values()):
-        return f"'{chain.name}' has no output for some of its state"
+        return f"'{chain.name}' has no output for its parameter or some of its state"
     for value in chain.outputs.values():
         if value not in member and value not in sources:
             return f"'{chain.name}''s new value is not computed by its update"
@@ -315,17 +344,20 @@ def _forward_reads_views(program: StepProgram, flat: fx.Node, params: list[fx.No
 
 
 def _vectorise(program: StepProgram, base: fx.Node, flat_param: fx.Node, info: FlatGrads, r: int, run: list) -> None:
-    """Run ``run``'s chain once on flat ranges: the parameters' and the gradients' range in the bucket, a flat
-    input per state entry (a lane buffer for a 0-d one), and write the results back."""
-    first, last = run[0], run[-1]
-    at_first = info.names.index(first.name)
-    lo, hi = info.starts[at_first], info.starts[info.names.index(last.name)] + info.sizes[info.names.index(last.name)]
-    run_starts = tuple(info.starts[info.names.index(c.name)] - lo for c in run)
-    val = first.param.meta["val"]
+    """Run ``run``'s chain once on flat ranges: the parameters' and the gradients' range (in the bucket, or in
+    this rank's shard of it), a flat input per state entry (a lane buffer for a 0-d one), and write the results
+    back. A sharded run may hold no element here: its lanes (step counts) are still updated."""
+    first = run[0]
+    held = [c for c in run if c.held[1] > c.held[0]]
+    lo = held[0].at if held else 0
+    hi = held[-1].at + held[-1].held[1] - held[-1].held[0] if held else 0
+    starts = tuple(min(max(c.at - lo, 0), hi - lo) for c in run)
     where = max((n for c in run for n in c.nodes), key=position(program.graph).__getitem__)
     cursor = Cursor(program.graph, where)
     env: dict[fx.Node, fx.Node] = {
-        first.param: cursor.emit(aten.slice.Tensor, (flat_param, 0, lo, hi), role="optimizer"),
+        first.param: cursor.emit(
+            aten.slice.Tensor, (flat_param, 0, info.offset + lo, info.offset + hi), role="optimizer"
+        ),
         first.grad: cursor.emit(aten.slice.Tensor, (base, 0, lo, hi), role="optimizer"),
     }
     lanes: set[fx.Node] = set()  # the run's 0-d per-parameter values (a lane buffer each, once flat)
@@ -342,9 +374,9 @@ def _vectorise(program: StepProgram, base: fx.Node, flat_param: fx.Node, info: F
                 "state",
                 key,
                 tuple(c.name for c in run),
-                tuple(range(len(run))) if lane else run_starts,
+                tuple(range(len(run))) if lane else starts,
                 tuple(() if lane else tuple(c.param.meta["val"].shape) for c in run),
-                tuple((0, c.param.meta["val"].numel()) for c in run),
+                tuple(c.held for c in run),
                 size,
                 str(like.dtype).removeprefix("torch."),
                 str(like.device),
@@ -352,7 +384,7 @@ def _vectorise(program: StepProgram, base: fx.Node, flat_param: fx.Node, info: F
         )
         if lane:
             lanes.add(state)
-    shape = val.shape
+    shape = first.param.meta["val"].shape
     for node in first.nodes:
         kind = _kind(node, shape)
 

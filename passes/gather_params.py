@@ -5,7 +5,9 @@ Requires: ``shard-optimizer`` before it, so every parameter output is this rank'
 layout (``grads``, ``starts``, ``length``). Loss scaling and clipping run between the two, on the slices.
 Guarantees: each bucket's updated shard is all-gathered (``all_gather_into_tensor``) in bucket order, and
 every parameter's new values are copied out of it into the parameter in place, so after the step every rank's
-parameters hold the full updated values, as with DDP. A rank that owns nothing of a bucket sends zeros.
+parameters hold the full updated values, as with DDP. A rank that owns nothing of a bucket sends zeros. A
+bucket that ``flatten-update`` made flat is gathered whole: the shard its runs wrote is sent, and the gathered
+bucket is copied into the flat parameters in one copy.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import Port, StepProgram
+from transpiler.graph.views import flat_range
 
 from .gradient_flow import before_output, input_node, output_values, set_output_values
 
@@ -79,8 +82,41 @@ def rank_shard(
     return parts[0] if len(parts) == 1 else cursor.emit(aten.cat.default, (parts,), **meta)
 
 
+def _gather_flat(program: StepProgram, bucket: dict, flat: fx.Node) -> None:
+    """All-gather one flat bucket's updated shard (the values its runs wrote, zeros between) into its flat
+    parameters."""
+    rank, shard = program.rank, bucket["length"] // program.world_size
+    comm = {"role": "communication", "bucket": ("params", bucket["bucket"])}
+    runs = []  # (lo, hi, value) of each run's new values in the flat parameters, within this rank's shard
+    for node in program.graph.nodes:
+        if node.target is aten.copy_.default and node.meta.get("writes_back"):
+            root, lo, hi = flat_range(node.args[0])
+            if root is flat and hi > lo:
+                runs.append((lo, hi, node.args[1]))
+    cursor = before_output(program)
+    parts, end = [], rank * shard
+    for lo, hi, value in sorted(runs, key=lambda run: run[0]):
+        if lo > end:
+            parts.append(cursor.emit(aten.new_zeros.default, (value, [lo - end]), **comm))
+        parts.append(value)
+        end = hi
+    if (rank + 1) * shard > end:
+        like = parts[-1] if parts else flat
+        parts.append(cursor.emit(aten.new_zeros.default, (like, [(rank + 1) * shard - end]), **comm))
+    send = parts[0] if len(parts) == 1 else cursor.emit(aten.cat.default, (parts,), **comm)
+    info = {"kind": "all_gather", "bucket": bucket["bucket"], "params": bucket["grads"], "bytes": bucket["bytes"]}
+    gathered = cursor.emit(
+        C10D.all_gather_into_tensor.default, (send, program.world_size, program.group_name), collective=info, **comm
+    )
+    cursor.emit(aten.copy_.default, (flat, cursor.emit(WAIT, (gathered,), **comm)), **comm)
+
+
 def _gather(program: StepProgram, bucket: dict) -> None:
     """All-gather one bucket's updated shard and copy every parameter's new values into it, in place."""
+    flat = f"grads{bucket['bucket']}.param"
+    if any(b.port == flat for b in program.flat_buffers):
+        _gather_flat(program, bucket, input_node(program, Port("flat", flat)))
+        return
     names, starts, length = bucket["grads"], bucket["starts"], bucket["length"]
     values = output_values(program)
     where = {port.name: i for i, port in enumerate(program.outputs) if port.kind == "param"}

@@ -137,7 +137,7 @@ def _drop_self_copies(program: StepProgram, storage: _Storage) -> bool:
             continue
         dest, value = node.args[0], node.args[1]
         if value in storage.region and storage.region.get(value) == storage.of(dest):
-            node.replace_all_uses_with(dest)
+            node.replace_all_uses_with(value)  # the value, which depends on the update: later readers stay after it
             program.graph.erase_node(node)
             dropped = True
     return dropped

@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 
 from transpiler.errors import UnsupportedOptimizerError
+from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads
 from transpiler.graph.collectives import C10D, WAIT, is_collective
 from transpiler.graph.edit import Cursor, node_bytes, position, refresh_value, repair_order
 from transpiler.graph.options import option
@@ -146,10 +147,15 @@ class ShardOptimizer(BucketedGradientPass):
         }
         shard = length // world
         mine = _scatter_sum(program, cursor, flat, shard, info, comm)
+        mine.meta[FLAT_GRADS] = FlatGrads(
+            f"grads{index}", tuple(names), tuple(starts), tuple(sizes), length, rank * shard
+        )
         for node, start, n in zip(nodes, starts, sizes):
             lo, hi = owned(start, n, rank, shard)
             begin = start + lo - rank * shard if hi > lo else 0
-            piece = cursor.emit(aten.slice.Tensor, (mine, 0, begin, begin + hi - lo), **comm)
+            piece = cursor.emit(
+                aten.slice.Tensor, (mine, 0, begin, begin + hi - lo), grad_slot=node.meta["grad_of"], **comm
+            )
             replace_gradient(node, piece)
             program.shards[node.meta["grad_of"]] = (lo, hi)
 

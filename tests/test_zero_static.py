@@ -119,8 +119,8 @@ def test_static_checks_see_a_rank_that_updates_the_wrong_slice():
 @pytest.mark.parametrize("mode", ["zero2", "zero3"])
 def test_unkept_buckets_are_made_each_step_and_written_in_place(mode):
     """Without kept buckets each bucket is allocated in the step before its first gradient, its padding is
-    zeroed, weight gradients are produced into it (``mm`` with ``out=``), nothing packs them (no ``cat``), and
-    the program holds no bucket constant."""
+    zeroed (one ``index_fill_``), weight gradients are produced into it (``mm`` with ``out=``), nothing packs
+    them (no ``cat``), and the program holds no bucket constant."""
     aten = torch.ops.aten
     program = _world_programs(mode, 4)[1]
     graph = program.graph
@@ -131,8 +131,10 @@ def test_unkept_buckets_are_made_each_step_and_written_in_place(mode):
     assert scattered and all(n.target is BUCKET_READY for n in scattered)
     for buffer in buffers:
         views = [u for u in buffer.users if u.target in SLOT_VIEWS]
-        zeroed = sorted(flat_range(v)[1:] for v in views if any(w.target is aten.zero_.default for w in v.users))
-        slots = sorted(flat_range(v)[1:] for v in views if not any(w.target is aten.zero_.default for w in v.users))
+        fills = [u for u in buffer.users if u.target is aten.index_fill_.int_Scalar]
+        padding = getattr(program.graph_module, fills[0].args[2].target).tolist() if fills else []
+        zeroed = [(i, i + 1) for i in padding]  # the padding, zeroed in one op
+        slots = sorted(flat_range(v)[1:] for v in views)
         covered = sorted(zeroed + slots)
         assert covered[0][0] == 0 and covered[-1][1] == buffer.meta["val"].numel()
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), "slots and zeroed padding tile the buffer"

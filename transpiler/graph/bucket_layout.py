@@ -26,6 +26,7 @@ from .views import flat_range
 aten = torch.ops.aten
 OUT_FORMS = {aten.mm.default: aten.mm.out, aten.sum.dim_IntList: aten.sum.IntList_out}
 SLOT_VIEWS = frozenset({aten.as_strided.default, aten.slice.Tensor})  # how a bucket buffer's slots are viewed
+PADDING_FILL = frozenset({aten.index_fill_.int_Scalar})  # how a bucket allocated each step zeroes its padding
 # At least the CPU allocator's 64 bytes (what eager's outputs get) and cuBLASLt's largest alignment preference.
 SLOT_ALIGN_BYTES = 256
 FLAT_GRADS = "flat_grads"  # the meta key of a node that holds a bucket's reduced gradients, flat
@@ -33,12 +34,23 @@ FLAT_GRADS = "flat_grads"  # the meta key of a node that holds a bucket's reduce
 
 @dataclass(frozen=True)
 class FlatGrads:
-    """What ``meta[FLAT_GRADS]`` says of a 1-D node: the reduced gradients of a bucket laid out in it."""
+    """What ``meta[FLAT_GRADS]`` says of a 1-D node: it holds the reduced gradients of a bucket laid out as
+    ``names`` at ``starts`` (``sizes`` elements each) in ``length`` elements, from the bucket's element ``offset``
+    on: all of the bucket (``fuse-allreduce``), or this rank's shard of it (``shard-optimizer``)."""
 
     tag: str  # names the bucket: "grads3"
     names: tuple[str, ...]
-    starts: tuple[int, ...]  # where each gradient starts, in the node's elements
-    sizes: tuple[int, ...]
+    starts: tuple[int, ...]  # where each gradient starts in the bucket
+    sizes: tuple[int, ...]  # each gradient's elements (its parameter's)
+    length: int  # the bucket's elements, its padding included
+    offset: int = 0  # the bucket element that the node's first element is
+
+    def held(self, index: int, numel: int) -> tuple[int, int]:
+        """The elements ``[lo, hi)`` of gradient ``index`` that a node of ``numel`` elements holds (``lo == hi``
+        when none)."""
+        start, size = self.starts[index], self.sizes[index]
+        lo = min(max(self.offset - start, 0), size)
+        return lo, max(min(self.offset + numel - start, size), lo)
 
 
 _lib = torch.library.Library("transpiler", "FRAGMENT")
@@ -123,7 +135,7 @@ def check_bucket_views(program: StepProgram, final: bool) -> None:
                 f"{where}: its writes fill {offset} of {buffer.meta['val'].numel()} elements, expected {length} "
                 "with the padding of its shards."
             )
-        strangers = [u.name for u in buffer.users if u is not ready and u.target not in SLOT_VIEWS]
+        strangers = [u.name for u in buffer.users if u is not ready and u.target not in SLOT_VIEWS | PADDING_FILL]
         if strangers:
             raise VerificationError(f"{where} is read by {strangers[:3]}, which are not its views.")
         reduce = next((u for u in ready.users if u.meta.get("collective")), None)

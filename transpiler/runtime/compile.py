@@ -25,6 +25,7 @@ from transpiler.errors import ConfigurationError
 from transpiler.graph.bucket_layout import BUCKET_READY, OUT_FORMS, is_view, slot_span
 from transpiler.graph.collectives import C10D
 from transpiler.graph.edit import position
+from transpiler.graph.views import flat_range
 
 aten = torch.ops.aten
 log = logging.getLogger("transpiler")
@@ -63,7 +64,7 @@ def _functional_buckets(graph: fx.Graph) -> None:
         if node.target in functional and "out" in node.kwargs:
             node.target = functional[node.target]
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "out"}
-        elif node.target is aten.copy_.default and "bucket" in node.meta:
+        elif node.target is aten.copy_.default and _into_bucket(node.args[0]):
             node.replace_all_uses_with(node.args[1])
             graph.erase_node(node)
         elif node.target is BUCKET_READY:
@@ -84,6 +85,15 @@ def _functional_buckets(graph: fx.Graph) -> None:
     for node in reversed(list(graph.nodes)):
         if "bucket" in node.meta and not node.users and (node.op == "get_attr" or is_view(node)):
             graph.erase_node(node)
+
+
+def _into_bucket(dest: fx.Node) -> bool:
+    """Whether ``dest`` is a slot of a bucket buffer (a constant or a buffer the step allocates), which the
+    functional form replaces by a ``cat``; copies into anything else (a gathered bucket into the flat
+    parameters) are real writes and stay."""
+    ranged = flat_range(dest)
+    root = ranged[0] if ranged is not None else dest
+    return "bucket" in root.meta and (root.op == "get_attr" or root.target is aten.empty.memory_format)
 
 
 class CompiledProgram:

@@ -38,6 +38,7 @@ class _Binding:
     key: str  # "" for the parameter itself
     view: torch.Tensor
     pointer: int
+    span: tuple[int, int]  # the parameter's elements the view holds (a sharded optimizer's slice)
 
 
 class FlatStorage:
@@ -98,10 +99,10 @@ class FlatStorage:
         bound, states, pending = [], [], []
         for layout in layouts:
             buffer = buffers[layout.port]
-            for name, start, shape in zip(layout.names, layout.starts, layout.shapes):
+            for name, start, shape, span in zip(layout.names, layout.starts, layout.shapes, layout.spans):
                 numel = int(torch.Size(shape).numel())
                 view = buffer[start : start + numel].view(shape)
-                binding = _Binding(name, params[name], layout.key, view, view.data_ptr())
+                binding = _Binding(name, params[name], layout.key, view, view.data_ptr(), span)
                 if layout.kind == "param":
                     self._take_param(binding)
                     bound.append(binding)
@@ -132,6 +133,11 @@ class FlatStorage:
 
     @staticmethod
     def _take_state(b: _Binding, held: torch.Tensor, optimizer) -> None:
+        """Copy a state tensor into its view and bind the view; a sharded optimizer's view takes its slice of a
+        tensor still shaped as the parameter (as tracing creates it, or a checkpoint of whole tensors holds it)."""
+        lo, hi = b.span
+        if held.shape != b.view.shape and held.shape == b.param.shape and b.view.dim() == 1:
+            held = held.reshape(-1)[lo:hi]
         if held.shape != b.view.shape or held.device != b.view.device:
             raise ConfigurationError(
                 f"optimizer state '{b.name}.{b.key}' is {list(held.shape)} on {held.device}; the step holds it as "

@@ -171,13 +171,15 @@ def _zero(stage: int) -> Callable[..., Recipe]:
             keep_gradient_buckets=stage == 1,
             module_buckets=stage == 3,  # ZeRO-3 gathers by bucket: a layer's parameters in one
         )
-        # after loss scaling and clipping, which run on the slices: gather the updated slices (ZeRO-1, 2), or
-        # keep them and gather the parameters where the forward and backward read them (ZeRO-3)
-        last = ShardParams(reshard_after_forward=reshard_after_forward) if stage == 3 else GatherParams()
-        tail = [last, *_tail()]
+        # after loss scaling and clipping, which run on the slices: one update per bucket on this rank's flat shard,
+        # then the updated shards gathered (ZeRO-1, 2); or keep the slices and gather the parameters where the
+        # forward and backward read them, the update per parameter (ZeRO-3 holds parameters as slices)
+        shard_params = ShardParams(reshard_after_forward=reshard_after_forward)
+        gather = [shard_params] if stage == 3 else [FlattenUpdate(), GatherParams()]
+        tail = [*gather, ScheduleCollectives(), ReinplaceOptimizer()]
         # ZeRO-1 accumulates whole gradients (no communication in a micro-step, as DDP's no_sync); ZeRO-2/3
         # reduce-scatter every micro-step into accumulators of this rank's slices, as DeepSpeed's stage 2
-        micro = None if stage == 1 else ([last] if stage == 3 else []) + [ScheduleCollectives()]
+        micro = None if stage == 1 else ([shard_params] if stage == 3 else []) + [ScheduleCollectives()]
         check = _elementwise(f"zero{stage}")
         return Recipe(
             {"step": [shard]}, _prefix(), [ScaleLossGrad()], tail, check=check, replicated=True, micro_tail=micro

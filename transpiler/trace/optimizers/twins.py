@@ -191,12 +191,13 @@ class OptimizerPlan:
 
     def _group_step(self, g: GroupPlan) -> float:
         """The step count of a group's parameters, which must agree. Read once where they are lanes of one flat
-        buffer (``runtime/flat_storage.py`` checks that the lanes agree before every step), else from each."""
-        counts = [self.optimizer.state[self.params[i]]["step"] for i in g.param_positions]
-        lanes = counts[0]._base if counts else None
-        if lanes is not None and all(t._base is lanes for t in counts):
+        buffer (``runtime/flat_storage.py`` checks that the lanes agree before every step), else from each; a
+        parameter with no state yet (a flat step creates it, as eager does) counts 0."""
+        counts = [self.optimizer.state[self.params[i]].get("step") for i in g.param_positions]
+        lanes = counts[0]._base if counts and counts[0] is not None else None
+        if lanes is not None and all(t is not None and t._base is lanes for t in counts):
             return float(counts[0])
-        steps = {float(t) for t in counts}
+        steps = {0.0 if t is None else float(t) for t in counts}  # no state yet: eager's first step makes it 0
         if len(steps) > 1:
             raise UnsupportedOptimizerError(
                 f"param group {g.index} has parameters at different step counts {sorted(steps)}; "
