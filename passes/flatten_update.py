@@ -39,11 +39,21 @@ import torch.fx as fx
 
 from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads, is_view
 from transpiler.graph.edit import Cursor, position, repair_order
+from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import FlatBuffer, Port, StepProgram
 from transpiler.graph.views import contiguous_views
 
-from .gradient_flow import add_input, input_node, output_values, set_output_values
+from .bucket_views import aliased_to_output, write_into_buffer
+from .bucketing import in_group_order
+from .gradient_flow import (
+    add_input,
+    input_node,
+    optimizer_gradients,
+    output_values,
+    retarget_optimizer_input,
+    set_output_values,
+)
 
 aten = torch.ops.aten
 # not tagged pointwise, yet element for element: copies and factories shaped like their input
@@ -66,6 +76,10 @@ SCALAR_OPS = frozenset(
 )
 # kernels whose vectorised body and scalar tail round differently for these dtypes (measured: docs/bitwise.md)
 UNEVEN = {(aten.add.Tensor, torch.bfloat16), (aten.add.Tensor, torch.float16)}
+# whole-tensor reductions that one value over a run answers for each parameter of it, as the zero padding does
+# not change them (loss scaling's "are all gradients finite"): every parameter's summary is the run's
+SUMMARIES = frozenset({aten.all.default, aten.any.default})
+MANY = "*"  # what a node computed from several parameters' updates belongs to
 
 
 @dataclass
@@ -81,6 +95,7 @@ class _Chain:
     at: int  # where they start in the flat gradients
     nodes: list[fx.Node] = field(default_factory=list)
     outputs: dict[tuple[str, str], fx.Node] = field(default_factory=dict)  # (kind, key) -> value written back
+    summaries: list[int] = field(default_factory=list)  # positions in nodes of SUMMARIES read outside the chain
     signature: tuple = ()
 
 
@@ -88,22 +103,29 @@ class _Chain:
 class FlattenUpdate(Pass):
     name = "flatten-update"
     summary = "one update per bucket: parameters and optimizer state as views of flat buffers"
+    lay_out_gradients: bool = option(
+        True,
+        help="lay out the gradients that no bucket holds flat (one reduced at a time, or not reduced) in a "
+        "persistent buffer per dtype, produced or copied into it, so their update is flat too",
+    )
 
     def run(self, program: StepProgram) -> bool:
+        changed = self.lay_out_gradients and _lay_out(program)
         bases = [n for n in program.graph.nodes if isinstance(n.meta.get(FLAT_GRADS), FlatGrads)]
-        changed = False
+        grads = {name: view for base in bases for name, view in _grad_views(base, base.meta[FLAT_GRADS]).items()}
+        reach = _reach(program, grads)
         for base in bases:
-            changed |= _flatten_bucket(program, base)
+            changed |= _flatten_bucket(program, base, reach)
         if changed:
             program.graph.eliminate_dead_code()
             repair_order(program.graph)
         return changed
 
 
-def _flatten_bucket(program: StepProgram, base: fx.Node) -> bool:
+def _flatten_bucket(program: StepProgram, base: fx.Node, reach: dict[fx.Node, str]) -> bool:
     """Flatten one bucket's parameters and update, or leave it as it is and say why in ``decisions``."""
     info: FlatGrads = base.meta[FLAT_GRADS]
-    chains = _chains(program, base, info)
+    chains = _chains(program, base, info, reach)
     if isinstance(chains, str):
         program.decisions.setdefault("flatten-update", "")
         program.decisions["flatten-update"] += f"{info.tag}: per parameter ({chains}). "
@@ -127,46 +149,120 @@ def _flatten_bucket(program: StepProgram, base: fx.Node) -> bool:
     )
     for r, run in enumerate(_runs(chains)):
         _vectorise(program, base, flat_param, info, r, run)
+    repair_order(program.graph)  # what read a parameter's summary (a flag over all of them) follows the run's
     _drop_outputs(program, {c.name for c in chains})
     _forward_reads_views(program, flat_param, params, info.starts)
     _drop_inputs(program, {c.name for c in chains})
     return True
 
 
+def _lay_out(program: StepProgram) -> bool:
+    """The gradients the optimizer reads that no bucket holds flat, where every one of their updates could run
+    flat, go into a persistent buffer per dtype and device (``bucket_views.write_into_buffer``: produced into it
+    where their op has an ``out=`` form, else copied, one copy each), which then holds them as a bucket does."""
+    held = {
+        name
+        for n in program.graph.nodes
+        if isinstance(n.meta.get(FLAT_GRADS), FlatGrads)
+        for name in n.meta[FLAT_GRADS].names
+    }
+    read = {name: node for name, node in optimizer_gradients(program).items() if name not in held}
+    outputs = dict(zip(program.outputs, output_values(program)))
+    reach = _reach(program, read)
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name, grad in read.items():
+        value = grad.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or aliased_to_output(grad):
+            continue
+        chain = _chain(program, name, grad, (0, value.numel()), 0)
+        if isinstance(chain, str) or _trace_chain(chain, outputs, reach):
+            return False  # one update that stays per parameter: laying the gradients out would only copy them
+        groups.setdefault(_dtype_device(grad), []).append(name)
+    order = position(program.graph)
+    for index, names in enumerate(groups.values()):
+        names = [names[i] for i in in_group_order(program, names)]
+        nodes = [read[name] for name in names]
+        cursor = Cursor(program.graph, max(nodes, key=order.__getitem__))
+        ready, starts = write_into_buffer(program, nodes, "update", index, cursor)
+        at = Cursor(program.graph, ready)
+        for node, start in zip(nodes, starts):
+            val = node.meta["val"]
+            view = at.emit(
+                aten.as_strided.default, (ready, list(val.shape), list(val.stride()), start), role="optimizer"
+            )
+            retarget_optimizer_input(node, view)
+        sizes = tuple(n.meta["val"].numel() for n in nodes)
+        ready.meta[FLAT_GRADS] = FlatGrads(
+            f"update{index}", tuple(names), tuple(starts), sizes, ready.meta["val"].numel()
+        )
+        repair_order(program.graph)  # the updates that read the views come after the buffer
+        order = position(program.graph)
+    return bool(groups)
+
+
 # ------------------------------------------------------------------ finding the chains
 
 
-def _chains(program: StepProgram, base: fx.Node, info: FlatGrads) -> list[_Chain] | str:
+def _reach(program: StepProgram, grads: dict[str, fx.Node]) -> dict[fx.Node, str]:
+    """Which parameter's update each node belongs to: the parameter whose own inputs, state or gradient (the
+    node the update reads, ``grads``) it is computed from, or :data:`MANY` if from several (a global norm, the
+    loss scale's overflow flag), or absent if from none. A value from several is shared: it does not make a node
+    of one parameter's update belong to several."""
+    sources: dict[fx.Node, str] = {}
+    for port in program.inputs:
+        if port.kind in ("param", "state"):
+            sources[input_node(program, port)] = port.name.rsplit(".", 1)[0] if port.kind == "state" else port.name
+    sources.update({grad: name for name, grad in grads.items()})
+    reach: dict[fx.Node, str] = {}
+    for node in program.graph.nodes:
+        if node in sources:
+            reach[node] = sources[node]
+            continue
+        found = {reach[i] for i in node.all_input_nodes if i in reach}
+        own = found - {MANY}
+        if len(own) == 1:
+            reach[node] = own.pop()
+        elif own or found:
+            reach[node] = MANY
+    return reach
+
+
+def _chains(program: StepProgram, base: fx.Node, info: FlatGrads, reach: dict[fx.Node, str]) -> list[_Chain] | str:
     """Each parameter's update chain, or why the bucket cannot be flattened."""
     numel = base.meta["val"].numel()
     grads = _grad_views(base, info)
-    ports = {p.name: p for p in program.inputs}
     outputs = dict(zip(program.outputs, output_values(program)))
     chains = []
     for i, (name, size) in enumerate(zip(info.names, info.sizes)):
         if name not in grads:
             return f"the optimizer does not read '{name}''s gradient as a view of the bucket"
-        if Port("param", name) not in ports.values():
-            return f"'{name}' is not a parameter input of the program"
-        placeholder = input_node(program, Port("param", name))
-        val = placeholder.meta["val"]
-        if val.dim() == 0 or val.numel() != size:
-            return f"'{name}' is 0-d or not the size of its slot"
-        if (str(val.dtype).removeprefix("torch."), str(val.device)) != _dtype_device(base):
-            return f"'{name}' is not the bucket's dtype and device"
         lo, hi = info.held(i, numel)
-        param = _shard_read(placeholder, name) or placeholder  # a sharded update reads its slice
-        if param.meta["val"].numel() != hi - lo:
-            return f"the update of '{name}' does not read its elements [{lo}, {hi})"
-        keys = [p.name.rsplit(".", 1)[1] for p in program.inputs if p.kind == "state" and p.name.startswith(name + ".")]
-        states = {key: input_node(program, ports[f"{name}.{key}"]) for key in keys}
-        at = min(max(info.starts[i] + lo - info.offset, 0), numel)
-        chain = _Chain(name, placeholder, param, grads[name], states, (lo, hi), at)
-        why = _trace_chain(chain, outputs)
+        chain = _chain(program, name, grads[name], (lo, hi), min(max(info.starts[i] + lo - info.offset, 0), numel))
+        if isinstance(chain, str):
+            return chain
+        if chain.placeholder.meta["val"].numel() != size or _dtype_device(chain.placeholder) != _dtype_device(base):
+            return f"'{name}' is not the size, dtype or device of its slot"
+        why = _trace_chain(chain, outputs, reach)
         if why:
             return why
         chains.append(chain)
     return chains
+
+
+def _chain(program: StepProgram, name: str, grad: fx.Node, held: tuple[int, int], at: int) -> _Chain | str:
+    """Parameter ``name``'s update, whose gradient the optimizer reads at ``grad``, or why it has none to flatten."""
+    ports = {p.name: p for p in program.inputs if p.kind in ("param", "state")}
+    if Port("param", name) not in ports.values():
+        return f"'{name}' is not a parameter input of the program"
+    placeholder = input_node(program, Port("param", name))
+    if placeholder.meta["val"].dim() == 0:
+        return f"'{name}' is 0-d"
+    param = _shard_read(placeholder, name) or placeholder  # a sharded update reads its slice
+    if param.meta["val"].numel() != held[1] - held[0]:
+        return f"the update of '{name}' does not read its elements {list(held)}"
+    keys = [p.name.rsplit(".", 1)[1] for p in ports.values() if p.kind == "state" and p.name.startswith(name + ".")]
+    states = {key: input_node(program, ports[f"{name}.{key}"]) for key in keys}
+    return _Chain(name, placeholder, param, grad, states, held, at)
 
 
 def _shard_read(placeholder: fx.Node, name: str) -> fx.Node | None:
@@ -206,9 +302,9 @@ def _grad_views(base: fx.Node, info: FlatGrads) -> dict[str, fx.Node]:
     return found
 
 
-def _trace_chain(chain: _Chain, outputs: dict[Port, fx.Node]) -> str:
-    """Fill ``chain.nodes`` (the optimizer nodes computed from its sources) and ``chain.outputs``; check they
-    are element-wise. Returns why not, or ''."""
+def _trace_chain(chain: _Chain, outputs: dict[Port, fx.Node], reach: dict[fx.Node, str]) -> str:
+    """Fill ``chain.nodes`` (the optimizer nodes computed from its sources and from no other parameter's) and
+    ``chain.outputs``; check they are element-wise. Returns why not, or ''."""
     sources = {chain.param: ("param",), chain.grad: ("grad",), **{s: ("state", k) for k, s in chain.states.items()}}
     member: set[fx.Node] = set()
     frontier = [u for s in sources for u in s.users]
@@ -216,10 +312,12 @@ def _trace_chain(chain: _Chain, outputs: dict[Port, fx.Node]) -> str:
         node = frontier.pop()
         if node in member or node.op != "call_function" or node.meta.get("role") != "optimizer":
             continue
+        if any(reach.get(i, chain.name) not in (chain.name, MANY) for i in node.all_input_nodes):
+            continue  # it also reads another parameter's update: a global value (a norm, a flag), not this chain
         member.add(node)
         frontier.extend(node.users)
-    order = position(chain.param.graph)
-    chain.nodes = sorted(member, key=order.__getitem__)
+    keys = _Keys(sources, reach)
+    chain.nodes = keys.canonical(member, position(chain.param.graph))
     wanted = {Port("param", chain.name): ("param", "")} | {
         Port("state", f"{chain.name}.{k}"): ("state", k) for k in chain.states
     }
@@ -234,13 +332,15 @@ def _trace_chain(chain: _Chain, outputs: dict[Port, fx.Node]) -> str:
         if value not in member and value not in sources:
             return f"'{chain.name}''s new value is not computed by its update"
     written = set(chain.outputs.values())
-    for node in chain.nodes:
+    for i, node in enumerate(chain.nodes):
         outside = [u for u in node.users if u not in member and not (u.op == "output" and node in written)]
-        if outside:
+        if outside and node.target in SUMMARIES and node.meta["val"].dim() == 0 and node not in written:
+            chain.summaries.append(i)
+        elif outside:
             return f"'{outside[0].name}' reads '{node.name}' of '{chain.name}''s update"
     why = _elementwise(chain, sources)
     if not why:
-        chain.signature = _signature(chain, sources)
+        chain.signature = keys.signature(chain)
     return why
 
 
@@ -271,47 +371,65 @@ def _elementwise(chain: _Chain, sources: dict[fx.Node, tuple]) -> str:
         if kind == "scalar" and node.target in SCALAR_OPS and "tensor" not in inputs:
             continue
         pointwise = torch.Tag.pointwise in getattr(node.target, "tags", ()) or node.target in SHAPE_FOLLOWING
+        pointwise |= node.target in SUMMARIES and chain.nodes.index(node) in chain.summaries
         if not pointwise or kind not in ("tensor", "lane") or "other" in inputs:
             return f"'{node.name}' ({node.target}) in the update of '{chain.name}' is not element-wise"
-        if kind == "lane" and "tensor" in inputs:
+        if kind == "lane" and "tensor" in inputs and node.target not in SUMMARIES:
             return f"'{node.name}' reduces '{chain.name}''s elements to one value"
     return ""
 
 
-def _signature(chain: _Chain, sources: dict[fx.Node, tuple]) -> tuple:
-    """The chain op for op with its inputs named by role (its own nodes by index, its sources by kind, shared
-    inputs by structure), and what it writes: equal signatures run as one update."""
-    index = {n: i for i, n in enumerate(chain.nodes)}
-    memo: dict[fx.Node, tuple] = {}
+class _Keys:
+    """Structural names for a chain's nodes: its own nodes by their index, its sources by kind, a value of several
+    parameters by node (one value for all), a value of none by structure (the generic path traces ``-lr`` once
+    per parameter). Two chains with the same keys, op for op, are one update."""
 
-    def shared(node: fx.Node, depth: int = 0) -> tuple:
-        if node not in memo:
-            if node.op != "call_function" or depth > 8:
-                memo[node] = ("node", node.name)
-            else:
-                memo[node] = ("op", str(node.target), key(node.args, depth + 1), key(node.kwargs, depth + 1))
-        return memo[node]
+    def __init__(self, sources: dict[fx.Node, tuple], reach: dict[fx.Node, str]):
+        self.sources, self.reach = sources, reach
+        self.index: dict[fx.Node, int] = {}
+        self._shared: dict[fx.Node, tuple] = {}
 
-    def key(value: object, depth: int = 0) -> object:
+    def node(self, node: fx.Node) -> tuple:
+        return str(node.target), self.key(node.args), self.key(node.kwargs)
+
+    def key(self, value: object, depth: int = 0) -> object:
         if isinstance(value, fx.Node):
-            if value in index:
-                return ("chain", index[value])
-            if value in sources:
-                return ("source", *sources[value])
-            return shared(value, depth)
+            if value in self.index:
+                return ("chain", self.index[value])
+            if value in self.sources:
+                return ("source", *self.sources[value])
+            if value not in self._shared:
+                if value.op != "call_function" or depth > 8 or value in self.reach:
+                    self._shared[value] = ("node", value.name)
+                else:
+                    self._shared[value] = ("op", *self.node(value))
+            return self._shared[value]
         if isinstance(value, (list, tuple)):
-            return (type(value).__name__, *(key(v, depth) for v in value))
+            return (type(value).__name__, *(self.key(v, depth + 1) for v in value))
         if isinstance(value, dict):
-            return tuple((k, key(v, depth)) for k, v in sorted(value.items()))
+            return tuple((k, self.key(v, depth + 1)) for k, v in sorted(value.items()))
         if isinstance(value, float):
             return ("float", value.hex())
         return (type(value).__name__, repr(value))
 
-    body = tuple((str(n.target), key(n.args), key(n.kwargs)) for n in chain.nodes)
-    writes = tuple(sorted((k, key(v)) for k, v in chain.outputs.items()))
-    kinds = tuple(sorted((k, s.meta["val"].dim() == 0) for k, s in chain.states.items()))
-    dtype = chain.param.meta["val"].dtype
-    return body, writes, kinds, str(dtype)
+    def canonical(self, members: set[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
+        """The chain in an order that does not depend on where passes placed independent ops: by depth from the
+        sources, then by key (a topological order, the same for every parameter's chain)."""
+        depth: dict[fx.Node, int] = {}
+        for node in sorted(members, key=order.__getitem__):
+            depth[node] = 1 + max((depth[i] for i in node.all_input_nodes if i in depth), default=0)
+        nodes: list[fx.Node] = []
+        for level in sorted(set(depth.values())):
+            for node in sorted((n for n in members if depth[n] == level), key=lambda n: (repr(self.node(n)), order[n])):
+                self.index[node] = len(nodes)
+                nodes.append(node)
+        return nodes
+
+    def signature(self, chain: _Chain) -> tuple:
+        body = tuple(self.node(n) for n in chain.nodes)
+        writes = tuple(sorted((k, self.key(v)) for k, v in chain.outputs.items()))
+        kinds = tuple(sorted((k, s.meta["val"].dim() == 0) for k, s in chain.states.items()))
+        return body, writes, tuple(chain.summaries), kinds, str(chain.param.meta["val"].dtype)
 
 
 def _runs(chains: list[_Chain]) -> list[list[_Chain]]:
@@ -406,6 +524,9 @@ def _vectorise(program: StepProgram, base: fx.Node, flat_param: fx.Node, info: F
         env[node] = copy
         if kind == "lane":
             lanes.add(node)
+    for i in first.summaries:  # what read each parameter's summary reads the run's
+        for chain in run:
+            chain.nodes[i].replace_all_uses_with(env[first.nodes[i]])
     for (kind, key), value in first.outputs.items():
         target = env[first.param] if kind == "param" else env[first.states[key]]
         new = env.get(value, value)

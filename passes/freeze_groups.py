@@ -32,7 +32,7 @@ class FreezeGroups(Pass):
     index: int = option(0, minimum=0, help="groups 0..index-1 are frozen in this variant")
 
     def run(self, program: StepProgram) -> bool:
-        names = [p.name for p in program.inputs if p.kind == "param"]
+        names = list(program.param_groups)  # every trainable parameter in model order, flat ones too
         check_part("freeze_groups", self.groups, "freeze index", self.index, len(names))
         frozen = set(names[: group_bounds(len(names), self.groups)[self.index]])
         hit = [g for g in gradient_nodes(program) if g.meta["grad_of"] in frozen]

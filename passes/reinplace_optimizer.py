@@ -90,6 +90,8 @@ class _Storage:
         for alias, a, b in self.aliases[root]:
             if b <= lo or a >= hi:
                 continue
+            if alias.meta.get("final"):  # the value a flat buffer keeps after the step: read after the graph
+                return True
             for user in alias.users:
                 if user is node or user in self.views:  # a view reads nothing
                     continue
@@ -138,6 +140,7 @@ def _drop_self_copies(program: StepProgram, storage: _Storage) -> bool:
         dest, value = node.args[0], node.args[1]
         if value in storage.region and storage.region.get(value) == storage.of(dest):
             node.replace_all_uses_with(value)  # the value, which depends on the update: later readers stay after it
+            value.meta["final"] = True  # what the copy said: these elements keep this value (a later run sees it)
             program.graph.erase_node(node)
             dropped = True
     return dropped

@@ -141,7 +141,7 @@ def _adasum(target: str) -> Callable[..., Recipe]:
         return Recipe(
             {"step": [AdaSum(target=target, local_size=local_size)]},
             _prefix(),
-            tail=[ReinplaceOptimizer()],
+            tail=[FlattenUpdate(), ReinplaceOptimizer()],
             groups=lambda world: AdaSumGeometry(world, local_size).groups(),
         )
 

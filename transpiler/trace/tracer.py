@@ -345,7 +345,7 @@ def _finish(
     graph.lint()
     gm.recompile()
     program = StepProgram(gm, in_ports, out_ports)
-    program.param_groups = {names[i]: group.index for i, group in plan.group_of.items()}
+    program.param_groups = {name: plan.group_of[i].index for i, name in enumerate(names)}  # in model order
     program.snapshot("traced")
     return program
 
