@@ -121,3 +121,15 @@ def narrow_batch(name: str, n: int, gen: torch.Generator) -> tuple[torch.Tensor,
 
 
 NARROW = {"gpt": NarrowGPT, "cnn": NarrowResNet}
+
+
+def narrow_gpt_factory() -> tuple:
+    """FACTORY for the CLI: the narrow GPT with AdamW, ``transpiler dump bench/models.py:narrow_gpt_factory``."""
+    torch.manual_seed(0)
+    model = NarrowGPT()
+    return (
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        nn.CrossEntropyLoss(),
+        narrow_batch("gpt", 4, torch.Generator().manual_seed(0)),
+    )

@@ -19,9 +19,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from transpiler.graph.bucket_layout import BUCKET_READY, OUT_FORMS, is_view, padded_length, slot_offsets
+from transpiler.graph.bucket_layout import BUCKET_READY, OUT_FORMS, padded_length, slot_offsets
 from transpiler.graph.edit import Cursor, emit, position
 from transpiler.graph.program import StepProgram
+from transpiler.graph.views import is_view
 
 from .gradient_flow import add_constant, reads_raw_gradient
 

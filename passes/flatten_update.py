@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads, is_view
+from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads
 from transpiler.graph.edit import Cursor, position, repair_order
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import FlatBuffer, Port, StepProgram
-from transpiler.graph.views import contiguous_views
+from transpiler.graph.views import contiguous_views, is_view
 
 from .bucket_views import aliased_to_output, write_into_buffer
 from .bucketing import in_group_order

@@ -21,8 +21,8 @@ from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import Port, StepProgram
-from transpiler.graph.views import flat_range
 
+from .flat_writes import written_value
 from .gradient_flow import before_output, input_node, output_values, set_output_values
 
 aten = torch.ops.aten
@@ -87,23 +87,8 @@ def _gather_flat(program: StepProgram, bucket: dict, flat: fx.Node) -> None:
     parameters."""
     rank, shard = program.rank, bucket["length"] // program.world_size
     comm = {"role": "communication", "bucket": ("params", bucket["bucket"])}
-    runs = []  # (lo, hi, value) of each run's new values in the flat parameters, within this rank's shard
-    for node in program.graph.nodes:
-        if node.target is aten.copy_.default and node.meta.get("writes_back"):
-            root, lo, hi = flat_range(node.args[0])
-            if root is flat and hi > lo:
-                runs.append((lo, hi, node.args[1]))
     cursor = before_output(program)
-    parts, end = [], rank * shard
-    for lo, hi, value in sorted(runs, key=lambda run: run[0]):
-        if lo > end:
-            parts.append(cursor.emit(aten.new_zeros.default, (value, [lo - end]), **comm))
-        parts.append(value)
-        end = hi
-    if (rank + 1) * shard > end:
-        like = parts[-1] if parts else flat
-        parts.append(cursor.emit(aten.new_zeros.default, (like, [(rank + 1) * shard - end]), **comm))
-    send = parts[0] if len(parts) == 1 else cursor.emit(aten.cat.default, (parts,), **comm)
+    send = written_value(program, flat, rank * shard, (rank + 1) * shard, cursor, **comm)
     info = {"kind": "all_gather", "bucket": bucket["bucket"], "params": bucket["grads"], "bytes": bucket["bytes"]}
     gathered = cursor.emit(
         C10D.all_gather_into_tensor.default, (send, program.world_size, program.group_name), collective=info, **comm

@@ -2,23 +2,24 @@
 
 Requires: a traced step whose optimizer updates each parameter locally (no
 gradient reduction before it).
-Guarantees: after the local update ``p'`` of each trainable parameter,
-``delta = snapshot - p'``; the deltas are sum all-reduced in dtype/size buckets
-(as ``fuse-allreduce`` does); ``p = snapshot - delta / world_size`` becomes the
-new parameter and a copy of it the new snapshot. Snapshots are extra inputs and
-outputs (``snapshot.<param>``), created as copies of the broadcast parameters.
-With ``average-state``, optimizer state (all but Adam's step count) and
-floating-point buffers are averaged in the same buckets; otherwise they stay
-local. With ``compress=fp16|bf16`` each delta is first multiplied by
-``1/world_size`` (so the half-precision sum cannot overflow), then reduced in
-half precision and cast back, and the mean is that sum. With
-``report-loss``, the loss summed over ranks / world_size comes out as the
-metric ``avg_loss`` (adaptive LocalSGD reads it).
+Guarantees: after the local update ``p'`` of each trainable parameter, ``delta = snapshot - p'``;
+the deltas are sum all-reduced in dtype/size buckets (as ``fuse-allreduce`` does); ``p = snapshot -
+delta / world_size`` becomes the new parameter and a copy of it the new snapshot. Snapshots are
+extra inputs and outputs (``snapshot.<param>``), created as copies of the broadcast parameters.
+Parameters that ``flatten-update`` made flat (it runs first) are averaged a flat buffer at a time:
+the buffer as the update wrote it, against a flat snapshot laid out as it (a ``flat`` input
+``snapshot.<buffer>`` whose views the runtime binds to the snapshots ``snapshot.<param>``), both
+written back in place; the same arithmetic per element, one all-reduce per buffer. With
+``average-state``, optimizer state (all but Adam's step count) and floating-point buffers are averaged in the
+same buckets (a flat state buffer whole); otherwise they stay local. With ``compress=fp16|bf16``
+each delta is first multiplied by ``1/world_size`` (so the half-precision sum cannot overflow), then
+reduced in half precision and cast back, and the mean is that sum. With ``report-loss``, the loss
+summed over ranks / world_size comes out as the metric ``avg_loss`` (adaptive LocalSGD reads it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -27,10 +28,11 @@ from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
-from transpiler.graph.program import Port, StepProgram
+from transpiler.graph.program import FlatBuffer, Port, StepProgram
 
 from .bucketing import WIRE, bucket_cap_option, caps_in_bytes, compress_option, first_bucket_option, reduce_in_buckets
-from .gradient_flow import add_state
+from .flat_writes import written_value
+from .gradient_flow import add_input, add_state, before_output, input_node
 
 aten = torch.ops.aten
 
@@ -46,7 +48,7 @@ class LocalSGDAverage(Pass):
     compress: str = compress_option()
 
     def run(self, program: StepProgram) -> bool:
-        if any(p.kind == "extra" and p.name.startswith("snapshot.") for p in program.inputs):
+        if any(p.kind in ("extra", "flat") and p.name.startswith("snapshot.") for p in program.inputs):
             return False
         output = program.graph.output_node()
         values = list(output.args[0])
@@ -54,6 +56,8 @@ class LocalSGDAverage(Pass):
         scale = 1.0 / program.world_size
         wire = WIRE[self.compress]
         items, targets = [], []  # what to all-reduce, and how to rebuild the output from the sum
+        flat = self._flat_items(program, scale, wire)
+        items += [(name, delta) for name, delta, _, _ in flat]
         for i, port in enumerate(ports):
             node = values[i]
             if port.kind == "param":
@@ -73,6 +77,14 @@ class LocalSGDAverage(Pass):
             program, items, *caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb), tag="deltas", compress=wire
         )
         extra_values, extra_ports = [], []
+        for (_, _, buffer, snapshot), total in zip(flat, reduced[: len(flat)]):
+            cursor = Cursor(program.graph, total)
+            mean = total if wire is not None else cursor.emit(aten.mul.Tensor, (total, scale), role="communication")
+            new = mean if snapshot is None else cursor.emit(aten.sub.Tensor, (snapshot, mean), role="communication")
+            cursor.emit(aten.copy_.default, (buffer, new), role="communication")
+            if snapshot is not None:
+                cursor.emit(aten.copy_.default, (snapshot, new), role="communication")
+        reduced = reduced[len(flat) :]
         for (i, snapshot), total in zip(targets, reduced):
             cursor = Cursor(program.graph, total)
             mean = total if wire is not None else cursor.emit(aten.mul.Tensor, (total, scale), role="communication")
@@ -94,6 +106,37 @@ class LocalSGDAverage(Pass):
         output.args = (tuple(values + extra_values),)
         program.outputs = ports + extra_ports
         return True
+
+    def _flat_items(self, program: StepProgram, scale: float, wire) -> list[tuple[str, fx.Node, fx.Node, fx.Node]]:
+        """For each flat buffer to average (the parameters'; with ``average-state`` also the state's but the step
+        counts): its name, what to all-reduce (``snapshot - p'`` for parameters, the state itself), the buffer,
+        and the parameters' snapshot (None for state)."""
+        found = []
+        for layout in list(program.flat_buffers):
+            if layout.kind != "param" and (not self.average_state or layout.kind != "state" or layout.key == "step"):
+                continue
+            buffer = input_node(program, Port("flat", layout.port))
+            cursor = before_output(program)
+            value = written_value(program, buffer, 0, layout.length, cursor, role="communication")
+            snapshot = None
+            if layout.kind == "param":
+                snapshot = self._flat_snapshot(program, layout, buffer)
+                value = cursor.emit(aten.sub.Tensor, (snapshot, value), role="communication")
+            if wire is not None:  # share first: the half-precision sum is then the mean
+                value = cursor.emit(aten.mul.Tensor, (value, scale), role="communication")
+            found.append((layout.port, value, buffer, snapshot))
+        return found
+
+    @staticmethod
+    def _flat_snapshot(program: StepProgram, layout: FlatBuffer, buffer: fx.Node) -> fx.Node:
+        """A flat input laid out as the parameters' buffer ``layout``, whose views the runtime binds to the
+        snapshots ``snapshot.<parameter>`` (so checkpoints hold one per parameter, whatever the layout), each
+        made by ``copy_param`` as the per-parameter path makes it."""
+        port = f"snapshot.{layout.port}"
+        program.flat_buffers.append(replace(layout, port=port, kind="extra", key="snapshot"))
+        for name in layout.names:
+            program.extra_init[f"snapshot.{name}"] = ("copy_param", name)
+        return add_input(program, Port("flat", port), buffer.meta["val"])
 
     @staticmethod
     def _averaged(port: Port, node: fx.Node) -> bool:

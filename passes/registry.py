@@ -3,7 +3,6 @@
 Its own module, not ``passes/__init__.py``, because ``transpiler.strategies`` and ``transpiler.cli`` read it
 while ``passes/__init__.py`` may still be waiting on the package root (docs/design.md#layers)."""
 
-
 from transpiler.graph.pipeline import Pass
 
 from .accumulate_grads import AccumulateGrads

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from transpiler.graph.bucket_layout import is_view
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor, position
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import ParamBucket, Port, StepProgram
+from transpiler.graph.views import is_view
 
 from .gather_params import rank_shard, sharded_buckets
 from .gradient_flow import input_node

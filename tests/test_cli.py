@@ -60,6 +60,16 @@ def test_dump_says_what_a_pass_chose(capsys):
     assert "shard-optimizer" not in capsys.readouterr().err
 
 
+def test_op_counts_say_what_each_pass_changed(capsys):
+    """``--op-counts``: the ops each stage dispatches per step; on the narrow GPT (149 parameters) ``flatten-update``
+    takes AdamW's ten ops per parameter down to ten per bucket, and ``reinplace-optimizer`` drops its copies."""
+    factory = "bench/models.py:narrow_gpt_factory"
+    assert main(["dump", factory, "--mode", "fused_allreduce", "--world-size", "2", "--op-counts"]) == 0
+    rows = {line.split()[0]: line.split()[1:4] for line in capsys.readouterr().out.splitlines()[1:]}
+    before, after = int(rows["fuse-allreduce"][0]), int(rows["flatten-update"][0])
+    assert before - after >= 9 * 149 and int(rows["reinplace-optimizer"][2]) < int(rows["flatten-update"][2])
+
+
 def test_lists(capsys):
     assert main(["passes"]) == 0
     listed = capsys.readouterr().out

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from passes.flatten_update import FlattenUpdate
 from tests.helpers import assert_same_training_state, eager_step
 from tests.models import Lamb, Lion, TiedLM, make_batch
 from transpiler import transpile
@@ -244,3 +245,76 @@ def test_a_checkpoint_of_the_flat_step_resumes_bitwise():
     for _ in range(2):
         assert torch.equal(fresh[2](*batch), flat[2](*batch))
     assert_same_training_state(fresh[0], fresh[1], flat[0], flat[1])
+
+
+UNFLATTENED = {  # each mode's pipeline without flatten-update: the reference its flat program must equal
+    ("allreduce", ()): "broadcast-params,scale-loss-grad,allreduce-grads,reinplace-optimizer",
+    ("fused_allreduce", (("max_grad_norm", 0.5),)): (
+        "broadcast-params,scale-loss-grad,fuse-allreduce,clip-grad-norm{max-norm=0.5},reinplace-optimizer"
+    ),
+    (
+        "fused_allreduce",
+        (("loss_scale", "dynamic"),),
+    ): "broadcast-params,scale-loss-grad,fuse-allreduce,loss-scale,reinplace-optimizer",
+    ("adasum", ()): "broadcast-params,adasum,reinplace-optimizer",
+}
+
+
+@pytest.mark.parametrize("mode,options", list(UNFLATTENED), ids=lambda v: str(v))
+def test_other_modes_are_flat_and_compute_what_they_did(mode, options):
+    """``allreduce`` (its gradients laid out in a buffer first), clipping (one norm op for all gradients, the
+    clipped update flat), loss scaling (one all-finite check per run) and AdaSum are flat too, and bit for bit
+    what the same pipeline without ``flatten-update`` computes, for four steps with AdamW."""
+    results = []
+    for spec, opts in ((mode, dict(options)), (UNFLATTENED[(mode, options)], {})):
+        torch.manual_seed(4)
+        model = mlp([11, 13, 3])
+        batch = (torch.randn(6, 11), torch.randint(0, 3, (6,)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+        step = transpile(model, optimizer, spec, LOSS, batch, world_size=1, rank=0, **opts)
+        losses = [step(*batch) for _ in range(4)]
+        results.append((model, optimizer, step, losses))
+    (flat_model, flat_opt, flat_step, flat_losses), (model, opt, _, losses) = results
+    assert flat_step.program.flat_buffers and "flatten-update" not in flat_step.program.decisions
+    assert all(torch.equal(a, b) for a, b in zip(flat_losses, losses))
+    assert_same_training_state(flat_model, flat_opt, model, opt)
+
+
+LOCAL_SGD_OPTIMIZERS = {
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=False),
+    # the generic path: the first step creates the state (a per-parameter program), the later ones are flat
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True, foreach=False),
+}
+
+
+@pytest.mark.parametrize("make", list(LOCAL_SGD_OPTIMIZERS.values()), ids=list(LOCAL_SGD_OPTIMIZERS))
+def test_local_sgd_is_flat_in_both_variants_with_one_layout(make, monkeypatch):
+    """LocalSGD's local and sync programs are flat with the same parameter buffer (the parameters stay where
+    they are from one variant to the other), the sync program's snapshot is one flat buffer whose views are the
+    per-parameter snapshots checkpoints hold, and k=2 over six steps is what the per-parameter programs compute,
+    bit for bit (the same ``snapshot - (snapshot - p') / W`` per element)."""
+    runs = []
+    for flat in (True, False):
+        if not flat:  # the reference: the same strategy with flatten-update doing nothing
+            monkeypatch.setattr(FlattenUpdate, "run", lambda self, program: False)
+        torch.manual_seed(5)
+        model = mlp([9, 7, 3])
+        batch = (torch.randn(6, 9), torch.randint(0, 3, (6,)))
+        optimizer = make(model.parameters())
+        step = transpile(model, optimizer, "local_sgd", LOSS, batch, world_size=1, rank=0, k_steps=2)
+        losses, pointers = [], []
+        for _ in range(6):
+            losses.append(step(*batch))
+            pointers.append([p.data_ptr() for p in model.parameters()])
+        runs.append((model, optimizer, step, losses, pointers))
+    (model, optimizer, step, losses, pointers), (plain, plain_opt, plain_step, plain_losses, _) = runs
+    local, sync = step.programs["local"], step.programs["sync"]
+    assert local.flat_buffers and sync.flat_buffers[: len(local.flat_buffers)] == local.flat_buffers
+    assert [b.kind for b in sync.flat_buffers[len(local.flat_buffers) :]] == ["extra"]
+    assert pointers[1:] == pointers[2:] + pointers[-1:], "from the second step, the parameters never move"
+    assert not plain_step.programs["sync"].flat_buffers
+    assert all(torch.equal(a, b) for a, b in zip(losses, plain_losses))
+    assert_same_training_state(model, optimizer, plain, plain_opt)
+    ours, theirs = step.state_dict()["transpiler"]["extra"], plain_step.state_dict()["transpiler"]["extra"]
+    assert sorted(ours) == sorted(theirs) == sorted(f"snapshot.{n}" for n, _ in model.named_parameters())
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)

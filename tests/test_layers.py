@@ -198,8 +198,13 @@ def test_any_module_can_be_imported_first():
 def test_the_wheel_installs_exactly_transpiler_and_passes(tmp_path):
     """The built wheel, installed into an empty target, puts ``transpiler`` and ``passes`` at the top of
     site-packages and nothing else besides its metadata (no tests, benches or examples)."""
+    source = tmp_path / "source"  # a copy: building in place would leave build/ in the tree
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source)
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path, ROOT],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path, source],
         capture_output=True,
         text=True,
         timeout=240,

@@ -22,13 +22,12 @@ from transpiler.graph.bucket_layout import (
     BUCKET_READY,
     SLOT_ALIGN_BYTES,
     SLOT_VIEWS,
-    is_view,
     padded_length,
     slot_offsets,
 )
 from transpiler.graph.collectives import WAIT
 from transpiler.graph.verify import check_shards
-from transpiler.graph.views import flat_range
+from transpiler.graph.views import flat_range, is_view
 from transpiler.runtime.sharded_checkpoint import flat_boxes
 
 pytestmark = pytest.mark.bitwise

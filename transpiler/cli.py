@@ -77,6 +77,20 @@ def _render(program: StepProgram, fmt: str, *, diff: bool) -> str:
     return to_json(program, graph)
 
 
+def _op_counts_table(program: StepProgram) -> str:
+    """The ops the program dispatches per step after tracing and after each pass, and what each pass changed."""
+    lines = ["stage                           work  views  copies   (change)"]
+    previous = None
+    for label, counts in program.op_counts:
+        change = ""
+        if previous is not None:
+            deltas = (counts.work - previous.work, counts.views - previous.views, counts.copies - previous.copies)
+            change = "(" + ", ".join(f"{d:+d}" for d in deltas) + ")" if any(deltas) else "(no change)"
+        lines.append(f"{label.split('{')[0]:28s} {counts.work:7d} {counts.views:6d} {counts.copies:7d}   {change}")
+        previous = counts
+    return "\n".join(lines)
+
+
 def cmd_dump(args: argparse.Namespace) -> int:
     if args.diff and args.format != "code":
         raise FactoryError(f"--diff prints a unified diff of the code; it cannot be drawn as {args.format}.")
@@ -105,7 +119,10 @@ def cmd_dump(args: argparse.Namespace) -> int:
         print(f"# variant '{variant}' of {', '.join(variants)} (choose with --variant)", file=sys.stderr)
     for name, choice in variants[variant].decisions.items():  # what a pass chose for this model
         print(f"# {name}: {choice}", file=sys.stderr)
-    text = _render(variants[variant], args.format, diff=args.diff)
+    if args.op_counts:
+        text = _op_counts_table(variants[variant])
+    else:
+        text = _render(variants[variant], args.format, diff=args.diff)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text)
@@ -181,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--diff", action="store_true", help="unified diff of the traced and rewritten code")
     dump.add_argument("--variant", help="for modes with several programs (local_sgd: local, sync)")
     dump.add_argument("--print-between-passes", action="store_true", help="print the code after every pass (stderr)")
+    dump.add_argument(
+        "--op-counts",
+        action="store_true",
+        help="instead of the graph: the ops it dispatches per step (work, views, copies) after tracing and each pass",
+    )
     dump.add_argument("-O", "--option", action="append", default=[], metavar="KEY=VALUE", help="mode option")
     dump.add_argument("--no-verify", action="store_true", help="skip the verifiers between passes")
     dump.add_argument("-o", "--output", help="write here instead of stdout")

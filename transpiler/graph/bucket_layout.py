@@ -21,7 +21,7 @@ import torch.fx as fx
 from transpiler.errors import VerificationError
 
 from .program import StepProgram
-from .views import flat_range
+from .views import flat_range, is_view
 
 aten = torch.ops.aten
 OUT_FORMS = {aten.mm.default: aten.mm.out, aten.sum.dim_IntList: aten.sum.IntList_out}
@@ -63,15 +63,6 @@ def _bucket_ready(buffer: torch.Tensor, written: list[torch.Tensor]) -> torch.Te
 
 
 BUCKET_READY = torch.ops.transpiler.bucket_ready.default
-
-
-def is_view(node: fx.Node) -> bool:
-    """An aten op whose result is a view of its first argument (``view``, ``t``, ``slice``...)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is None or not schema.returns:
-        return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
 
 
 def aligned(offset: int, itemsize: int) -> int:

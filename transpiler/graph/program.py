@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from .cost_model import CostModel
+from .op_counts import OpCounts, op_counts
 
 ROLES = ("forward", "loss", "loss_grad", "backward", "communication", "optimizer")
 
@@ -84,6 +85,7 @@ class StepProgram:
     param_buckets: list[ParamBucket] = field(default_factory=list)  # parameters held as shards (ZeRO-3)
     param_groups: dict[str, int] = field(default_factory=dict)  # trainable param -> its optimizer param group
     flat_buffers: list[FlatBuffer] = field(default_factory=list)  # flat inputs the runtime binds (flatten-update)
+    op_counts: list[tuple[str, OpCounts]] = field(default_factory=list)  # per stage: the ops its graph dispatches
 
     @property
     def graph(self) -> fx.Graph:
@@ -93,8 +95,9 @@ class StepProgram:
         self.graph_module.recompile()
 
     def snapshot(self, label: str) -> None:
-        """Keep the code after a stage, so 'the graph after pass X' is a lookup."""
+        """Keep the code after a stage, and the ops it dispatches, so 'the graph after pass X' is a lookup."""
         self.history.append((label, self.graph_module.code))
+        self.op_counts.append((label, op_counts(self.graph)))
 
     def clone(self, *, rank: int | None = None) -> StepProgram:
         """A deep copy whose graph can be rewritten without touching this one."""
@@ -121,4 +124,5 @@ class StepProgram:
             list(self.param_buckets),
             dict(self.param_groups),
             list(self.flat_buffers),
+            list(self.op_counts),
         )

@@ -17,6 +17,15 @@ aten = torch.ops.aten
 RESHAPES = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 
 
+def is_view(node: fx.Node) -> bool:
+    """An aten op whose result is a view of its first argument (``view``, ``t``, ``slice``...)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
 def view_step(node: fx.Node) -> int | None:
     """How many elements after the start of its first argument ``node`` starts, when ``node`` is a contiguous
     view of it (a reshape, a unit-step slice of a 1-D tensor, a piece of a split of one, an ``as_strided`` of a

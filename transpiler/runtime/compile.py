@@ -22,10 +22,10 @@ import torch.fx as fx
 from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
 from transpiler.errors import ConfigurationError
-from transpiler.graph.bucket_layout import BUCKET_READY, OUT_FORMS, is_view, slot_span
+from transpiler.graph.bucket_layout import BUCKET_READY, OUT_FORMS, slot_span
 from transpiler.graph.collectives import C10D
 from transpiler.graph.edit import position
-from transpiler.graph.views import flat_range
+from transpiler.graph.views import flat_range, is_view
 
 aten = torch.ops.aten
 log = logging.getLogger("transpiler")

@@ -324,8 +324,8 @@ class DistributedStep:
             self._run_startup(built)
         variant = self.schedule.variant()
         program = built.programs[variant]
-        self._flat.bind(program.flat_buffers, built.params, self.optimizer)
         self._init_extra(built)
+        self._flat.bind(program.flat_buffers, built.params, self.optimizer, self.extra)
         inputs = self._inputs(program, built, batch, variant)
         device = next(iter(built.params.values())).device if built.params else None
         on_gpu = device is not None and device.type == "cuda"

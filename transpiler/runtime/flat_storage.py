@@ -31,7 +31,7 @@ from transpiler.graph.program import FlatBuffer
 
 @dataclass(eq=False)
 class _Binding:
-    """One tensor of the user's bound to a view of a flat buffer."""
+    """One tensor of the user's (or the runtime's pass-added state) bound to a view of a flat buffer."""
 
     name: str
     param: torch.nn.Parameter
@@ -41,41 +41,52 @@ class _Binding:
     span: tuple[int, int]  # the parameter's elements the view holds (a sharded optimizer's slice)
 
 
+def _overlaps(a: FlatBuffer, b: FlatBuffer) -> bool:
+    """Whether two layouts bind some of the same tensors (one must give way to the other)."""
+    return (a.kind, a.key) == (b.kind, b.key) and not set(a.names).isdisjoint(b.names)
+
+
 class FlatStorage:
-    """The flat buffers of the program that runs, and the views the user's tensors are bound to."""
+    """The flat buffers of the programs that ran, and the views the tensors they cover are bound to.
+
+    Layouts are bound one by one: a program that declares a layout already bound (LocalSGD's two variants share
+    their parameters' buffers; only the sync variant adds a snapshot buffer) moves nothing, and a layout that
+    covers tensors another bound layout holds (a retrace, a freeze schedule's variant) takes its place."""
 
     def __init__(self) -> None:
-        self.layouts: tuple[FlatBuffer, ...] = ()
-        self.buffers: dict[str, torch.Tensor] = {}
-        self._kept: dict[tuple[FlatBuffer, ...], dict[str, torch.Tensor]] = {}  # buffers of each layout used
-        self._params: list[_Binding] = []
-        self._states: list[_Binding] = []
+        self._bound: dict[FlatBuffer, list[_Binding]] = {}
+        self._kept: dict[FlatBuffer, torch.Tensor] = {}  # the buffer of each layout once used, for one coming back
         self._pending: list[_Binding] = []  # state views the next step writes first (not in optimizer.state yet)
-        self._lanes: list[torch.Tensor] = []
 
-    def bind(self, layouts: Iterable[FlatBuffer], params: dict[str, torch.nn.Parameter], optimizer) -> None:
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The bound buffers by port name (what the program's ``flat`` inputs are fed)."""
+        return {layout.port: self._kept[layout] for layout in self._bound}
+
+    def bind(
+        self,
+        layouts: Iterable[FlatBuffer],
+        params: dict[str, torch.nn.Parameter],
+        optimizer,
+        extra: dict[str, torch.Tensor],
+    ) -> None:
         """Before a step: the buffers ``layouts`` declare exist, and every tensor they cover is bound to its view
-        (copied in where the user replaced it, or where another program's layout held it)."""
-        layouts = tuple(layouts)
-        if layouts != self.layouts:
-            self._allocate(layouts, params, optimizer)
-            return
-        for b in self._params:
-            if b.param.data_ptr() != b.pointer:
-                self._take_param(b)
-        state = optimizer.state
-        for b in self._states:
-            held = state[b.param].get(b.key)
-            if held is b.view:
-                continue
-            if held is None:
-                if b not in self._pending:
-                    b.view.zero_()
-                    self._pending.append(b)
-                continue
-            if b in self._pending:
-                self._pending.remove(b)
-            self._take_state(b, held, optimizer)
+        (copied in where the user replaced it, or where another layout held it). ``extra`` is the runtime's
+        pass-added state, which a ``kind="extra"`` layout binds by ``"<key>.<parameter>"``."""
+        for layout in layouts:
+            if layout not in self._bound:
+                self._activate(layout, params, optimizer, extra)
+        for layout, bindings in self._bound.items():
+            if layout.kind == "param":
+                for b in bindings:
+                    if b.param.data_ptr() != b.pointer:
+                        self._take_param(b)
+            elif layout.kind == "extra":
+                for b in bindings:
+                    if extra.get(f"{b.key}.{b.name}") is not b.view:
+                        self._take_extra(b, extra)
+            else:
+                self._check_state(bindings, optimizer)
         self._check_lanes()
 
     def written(self, optimizer, skipped: bool) -> None:
@@ -87,36 +98,48 @@ class FlatStorage:
         self._pending.clear()
 
     # ------------------------------------------------------------------ internals
-    def _allocate(self, layouts: tuple[FlatBuffer, ...], params: dict[str, torch.nn.Parameter], optimizer) -> None:
-        """Bind everything to the buffers of ``layouts`` (made once per layout, kept for a program that comes back:
-        a freeze schedule's variants, a retrace), copying the current values in."""
-        if self.layouts:
-            self._kept[self.layouts] = self.buffers
-        buffers = self._kept.get(layouts) or {
-            layout.port: torch.zeros(layout.length, dtype=getattr(torch, layout.dtype), device=layout.device)
-            for layout in layouts
-        }
-        bound, states, pending = [], [], []
-        for layout in layouts:
-            buffer = buffers[layout.port]
-            for name, start, shape, span in zip(layout.names, layout.starts, layout.shapes, layout.spans):
-                numel = int(torch.Size(shape).numel())
-                view = buffer[start : start + numel].view(shape)
-                binding = _Binding(name, params[name], layout.key, view, view.data_ptr(), span)
-                if layout.kind == "param":
-                    self._take_param(binding)
-                    bound.append(binding)
-                    continue
-                held = optimizer.state[params[name]].get(layout.key)
-                if held is None:
-                    pending.append(binding)
-                else:
-                    self._take_state(binding, held, optimizer)
-                states.append(binding)
-        self.layouts, self.buffers = layouts, buffers
-        self._params, self._states, self._pending = bound, states, pending
-        self._lanes = [buffers[layout.port] for layout in layouts if layout.kind == "state" and not layout.shapes[0]]
-        self._check_lanes()
+    def _activate(self, layout: FlatBuffer, params: dict[str, torch.nn.Parameter], optimizer, extra) -> None:
+        """Bind everything ``layout`` covers to its buffer (made once per layout, kept for one that comes back),
+        copying the current values in; a bound layout that covers some of the same tensors gives way."""
+        for other in [o for o in self._bound if _overlaps(o, layout)]:
+            gone = self._bound.pop(other)
+            self._pending = [b for b in self._pending if b not in gone]
+        buffer = self._kept.get(layout)
+        if buffer is None:
+            buffer = torch.zeros(layout.length, dtype=getattr(torch, layout.dtype), device=layout.device)
+            self._kept[layout] = buffer
+        bindings = []
+        for name, start, shape, span in zip(layout.names, layout.starts, layout.shapes, layout.spans):
+            numel = int(torch.Size(shape).numel())
+            view = buffer[start : start + numel].view(shape)
+            binding = _Binding(name, params[name], layout.key, view, view.data_ptr(), span)
+            bindings.append(binding)
+            if layout.kind == "param":
+                self._take_param(binding)
+            elif layout.kind == "extra":
+                self._take_extra(binding, extra)
+            elif (held := optimizer.state[params[name]].get(layout.key)) is None:
+                self._pending.append(binding)
+            else:
+                self._take_state(binding, held, optimizer)
+        self._bound[layout] = bindings
+
+    def _check_state(self, bindings: list[_Binding], optimizer) -> None:
+        """Each state entry is still its view: one replaced is copied in, one removed is zeroed and bound again
+        when the next step writes it (as eager creates state on its first step)."""
+        state = optimizer.state
+        for b in bindings:
+            held = state[b.param].get(b.key)
+            if held is b.view:
+                continue
+            if held is None:
+                if b not in self._pending:
+                    b.view.zero_()
+                    self._pending.append(b)
+                continue
+            if b in self._pending:
+                self._pending.remove(b)
+            self._take_state(b, held, optimizer)
 
     @staticmethod
     def _take_param(b: _Binding) -> None:
@@ -148,10 +171,27 @@ class FlatStorage:
             b.view.copy_(held)
         optimizer.state[b.param][b.key] = b.view
 
+    @staticmethod
+    def _take_extra(b: _Binding, extra: dict[str, torch.Tensor]) -> None:
+        """Copy pass-added state (a LocalSGD snapshot, made by its rule before the step) into its view and hold
+        the view in its place, so checkpoints keep one tensor per parameter whatever the layout."""
+        name = f"{b.key}.{b.name}"
+        held = extra.get(name)
+        if held is None or held.shape != b.view.shape or held.dtype != b.view.dtype:
+            raise ConfigurationError(
+                f"the step's state '{name}' is {'missing' if held is None else f'{held.dtype} {list(held.shape)}'}"
+                f"; the step holds it as {b.view.dtype} {list(b.view.shape)}. Was it loaded from a checkpoint of "
+                "another model?"
+            )
+        with torch.no_grad():
+            b.view.copy_(held)
+        extra[name] = b.view
+
     def _check_lanes(self) -> None:
         """Every lane of a run holds the same count, as one update serves them all (one op per lane buffer: a user
         may have edited one count in place)."""
-        for lane in self._lanes:
+        lanes = [self._kept[x] for x in self._bound if x.kind == "state" and not x.shapes[0]]
+        for lane in lanes:
             if lane.numel() > 1 and not torch.equal(lane, lane[:1].expand_as(lane)):
                 raise UnsupportedOptimizerError(
                     f"the parameters of one param group hold different step counts {sorted(set(lane.tolist()))[:4]}"

@@ -120,8 +120,8 @@ def _local_sgd(
     average = LocalSGDAverage(
         average_state=average_state, report_loss=adaptive, bucket_cap_mb=cap, first_bucket_mb=first, compress=compress
     )
-    return Recipe(
-        {"local": [], "sync": [average, ScheduleCollectives()]},
+    return Recipe(  # both variants flat, with the same buffers: the parameters stay bound across variants
+        {"local": [FlattenUpdate()], "sync": [FlattenUpdate(), average, ScheduleCollectives()]},
         _prefix(),
         tail=[ReinplaceOptimizer()],
         schedule=lambda: LocalSGDSchedule(k_steps=k, begin_step=begin_step, adaptive=adaptive),

@@ -1,0 +1,51 @@
+"""What a flat buffer holds once ``flatten-update``'s runs have written it, as a value later passes can read.
+
+Not a pass. ``flatten-update`` writes each run's new values into its range of a flat buffer (``copy_`` with
+``meta["writes_back"]``; ``reinplace-optimizer`` later runs the run in place there and drops the copy). A pass
+that reads the buffer after the update (``gather-params`` sends this rank's shard of the parameters,
+``local-sgd-average`` averages them) must read it *after* those writes, which only a data dependency
+guarantees: :func:`written_value` builds the range from the runs' values, zeros where no run writes
+(padding between runs, a rank's elements of no parameter).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from transpiler.graph.edit import Cursor
+from transpiler.graph.program import StepProgram
+from transpiler.graph.views import flat_range
+
+aten = torch.ops.aten
+
+
+def run_writes(program: StepProgram, flat: fx.Node) -> list[tuple[int, int, fx.Node]]:
+    """The ranges ``[lo, hi)`` of ``flat`` that the update writes, with the value each gets, in order."""
+    found = []
+    for node in program.graph.nodes:
+        if node.target is aten.copy_.default and node.meta.get("writes_back"):
+            root, lo, hi = flat_range(node.args[0])
+            if root is flat and hi > lo:
+                found.append((lo, hi, node.args[1]))
+    return sorted(found, key=lambda write: write[0])
+
+
+def written_value(program: StepProgram, flat: fx.Node, lo: int, hi: int, cursor: Cursor, **meta) -> fx.Node:
+    """Elements ``[lo, hi)`` of ``flat`` after the update wrote it (a new tensor, or a run's value where one run
+    covers them all), emitted at ``cursor``."""
+    parts: list[fx.Node] = []
+    end = lo
+    for a, b, value in run_writes(program, flat):
+        if b <= lo or a >= hi:
+            continue
+        if a < lo or b > hi:
+            value = cursor.emit(aten.slice.Tensor, (value, 0, max(lo - a, 0), min(hi, b) - a), **meta)
+        if max(a, lo) > end:
+            parts.append(cursor.emit(aten.new_zeros.default, (value, [max(a, lo) - end]), **meta))
+        parts.append(value)
+        end = min(b, hi)
+    if hi > end:
+        like = parts[-1] if parts else flat
+        parts.append(cursor.emit(aten.new_zeros.default, (like, [hi - end]), **meta))
+    return parts[0] if len(parts) == 1 else cursor.emit(aten.cat.default, (parts,), **meta)
