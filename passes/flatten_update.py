@@ -31,8 +31,7 @@ the CPUs measured; not ``add(..., alpha=)`` in bfloat16 and float16, whose bucke
 
 from __future__ import annotations
 
-import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -42,61 +41,20 @@ from transpiler.graph.edit import Cursor, position, repair_order
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import FlatBuffer, Port, StepProgram
-from transpiler.graph.views import contiguous_views, is_view
+from transpiler.graph.views import contiguous_views
 
 from .bucket_views import aliased_to_output, write_into_buffer
 from .bucketing import in_group_order
 from .gradient_flow import (
     add_input,
-    input_node,
     optimizer_gradients,
     output_values,
     retarget_optimizer_input,
     set_output_values,
 )
+from .update_chains import Chain, chain_of, dtype_device, kind_of, reach_of, runs_of, trace_chain
 
 aten = torch.ops.aten
-# not tagged pointwise, yet element for element: copies and factories shaped like their input
-SHAPE_FOLLOWING = frozenset(
-    {
-        aten.clone.default,
-        aten.zeros_like.default,
-        aten.ones_like.default,
-        aten.full_like.default,
-        aten.empty_like.default,
-        aten._to_copy.default,
-        aten.copy.default,
-        aten.alias.default,
-    }
-)
-# ops on Python numbers (the generic path's bias corrections, traced symbolically), and reading one
-SCALAR_OPS = frozenset(
-    [aten._local_scalar_dense.default, torch.sym_float, torch.sym_min, torch.sym_max, torch._sym_sqrt]
-    + [getattr(operator, name) for name in ("add", "sub", "mul", "truediv", "pow", "neg", "floordiv", "mod")]
-)
-# kernels whose vectorised body and scalar tail round differently for these dtypes (measured: docs/bitwise.md)
-UNEVEN = {(aten.add.Tensor, torch.bfloat16), (aten.add.Tensor, torch.float16)}
-# whole-tensor reductions that one value over a run answers for each parameter of it, as the zero padding does
-# not change them (loss scaling's "are all gradients finite"): every parameter's summary is the run's
-SUMMARIES = frozenset({aten.all.default, aten.any.default})
-MANY = "*"  # what a node computed from several parameters' updates belongs to
-
-
-@dataclass
-class _Chain:
-    """One parameter's update: its sources and the optimizer nodes computed from them, in graph order."""
-
-    name: str
-    placeholder: fx.Node  # the parameter's own input (the forward's, whole)
-    param: fx.Node  # what the update reads of it: the input, or this rank's slice of it (a sharded optimizer)
-    grad: fx.Node
-    states: dict[str, fx.Node]  # state key -> its input
-    held: tuple[int, int]  # the parameter's elements the update covers
-    at: int  # where they start in the flat gradients
-    nodes: list[fx.Node] = field(default_factory=list)
-    outputs: dict[tuple[str, str], fx.Node] = field(default_factory=dict)  # (kind, key) -> value written back
-    summaries: list[int] = field(default_factory=list)  # positions in nodes of SUMMARIES read outside the chain
-    signature: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -113,7 +71,7 @@ class FlattenUpdate(Pass):
         changed = self.lay_out_gradients and _lay_out(program)
         bases = [n for n in program.graph.nodes if isinstance(n.meta.get(FLAT_GRADS), FlatGrads)]
         grads = {name: view for base in bases for name, view in _grad_views(base, base.meta[FLAT_GRADS]).items()}
-        reach = _reach(program, grads)
+        reach = reach_of(program, grads)
         for base in bases:
             changed |= _flatten_bucket(program, base, reach)
         if changed:
@@ -147,7 +105,7 @@ def _flatten_bucket(program: StepProgram, base: fx.Node, reach: dict[fx.Node, st
             str(value.device),
         )
     )
-    for r, run in enumerate(_runs(chains)):
+    for r, run in enumerate(runs_of(chains)):
         _vectorise(program, base, flat_param, info, r, run)
     repair_order(program.graph)  # what read a parameter's summary (a flag over all of them) follows the run's
     _drop_outputs(program, {c.name for c in chains})
@@ -168,16 +126,16 @@ def _lay_out(program: StepProgram) -> bool:
     }
     read = {name: node for name, node in optimizer_gradients(program).items() if name not in held}
     outputs = dict(zip(program.outputs, output_values(program)))
-    reach = _reach(program, read)
+    reach = reach_of(program, read)
     groups: dict[tuple[str, str], list[str]] = {}
     for name, grad in read.items():
         value = grad.meta.get("val")
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or aliased_to_output(grad):
             continue
-        chain = _chain(program, name, grad, (0, value.numel()), 0)
-        if isinstance(chain, str) or _trace_chain(chain, outputs, reach):
+        chain = chain_of(program, name, grad, (0, value.numel()), 0)
+        if isinstance(chain, str) or trace_chain(chain, outputs, reach):
             return False  # one update that stays per parameter: laying the gradients out would only copy them
-        groups.setdefault(_dtype_device(grad), []).append(name)
+        groups.setdefault(dtype_device(grad), []).append(name)
     order = position(program.graph)
     for index, names in enumerate(groups.values()):
         names = [names[i] for i in in_group_order(program, names)]
@@ -203,31 +161,7 @@ def _lay_out(program: StepProgram) -> bool:
 # ------------------------------------------------------------------ finding the chains
 
 
-def _reach(program: StepProgram, grads: dict[str, fx.Node]) -> dict[fx.Node, str]:
-    """Which parameter's update each node belongs to: the parameter whose own inputs, state or gradient (the
-    node the update reads, ``grads``) it is computed from, or :data:`MANY` if from several (a global norm, the
-    loss scale's overflow flag), or absent if from none. A value from several is shared: it does not make a node
-    of one parameter's update belong to several."""
-    sources: dict[fx.Node, str] = {}
-    for port in program.inputs:
-        if port.kind in ("param", "state"):
-            sources[input_node(program, port)] = port.name.rsplit(".", 1)[0] if port.kind == "state" else port.name
-    sources.update({grad: name for name, grad in grads.items()})
-    reach: dict[fx.Node, str] = {}
-    for node in program.graph.nodes:
-        if node in sources:
-            reach[node] = sources[node]
-            continue
-        found = {reach[i] for i in node.all_input_nodes if i in reach}
-        own = found - {MANY}
-        if len(own) == 1:
-            reach[node] = own.pop()
-        elif own or found:
-            reach[node] = MANY
-    return reach
-
-
-def _chains(program: StepProgram, base: fx.Node, info: FlatGrads, reach: dict[fx.Node, str]) -> list[_Chain] | str:
+def _chains(program: StepProgram, base: fx.Node, info: FlatGrads, reach: dict[fx.Node, str]) -> list[Chain] | str:
     """Each parameter's update chain, or why the bucket cannot be flattened."""
     numel = base.meta["val"].numel()
     grads = _grad_views(base, info)
@@ -237,49 +171,18 @@ def _chains(program: StepProgram, base: fx.Node, info: FlatGrads, reach: dict[fx
         if name not in grads:
             return f"the optimizer does not read '{name}''s gradient as a view of the bucket"
         lo, hi = info.held(i, numel)
-        chain = _chain(program, name, grads[name], (lo, hi), min(max(info.starts[i] + lo - info.offset, 0), numel))
+        chain = chain_of(program, name, grads[name], (lo, hi), min(max(info.starts[i] + lo - info.offset, 0), numel))
         if isinstance(chain, str):
             return chain
-        if chain.placeholder.meta["val"].numel() != size or _dtype_device(chain.placeholder) != _dtype_device(base):
+        if chain.placeholder.meta["val"].dim() == 0:
+            return f"'{name}' is 0-d"
+        if chain.placeholder.meta["val"].numel() != size or dtype_device(chain.placeholder) != dtype_device(base):
             return f"'{name}' is not the size, dtype or device of its slot"
-        why = _trace_chain(chain, outputs, reach)
+        why = trace_chain(chain, outputs, reach)
         if why:
             return why
         chains.append(chain)
     return chains
-
-
-def _chain(program: StepProgram, name: str, grad: fx.Node, held: tuple[int, int], at: int) -> _Chain | str:
-    """Parameter ``name``'s update, whose gradient the optimizer reads at ``grad``, or why it has none to flatten."""
-    ports = {p.name: p for p in program.inputs if p.kind in ("param", "state")}
-    if Port("param", name) not in ports.values():
-        return f"'{name}' is not a parameter input of the program"
-    placeholder = input_node(program, Port("param", name))
-    if placeholder.meta["val"].dim() == 0:
-        return f"'{name}' is 0-d"
-    param = _shard_read(placeholder, name) or placeholder  # a sharded update reads its slice
-    if param.meta["val"].numel() != held[1] - held[0]:
-        return f"the update of '{name}' does not read its elements {list(held)}"
-    keys = [p.name.rsplit(".", 1)[1] for p in ports.values() if p.kind == "state" and p.name.startswith(name + ".")]
-    states = {key: input_node(program, ports[f"{name}.{key}"]) for key in keys}
-    return _Chain(name, placeholder, param, grad, states, held, at)
-
-
-def _shard_read(placeholder: fx.Node, name: str) -> fx.Node | None:
-    """The node through which a sharded update reads its slice of the parameter (``meta["shard_of"]``)."""
-    stack = list(placeholder.users)
-    while stack:
-        node = stack.pop()
-        if node.meta.get("shard_of") == name:
-            return node
-        if is_view(node):
-            stack.extend(node.users)
-    return None
-
-
-def _dtype_device(node: fx.Node) -> tuple[str, str]:
-    val = node.meta["val"]
-    return str(val.dtype).removeprefix("torch."), str(val.device)
 
 
 def _grad_views(base: fx.Node, info: FlatGrads) -> dict[str, fx.Node]:
@@ -300,147 +203,6 @@ def _grad_views(base: fx.Node, info: FlatGrads) -> dict[str, fx.Node]:
         if name is not None and any(u.meta.get("role") == "optimizer" for u in node.users):
             found.setdefault(name, node)  # the view the update reads (unflatten's last, after split and getitem)
     return found
-
-
-def _trace_chain(chain: _Chain, outputs: dict[Port, fx.Node], reach: dict[fx.Node, str]) -> str:
-    """Fill ``chain.nodes`` (the optimizer nodes computed from its sources and from no other parameter's) and
-    ``chain.outputs``; check they are element-wise. Returns why not, or ''."""
-    sources = {chain.param: ("param",), chain.grad: ("grad",), **{s: ("state", k) for k, s in chain.states.items()}}
-    member: set[fx.Node] = set()
-    frontier = [u for s in sources for u in s.users]
-    while frontier:
-        node = frontier.pop()
-        if node in member or node.op != "call_function" or node.meta.get("role") != "optimizer":
-            continue
-        if any(reach.get(i, chain.name) not in (chain.name, MANY) for i in node.all_input_nodes):
-            continue  # it also reads another parameter's update: a global value (a norm, a flag), not this chain
-        member.add(node)
-        frontier.extend(node.users)
-    keys = _Keys(sources, reach)
-    chain.nodes = keys.canonical(member, position(chain.param.graph))
-    wanted = {Port("param", chain.name): ("param", "")} | {
-        Port("state", f"{chain.name}.{k}"): ("state", k) for k in chain.states
-    }
-    for port, value in outputs.items():
-        if port in wanted:
-            chain.outputs[wanted[port]] = value
-        elif port.kind == "state" and port.name.rsplit(".", 1)[0] == chain.name:
-            return f"'{port.name}' is an output without an input"
-    if set(chain.outputs) != set(wanted.values()):
-        return f"'{chain.name}' has no output for its parameter or some of its state"
-    for value in chain.outputs.values():
-        if value not in member and value not in sources:
-            return f"'{chain.name}''s new value is not computed by its update"
-    written = set(chain.outputs.values())
-    for i, node in enumerate(chain.nodes):
-        outside = [u for u in node.users if u not in member and not (u.op == "output" and node in written)]
-        if outside and node.target in SUMMARIES and node.meta["val"].dim() == 0 and node not in written:
-            chain.summaries.append(i)
-        elif outside:
-            return f"'{outside[0].name}' reads '{node.name}' of '{chain.name}''s update"
-    why = _elementwise(chain, sources)
-    if not why:
-        chain.signature = keys.signature(chain)
-    return why
-
-
-def _kind(node: fx.Node, shape: torch.Size) -> str:
-    """``tensor`` (shaped as the parameter), ``lane`` (0-d), ``scalar`` (a Python number) or ``other``."""
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return "tensor" if val.shape == shape else "lane" if val.dim() == 0 else "other"
-    return "scalar" if isinstance(val, (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)) else "other"
-
-
-def _elementwise(chain: _Chain, sources: dict[fx.Node, tuple]) -> str:
-    """'' if every op of the chain is element-wise in the parameter's elements; else why not."""
-    shape = chain.param.meta["val"].shape
-    for key, state in chain.states.items():
-        if _kind(state, shape) not in ("tensor", "lane"):
-            return f"state '{key}' of '{chain.name}' is neither shaped as the parameter nor 0-d"
-    own = set(chain.nodes) | set(sources)
-    for node in chain.nodes:
-        kind = _kind(node, shape)
-        inputs = [_kind(i, shape) for i in node.all_input_nodes]
-        foreign = [i.name for i, k in zip(node.all_input_nodes, inputs) if k == "tensor" and i not in own]
-        if foreign:  # a tensor shaped as the parameter that its update did not make (a renormed Embedding table)
-            return f"'{node.name}' in the update of '{chain.name}' reads '{foreign[0]}', which is not flat"
-        dtype = node.meta["val"].dtype if isinstance(node.meta.get("val"), torch.Tensor) else None
-        if (node.target, dtype) in UNEVEN and kind == "tensor":
-            return f"{node.target} on {dtype} rounds differently in a flat buffer"
-        if kind == "scalar" and node.target in SCALAR_OPS and "tensor" not in inputs:
-            continue
-        pointwise = torch.Tag.pointwise in getattr(node.target, "tags", ()) or node.target in SHAPE_FOLLOWING
-        pointwise |= node.target in SUMMARIES and chain.nodes.index(node) in chain.summaries
-        if not pointwise or kind not in ("tensor", "lane") or "other" in inputs:
-            return f"'{node.name}' ({node.target}) in the update of '{chain.name}' is not element-wise"
-        if kind == "lane" and "tensor" in inputs and node.target not in SUMMARIES:
-            return f"'{node.name}' reduces '{chain.name}''s elements to one value"
-    return ""
-
-
-class _Keys:
-    """Structural names for a chain's nodes: its own nodes by their index, its sources by kind, a value of several
-    parameters by node (one value for all), a value of none by structure (the generic path traces ``-lr`` once
-    per parameter). Two chains with the same keys, op for op, are one update."""
-
-    def __init__(self, sources: dict[fx.Node, tuple], reach: dict[fx.Node, str]):
-        self.sources, self.reach = sources, reach
-        self.index: dict[fx.Node, int] = {}
-        self._shared: dict[fx.Node, tuple] = {}
-
-    def node(self, node: fx.Node) -> tuple:
-        return str(node.target), self.key(node.args), self.key(node.kwargs)
-
-    def key(self, value: object, depth: int = 0) -> object:
-        if isinstance(value, fx.Node):
-            if value in self.index:
-                return ("chain", self.index[value])
-            if value in self.sources:
-                return ("source", *self.sources[value])
-            if value not in self._shared:
-                if value.op != "call_function" or depth > 8 or value in self.reach:
-                    self._shared[value] = ("node", value.name)
-                else:
-                    self._shared[value] = ("op", *self.node(value))
-            return self._shared[value]
-        if isinstance(value, (list, tuple)):
-            return (type(value).__name__, *(self.key(v, depth + 1) for v in value))
-        if isinstance(value, dict):
-            return tuple((k, self.key(v, depth + 1)) for k, v in sorted(value.items()))
-        if isinstance(value, float):
-            return ("float", value.hex())
-        return (type(value).__name__, repr(value))
-
-    def canonical(self, members: set[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
-        """The chain in an order that does not depend on where passes placed independent ops: by depth from the
-        sources, then by key (a topological order, the same for every parameter's chain)."""
-        depth: dict[fx.Node, int] = {}
-        for node in sorted(members, key=order.__getitem__):
-            depth[node] = 1 + max((depth[i] for i in node.all_input_nodes if i in depth), default=0)
-        nodes: list[fx.Node] = []
-        for level in sorted(set(depth.values())):
-            for node in sorted((n for n in members if depth[n] == level), key=lambda n: (repr(self.node(n)), order[n])):
-                self.index[node] = len(nodes)
-                nodes.append(node)
-        return nodes
-
-    def signature(self, chain: _Chain) -> tuple:
-        body = tuple(self.node(n) for n in chain.nodes)
-        writes = tuple(sorted((k, self.key(v)) for k, v in chain.outputs.items()))
-        kinds = tuple(sorted((k, s.meta["val"].dim() == 0) for k, s in chain.states.items()))
-        return body, writes, tuple(chain.summaries), kinds, str(chain.param.meta["val"].dtype)
-
-
-def _runs(chains: list[_Chain]) -> list[list[_Chain]]:
-    """Consecutive parameters (in slot order) whose updates are the same chain."""
-    runs: list[list[_Chain]] = []
-    for chain in chains:
-        if runs and runs[-1][-1].signature == chain.signature:
-            runs[-1].append(chain)
-        else:
-            runs.append([chain])
-    return runs
 
 
 # ------------------------------------------------------------------ rewriting
@@ -504,7 +266,7 @@ def _vectorise(program: StepProgram, base: fx.Node, flat_param: fx.Node, info: F
             lanes.add(state)
     shape = first.param.meta["val"].shape
     for node in first.nodes:
-        kind = _kind(node, shape)
+        kind = kind_of(node, shape)
 
         def read(arg: fx.Node, kind: str = kind) -> fx.Node:
             if arg in lanes and kind != "lane":  # a count read by the element-wise part: lane 0 stands for all

@@ -13,6 +13,7 @@ from .broadcast_params import BroadcastParams
 from .clip_grad_norm import ClipGradNorm
 from .dim_reduce import DimReduce
 from .flatten_update import FlattenUpdate
+from .foreach_update import ForeachUpdate
 from .freeze_groups import FreezeGroups
 from .fuse_allreduce import FuseAllReduce
 from .gather_params import GatherParams
@@ -47,6 +48,7 @@ PASSES: dict[str, type[Pass]] = {
         ShardParams,
         DimReduce,
         FlattenUpdate,
+        ForeachUpdate,
         ScheduleCollectives,
         ReinplaceOptimizer,
     )

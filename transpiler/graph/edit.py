@@ -16,6 +16,9 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .collectives import is_collective
+from .p2p import is_exchange
+
 
 def fake_value(node: fx.Node) -> Any:
     return node.meta.get("val")
@@ -106,9 +109,12 @@ def repair_order(graph: fx.Graph, keep: list[fx.Node] | None = None) -> bool:
     A pass that inserts one node reading many values (a global norm over every gradient) after the last of
     them can leave earlier readers of its results ahead of it. The new order is networkx's lexicographical
     topological sort keyed by the old position: among the nodes whose inputs are placed, the one that came
-    first goes next, so nodes already in order stay where they were. The nodes of ``keep`` (collectives) keep
-    their relative order, whatever their inputs allow.
+    first goes next, so nodes already in order stay where they were. The nodes of ``keep`` keep their relative
+    order, whatever their inputs allow; by default the collectives and point-to-point exchanges, whose order
+    every rank must share (a rank whose slices are empty has other data dependencies than its peers).
     """
+    if keep is None:
+        keep = [n for n in graph.nodes if is_collective(n) or is_exchange(n)]
     order = position(graph)
     if all(order[i] < order[n] for n in graph.nodes for i in n.all_input_nodes):
         return False

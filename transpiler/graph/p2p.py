@@ -32,6 +32,9 @@ def _exchange_fake(send: torch.Tensor, peer: int, recv_numel: int) -> torch.Tens
 
 
 EXCHANGE = torch.ops.transpiler.exchange.default
+# it sends as well as receives: a pass's dead-code elimination keeps it when nothing reads what it received (an
+# empty piece of a rank whose half of the vector is empty), or the peer would wait for a send that never comes
+fx.node.has_side_effect(EXCHANGE)
 
 
 def is_exchange(node: fx.Node) -> bool:

@@ -15,6 +15,7 @@ from passes.allreduce_grads import AllReduceGrads
 from passes.broadcast_params import BroadcastParams
 from passes.dim_reduce import DimReduce
 from passes.flatten_update import FlattenUpdate
+from passes.foreach_update import ForeachUpdate
 from passes.fuse_allreduce import FuseAllReduce
 from passes.gather_params import GatherParams
 from passes.local_sgd import LocalSGDAverage
@@ -84,8 +85,13 @@ def _prefix() -> list[Pass]:
     return [BroadcastParams()]
 
 
+def _update() -> list[Pass]:
+    """The update on flat buffers where it can run there, else as multi-tensor ops per group of parameters."""
+    return [FlattenUpdate(), ForeachUpdate()]
+
+
 def _tail() -> list[Pass]:
-    return [FlattenUpdate(), ScheduleCollectives(), ReinplaceOptimizer()]
+    return [*_update(), ScheduleCollectives(), ReinplaceOptimizer()]
 
 
 def _allreduce() -> Recipe:
@@ -121,7 +127,7 @@ def _local_sgd(
         average_state=average_state, report_loss=adaptive, bucket_cap_mb=cap, first_bucket_mb=first, compress=compress
     )
     return Recipe(  # both variants flat, with the same buffers: the parameters stay bound across variants
-        {"local": [FlattenUpdate()], "sync": [FlattenUpdate(), average, ScheduleCollectives()]},
+        {"local": _update(), "sync": [*_update(), average, ScheduleCollectives()]},
         _prefix(),
         tail=[ReinplaceOptimizer()],
         schedule=lambda: LocalSGDSchedule(k_steps=k, begin_step=begin_step, adaptive=adaptive),
@@ -141,7 +147,7 @@ def _adasum(target: str) -> Callable[..., Recipe]:
         return Recipe(
             {"step": [AdaSum(target=target, local_size=local_size)]},
             _prefix(),
-            tail=[FlattenUpdate(), ReinplaceOptimizer()],
+            tail=[*_update(), ReinplaceOptimizer()],
             groups=lambda world: AdaSumGeometry(world, local_size).groups(),
         )
 
@@ -175,7 +181,7 @@ def _zero(stage: int) -> Callable[..., Recipe]:
         # then the updated shards gathered (ZeRO-1, 2); or keep the slices and gather the parameters where the
         # forward and backward read them, the update per parameter (ZeRO-3 holds parameters as slices)
         shard_params = ShardParams(reshard_after_forward=reshard_after_forward)
-        gather = [shard_params] if stage == 3 else [FlattenUpdate(), GatherParams()]
+        gather = [shard_params] if stage == 3 else [*_update(), GatherParams()]
         tail = [*gather, ScheduleCollectives(), ReinplaceOptimizer()]
         # ZeRO-1 accumulates whole gradients (no communication in a micro-step, as DDP's no_sync); ZeRO-2/3
         # reduce-scatter every micro-step into accumulators of this rank's slices, as DeepSpeed's stage 2
