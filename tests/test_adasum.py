@@ -9,11 +9,14 @@ Tolerance: relative L2 error below 100·eps(float32) per tensor.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 
 from tests.distributed import ROOT, launch
+from tests.helpers import eager_step
 from transpiler import ConfigurationError, transpile
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -56,7 +59,7 @@ def test_matches_the_reference_tree_on_every_rank(runs, case):
     inputs = [[t.numpy() for t in r["cases"][case]["inputs"]] for r in ranks]
     expected = adasum_tree(inputs)
     for r in ranks:
-        for got, want in zip(r["cases"][case]["outputs"], expected):
+        for got, want in zip(r["cases"][case]["outputs"], expected, strict=True):
             assert rel_err(got, want) < 100 * EPS32, f"{case}: relative error {rel_err(got, want):.2e}"
 
 
@@ -80,7 +83,7 @@ def test_hierarchical_against_its_own_reference(runs):
     group_means = [[(a + b) / 2 for a, b in zip(inputs[i], inputs[i + 1])] for i in range(0, world, 2)]
     expected = adasum_tree(group_means)
     for r in ranks:
-        for got, want in zip(r["hierarchical"]["outputs"], expected):
+        for got, want in zip(r["hierarchical"]["outputs"], expected, strict=True):
             assert rel_err(got, want) < 100 * EPS32
 
 
@@ -112,12 +115,20 @@ def test_non_power_of_two_world_size_is_a_clear_error(world):
 
 
 def test_world_size_one_is_the_plain_optimizer():
+    """With one rank there is no partner: no exchange, and three steps are eager SGD's, bit for bit."""
+    torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
+    twin = copy.deepcopy(model)
+    batch = (torch.randn(2, 3), torch.randn(2, 2))
     step = transpile(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
         mode="adasum",
         loss_fn=torch.nn.MSELoss(),
-        example_inputs=(torch.randn(2, 3), torch.randn(2, 2)),
+        example_inputs=batch,
     )
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
     assert not any("p2p" in n.meta for n in step.graph_module.graph.nodes)
+    for _ in range(3):
+        assert torch.equal(step(*batch), eager_step(twin, twin_opt, torch.nn.MSELoss(), batch))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))

@@ -141,3 +141,32 @@ def test_factory_files_that_used_to_end_in_a_traceback_or_silence(tmp_path, caps
         "def make():\n    Config()\n    return tiny_factory()\n"
     )
     assert main(["dump", f"{dc}:make"]) == 0
+
+
+def test_the_installed_command_runs_from_a_shell(tmp_path):
+    """The console script pip installed (``transpiler``, next to this interpreter), as a user types it, in a
+    fresh process from another directory: modes, passes, a diff and a DOT drawing, each exiting 0."""
+    import subprocess
+    import sys
+
+    command = Path(sys.executable).parent / "transpiler"
+    assert command.exists(), f"no console script at {command}: pip install -e . installs it"
+    factory = str(Path(__file__).parent / "models.py") + ":tiny_factory"
+    dot = tmp_path / "graph.dot"
+    script = "; ".join(
+        f"{command} {args} || exit $?; echo '<<end>>'"
+        for args in (
+            "modes",
+            "passes",
+            f"dump {factory} --mode fused_allreduce --world-size 2 --diff",
+            f"dump {factory} --mode zero2 --world-size 2 --format dot -o {dot}",
+        )
+    )
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    modes, passes, diff, wrote, _ = done.stdout.split("<<end>>")
+    assert "fused_allreduce" in modes and "zero3" in modes and "flatten-update" in modes
+    assert "foreach-update" in passes and "reinplace-optimizer" in passes
+    assert diff.lstrip().startswith("--- traced") and "+    all_reduce" in diff
+    drawn = dot.read_text()  # zero2 over gloo: the reduce-scatter is an all_to_all (gloo has no reduce_scatter)
+    assert drawn.lstrip().startswith("digraph") and "all_to_all_single" in drawn and "all_gather_into_tensor" in drawn

@@ -40,8 +40,8 @@ def test_world_size_1_with_wrappers_matches_the_uncompiled_step():
 def test_adamw_with_a_scheduler_compiles_once_in_100_steps_and_follows_eager():
     """AdamW's step size changes every step and the scheduler changes lr: both reach the compiled program as
     0-d tensors filled in place, so Dynamo never specialises on them (before, each step recompiled and the
-    8th failed). Within 1e-5 of eager over 100 steps: Inductor fuses the update's arithmetic (no longer
-    eager's exact operation order), and Adam carries the rounding from step to step."""
+    8th failed). Within 1e-7 of eager over 100 steps (README: 1.5e-8 measured): Inductor fuses the update's
+    arithmetic (no longer eager's exact operation order), and Adam carries the rounding from step to step."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     models = []
@@ -65,7 +65,7 @@ def test_adamw_with_a_scheduler_compiles_once_in_100_steps_and_follows_eager():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     eager, compiled = models
     worst = max((a - b).abs().max().item() for a, b in zip(eager.parameters(), compiled.parameters()))
-    assert worst <= 1e-5, worst
+    assert worst <= 1e-7, worst
 
 
 def test_a_generic_optimizer_whose_lr_changes_every_step_gets_a_clear_error_at_the_recompile_limit():

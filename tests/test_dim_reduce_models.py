@@ -27,7 +27,7 @@ from tests.models import make_batch, make_model
 from transpiler import transpile
 from transpiler.graph.basis import layout
 
-ATOL = 1e-5
+ATOL = 1e-6  # float32 against the eager float32 reference in another order: 1.5e-8 to 2.4e-7 measured
 
 
 def random_basis(model: nn.Module, path, components: int = 6):

@@ -35,13 +35,22 @@ OPTIMIZERS = {
 
 @pytest.fixture(scope="module", autouse=True)
 def nccl_world_of_one():
-    """Every collective of the programs really runs, through NCCL."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(free_port())
-    torch.cuda.set_device(DEVICE)
-    dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=120), device_id=DEVICE)
+    """Every collective of the programs really runs, through NCCL; the environment is restored afterwards."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MASTER_ADDR", os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        env.setenv("MASTER_PORT", str(free_port()))
+        torch.cuda.set_device(DEVICE)
+        dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=120), device_id=DEVICE)
+        yield
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def restore_tf32():
+    """Tests turn TF32 off for fp32 comparisons; what follows them gets torch's settings back."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     yield
-    dist.destroy_process_group()
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def _train_both(model_name, opt_name, mode, autocast, steps=5, **options) -> tuple[float, float]:
@@ -110,8 +119,9 @@ def test_adamw_against_eager_foreach_within_rounding():
 
 @pytest.mark.parametrize("model_name", ["mlp", "cnn"])
 def test_bf16_autocast_around_the_step_follows_eager_autocast(model_name):
+    """Bitwise, as docs/gpu.md says (measured 0 on an H100): the graph holds eager autocast's casts."""
     param, loss = _train_both(model_name, "sgd", "fused_allreduce", torch.bfloat16)
-    assert param <= 1e-3 and loss <= 1e-2
+    assert param == 0 and loss == 0
 
 
 def test_compile_with_adamw_compiles_once_over_30_steps():

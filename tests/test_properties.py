@@ -223,6 +223,8 @@ def test_outputs_into_aligned_bucket_slots_carry_eager_bits(before, m, k, n, dty
     buffer = torch.full((starts[-1] + sizes[-1],), float("nan"), dtype=dtype)
     weight = buffer[starts[-2] : starts[-2] + m * n].view(m, n)
     bias = buffer[starts[-1] : starts[-1] + m]
+    fresh = torch.empty(1, dtype=dtype).data_ptr() % 64  # where eager's allocator puts a tensor: 64-byte aligned
+    assert fresh == 0 and weight.data_ptr() % 64 == 0 and bias.data_ptr() % 64 == 0, "a slot is not aligned"
     torch.mm(grad_out.t(), inputs, out=weight)
     torch.sum(grad_out, [0], out=bias)
     assert torch.equal(weight, torch.mm(grad_out.t(), inputs))
@@ -241,8 +243,10 @@ def test_bucket_views_hold_each_gradient_once_and_are_reused_safely(widths, cap,
     readies = [n for n in program.graph.nodes if n.target is BUCKET_READY]
     held = [g for r in readies for g in next(iter(r.users)).meta["collective"]["grads"]]
     assert len(held) == len(set(held))
-    if cap == 25.0:  # one float32 and one float64 bucket, each of several gradients
-        assert len(readies) == 2
+    slots = [n for r in readies for n in r.args[0].users if n.target is torch.ops.aten.as_strided.default]
+    assert all(n.args[3] * n.meta["val"].element_size() % 64 == 0 for n in slots), "unaligned slot"
+    if cap == 25.0:  # one float32 and one float64 bucket, each of several gradients, in slots
+        assert len(readies) == 2 and slots
     for seed in seeds:
         gen = torch.Generator().manual_seed(seed)
         batch = (torch.randn(4, widths[0], generator=gen), torch.randint(0, 3, (4,), generator=gen))
@@ -255,4 +259,4 @@ def test_bucket_views_hold_each_gradient_once_and_are_reused_safely(widths, cap,
         with torch.no_grad():
             expected = traced.graph_module(*copy.deepcopy(inputs))
             got = program.graph_module(*copy.deepcopy(inputs))
-        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))

@@ -40,7 +40,8 @@ from tests.distributed import ROOT, launch
 from tests.zero_worker import SCENARIOS
 
 pytestmark = pytest.mark.bitwise
-ATOL_W4, ATOL_SINGLE, ATOL_COMPILED = 1e-5, 1e-5, 1e-5
+ATOL_W4, ATOL_SINGLE = 1e-5, 1e-5  # the sums in another order (W=4, sharded accumulation, LAMB's norms)
+ATOL_COMPILED = 1e-7  # Inductor fuses the update's arithmetic: README and docs/strategies/zero.md, 1.5e-8 measured
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -52,22 +53,16 @@ def runs(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """The folder both checkpoint worlds write to: the world of 4 runs first, the world of 2 reads its
-    checkpoint."""
-    return tmp_path_factory.mktemp("dcp")
-
-
-FINISHED: dict[int, list[dict]] = {}  # each world's results, for the checks that read another world's checkpoint
-
-
-@pytest.fixture(scope="module", params=[4, 2], ids=lambda w: f"world{w}")
-def dcp_runs(request, tmp_path_factory, checkpoints):
-    world = request.param
-    out = tmp_path_factory.mktemp(f"dcp{world}")
-    launch(ROOT / "tests" / "checkpoint_worker.py", world, [str(out), str(checkpoints)], timeout=240)
-    FINISHED[world] = [{"dcp": torch.load(out / f"rank{r}.pt")} for r in range(world)]
-    return world, FINISHED[world]
+def dcp_worlds(tmp_path_factory) -> dict[int, list[dict]]:
+    """Both checkpoint worlds, in the order the checks need: the world of 4 writes a checkpoint, the world of 2
+    reads it. One fixture, so that no test depends on another having run first."""
+    checkpoints = tmp_path_factory.mktemp("dcp")
+    worlds = {}
+    for world in (4, 2):
+        out = tmp_path_factory.mktemp(f"dcp{world}")
+        launch(ROOT / "tests" / "checkpoint_worker.py", world, [str(out), str(checkpoints)], timeout=240)
+        worlds[world] = [{"dcp": torch.load(out / f"rank{r}.pt")} for r in range(world)]
+    return worlds
 
 
 def whole_from_slices(records: list[dict]) -> dict[str, torch.Tensor]:
@@ -87,27 +82,27 @@ def whole_from_slices(records: list[dict]) -> dict[str, torch.Tensor]:
     return whole
 
 
-def test_dcp_resume_at_the_same_world_size_is_bitwise(dcp_runs):
+@pytest.mark.timeout(600)  # the first test to ask for the two worlds waits for both
+def test_dcp_resume_at_the_same_world_size_is_bitwise(dcp_worlds):
     """save_checkpoint after 3 steps, 2 more; a fresh model, optimizer and step (other weights) read it back
     with load_checkpoint and take the same 2 steps: the same bits (zero3 at W=4, parameters sharded too; zero1
     and zero2 at W=2)."""
-    _, ranks = dcp_runs
-    for rank, results in enumerate(ranks):
-        for mode, resumed in results["dcp"]["resume"].items():
-            assert resumed["params"][0] and resumed["state"][0], (rank, mode, resumed)
+    for world, ranks in dcp_worlds.items():
+        for rank, results in enumerate(ranks):
+            for mode, resumed in results["dcp"]["resume"].items():
+                assert resumed["params"][0] and resumed["state"][0], (world, rank, mode, resumed)
 
 
-def test_dcp_checkpoint_of_four_ranks_reads_at_two_and_trains_as_ddp(dcp_runs):
+@pytest.mark.timeout(600)
+def test_dcp_checkpoint_of_four_ranks_reads_at_two_and_trains_as_ddp(dcp_worlds):
     """The W=4 zero3 checkpoint read by W=2 steps: zero3 built before loading (each rank reads its slices of the
     parameters and the state) and zero1 not (whole tensors, cut at the first step): the parameters and the
     optimizer state reassembled from
     the two ranks' slices are the saved ones, bitwise; the next 2 steps are bitwise DDP's, DDP loaded from the
     same checkpoint through get_state_dict/dcp.load/set_state_dict."""
-    world, ranks = dcp_runs
-    if world != 2 or 4 not in FINISHED:
-        pytest.skip("the world of 2 reads the world of 4's checkpoint")
-    saved = FINISHED[4][0]["dcp"]["saved"]["params"]
-    saved_state = whole_from_slices([r["dcp"]["saved"] for r in FINISHED[4]])
+    ranks, writers = dcp_worlds[2], dcp_worlds[4]
+    saved = writers[0]["dcp"]["saved"]["params"]
+    saved_state = whole_from_slices([r["dcp"]["saved"] for r in writers])
     for entry in ("reshard_built", "reshard_unbuilt"):
         for rank, results in enumerate(ranks):
             loaded = results["dcp"][entry]["loaded"]["params"]
@@ -120,7 +115,8 @@ def test_dcp_checkpoint_of_four_ranks_reads_at_two_and_trains_as_ddp(dcp_runs):
             assert all(torch.equal(state[k], saved_state[k]) for k in state), entry
 
 
-def test_dcp_checkpoint_of_four_ranks_reads_into_a_plain_model(dcp_runs):
+@pytest.mark.timeout(600)
+def test_dcp_checkpoint_of_four_ranks_reads_into_a_plain_model(dcp_worlds):
     """One process, no process group: a plain TiedLM and AdamW read the W=4 zero3 checkpoint with torch's own
     get_state_dict/dcp.load/set_state_dict, and hold the saved parameters and the whole optimizer state."""
     import torch.distributed.checkpoint as dcp
@@ -128,18 +124,16 @@ def test_dcp_checkpoint_of_four_ranks_reads_into_a_plain_model(dcp_runs):
 
     from tests.models import TiedLM
 
-    world, _ = dcp_runs
-    if world != 4:
-        pytest.skip("read once, after the world of 4")
-    path = FINISHED[4][0]["dcp"]["path"]
+    writers = dcp_worlds[4]
+    path = writers[0]["dcp"]["path"]
     model = TiedLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     msd, osd = get_state_dict(model, optimizer)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
-    saved = FINISHED[4][0]["dcp"]["saved"]["params"]
+    saved = writers[0]["dcp"]["saved"]["params"]
     assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters())
-    expected = whole_from_slices([r["dcp"]["saved"] for r in FINISHED[4]])
+    expected = whole_from_slices([r["dcp"]["saved"] for r in writers])
     names = {p: n for n, p in model.named_parameters()}
     for p, entries in optimizer.state.items():
         for key, value in entries.items():
@@ -291,7 +285,7 @@ def test_whole_tensor_optimizers_are_refused_with_the_reason(runs):
 def test_compiled_zero_follows_ddp_and_compiles_once(runs):
     """compile=True with zero1, zero2 and zero3 at W=2: AdamW with a LambdaLR scheduler over 8 steps compiles one
     graph
-    (lr and Adam's step size reach it as 0-d tensors) and stays within 1e-5 of DDP (Inductor fuses the update's
+    (lr and Adam's step size reach it as 0-d tensors) and stays within 1e-7 of DDP (Inductor fuses the update's
     arithmetic, so not eager's exact operation order; 1.5e-8 measured). zero1's buckets are padded to W
     shards, which the compiled form's ``cat`` must keep (before, it dropped the padding and refused)."""
     world, ranks = runs

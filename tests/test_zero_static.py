@@ -367,9 +367,16 @@ def test_checkpoint_round_trip_in_one_process_and_across_modes(tmp_path):
         for p, q in zip(model.parameters(), resumed.parameters()):
             for key, value in optimizer.state[p].items():
                 assert torch.equal(value.reshape(-1), resumed_opt.state[q][key].reshape(-1)), (mode, key)
-    _, _, plain = run("fused_allreduce")
+    plain_model, plain_opt, plain = run("fused_allreduce")
     plain.save_checkpoint(tmp_path / "fused")
-    run("zero1", tmp_path / "fused", data[3:])
+    for batch in data[3:]:
+        plain(*batch)
+    resumed, resumed_opt, _ = run("zero1", tmp_path / "fused", data[3:])  # the same two steps after the checkpoint
+    assert all(torch.equal(a, b) for a, b in zip(plain_model.parameters(), resumed.parameters(), strict=True))
+    for p, q in zip(plain_model.parameters(), resumed.parameters(), strict=True):
+        assert plain_opt.state[p].keys() == resumed_opt.state[q].keys()
+        for key, value in plain_opt.state[p].items():
+            assert torch.equal(value.reshape(-1), resumed_opt.state[q][key].reshape(-1)), ("zero1", key)
 
 
 def test_checkpoint_refusals_say_why(tmp_path):
