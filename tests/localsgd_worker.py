@@ -1,8 +1,8 @@
 """One rank of the LocalSGD runs (launched by tests/test_local_sgd.py).
 
 1. k_steps=1, plain SGD: local_sgd next to allreduce, same shards, 5 steps.
-2. k_steps=3, begin_step=2, SGD with momentum, 12 steps: before every step a
-   twin (mode "none", the same local update) computes this rank's pre-sync
+2. k_steps=3, begin_step=2, SGD with momentum, 12 steps: before every step an
+   eager twin (the same local update) computes this rank's pre-sync
    parameters, which are all-gathered, so the test can check that a sync
    leaves every rank with their mean.
 3. adaptive_local_sgd, 12 steps: the k after every sync and the avg_loss metric.
@@ -72,12 +72,13 @@ def sync_means(rank: int, world: int) -> dict:
     )
     twin = copy.deepcopy(model)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
-    local = transpile(twin, twin_opt, mode="none", loss_fn=torch.nn.CrossEntropyLoss())
     record = {"variants": [], "pre": [], "post": [], "collectives": 0, "per_variant": {}}
     for x, y in batches(world, 12, rank):
         twin.load_state_dict(model.state_dict())
         twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-        local(x, y)
+        twin_opt.zero_grad()  # eager, not the transpiler: this rank's parameters before the averaging
+        torch.nn.functional.cross_entropy(twin(x), y).backward()
+        twin_opt.step()
         mine = params_of(twin)
         gathered = {n: [torch.empty_like(t) for _ in range(world)] for n, t in mine.items()}
         for n, t in mine.items():
@@ -107,18 +108,33 @@ def adaptive(rank: int, world: int) -> dict:
     return record
 
 
-def averaged_state(rank: int, world: int) -> dict:
-    """average_state=True: momentum buffers are averaged on sync steps too (k=2: syncs at 1, 3)."""
+def averaged_state(rank: int, world: int) -> list:
+    """average_state=True: momentum buffers are averaged on sync steps too (k=2: syncs at 1, 3). Before each step
+    a twin (eager SGD, the same local update) computes this rank's momentum before any averaging; every rank's
+    is all-gathered, so the test can hold the step's momentum to their mean on sync steps and to this rank's own
+    on local steps."""
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     step = transpile(model, opt, mode="local_sgd", loss_fn=torch.nn.CrossEntropyLoss(), k_steps=2, average_state=True)
+    twin = copy.deepcopy(model)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
     record = []
     for x, y in batches(world, 4, rank):
+        twin.load_state_dict(model.state_dict())
+        twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        twin_opt.zero_grad()
+        torch.nn.functional.cross_entropy(twin(x), y).backward()
+        twin_opt.step()
+        pre = {}
+        for n, p in twin.named_parameters():
+            mine = twin_opt.state[p]["momentum_buffer"]
+            gathered = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(gathered, mine)
+            pre[n] = torch.stack(gathered)
         step(x, y)
-        record.append(
-            (step.last_variant, {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()})
-        )
+        post = {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()}
+        record.append((step.last_variant, post, pre))
     return record
 
 
