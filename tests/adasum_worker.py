@@ -3,7 +3,10 @@
 Each case gives every rank its own tensors (from a seed and the rank), runs
 the AdaSum graph that the pass builds for this rank, and saves inputs and
 outputs; the test compares them with an independent numpy reference. A second
-part trains with modes adasum and adasum_delta on the same data on every rank.
+part trains with modes adasum and adasum_delta on the same data on every rank; a
+third trains mode adasum on each rank's own data (flat and, at W >= 4,
+hierarchical), recording every rank's gradient from an eager twin so the test
+can apply the published AdaSum to them step by step.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -87,8 +91,44 @@ def train(mode: str, rank: int, steps: int = 4) -> dict:
     }
 
 
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_on_own_data(rank: int, world: int, local_size: int, steps: int = 3) -> list[dict]:
+    """Mode adasum, plain SGD, each rank its own batches: per step the parameters before, every rank's gradient
+    there (an eager twin's, all-gathered: [world, *shape]) and the parameters after."""
+    torch.manual_seed(0)
+    model = MLP()
+    twin = copy.deepcopy(model)
+    step = transpile(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        mode="adasum",
+        loss_fn=torch.nn.CrossEntropyLoss(),
+        local_size=local_size,
+    )
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    record = []
+    for _ in range(steps):
+        x, y = make_batch("mlp", 8, gen)
+        twin.load_state_dict(model.state_dict())
+        twin.zero_grad()
+        torch.nn.functional.cross_entropy(twin(x), y).backward()
+        grads = {}
+        for n, p in twin.named_parameters():
+            gathered = [torch.empty_like(p.grad) for _ in range(world)]
+            dist.all_gather(gathered, p.grad)
+            grads[n] = torch.stack(gathered)
+        before = params_of(model)
+        step(x, y)
+        record.append({"before": before, "grads": grads, "after": params_of(model)})
+    return record
+
+
 def checks(rank: int, world: int) -> dict:
     result = {"cases": {}, "hierarchical": {}, "train": {}}
+    result["own_data"] = {size: train_on_own_data(rank, world, size) for size in ((1, 2) if world >= 4 else (1,))}
     for case in CASES:
         inputs = case_inputs(case, rank, world)
         result["cases"][case] = {"inputs": inputs, "outputs": run_adasum(inputs, rank, world, 1)}

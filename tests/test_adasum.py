@@ -100,6 +100,31 @@ def test_training_with_identical_data_on_every_rank_is_plain_training(runs):
             torch.testing.assert_close(ours[n], eager[n], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("local_size", [1, 2])
+def test_training_on_each_ranks_own_data_follows_the_published_adasum(runs, local_size):
+    """Each rank trains on its own batches (where AdaSum is not the mean). Step by step, from every rank's
+    gradient (an eager twin's), numpy applies the published AdaSum (hierarchical: the mean within each pair of
+    ranks, then the tree across pairs) and plain SGD in float64: every rank's parameters are that, within
+    float32 rounding, and the same on every rank, bit for bit."""
+    world, ranks = runs
+    if local_size == 2 and world < 4:
+        pytest.skip("local_size=2 needs at least 4 ranks")
+    record = ranks[0]["own_data"][local_size]
+    assert len(record) == 3
+    for t, step in enumerate(record):
+        for name, before in step["before"].items():
+            grads = step["grads"][name].double().numpy()
+            if local_size == 2:
+                grads = np.stack([(grads[i] + grads[i + 1]) / 2 for i in range(0, world, 2)])
+            assert not np.allclose(grads[0], grads[-1]), "the ranks must see different data"
+            combined = adasum_tree([[g] for g in grads])[0].reshape(tuple(before.shape))
+            expected = torch.from_numpy(before.double().numpy() - 0.05 * combined)
+            for r in ranks:
+                after = r["own_data"][local_size][t]["after"][name]
+                assert torch.equal(after, step["after"][name]), f"step {t + 1} {name}: ranks differ"
+            torch.testing.assert_close(step["after"][name].double(), expected, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("world", [3, 6, 12])
 def test_non_power_of_two_world_size_is_a_clear_error(world):
     model = torch.nn.Linear(3, 2)
