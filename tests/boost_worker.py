@@ -71,6 +71,25 @@ def references() -> tuple[DDP, torch.optim.Optimizer, nn.Module, torch.optim.Opt
     return ddp, sgd(ddp.module), single, sgd(single)
 
 
+def grad_scaler_reference(rank: int, batches: list) -> list[tuple[float, dict]]:
+    """torch's own dynamic loss scaling, the independent reference: DDP with ``torch.amp.GradScaler`` on the same
+    batches and the same inf (rank 1, call 3), the scale after each step and the parameters."""
+    ddp, ddp_opt, _, _ = references()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    record = []
+    for t, batch in enumerate(batches):
+        x, y = shard(batch, rank)
+        if t == 2 and rank == 1:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        ddp_opt.zero_grad()
+        scaler.scale(LOSS(ddp(x), y)).backward()
+        scaler.step(ddp_opt)
+        scaler.update()
+        record.append((float(scaler.get_scale()), params_of(ddp.module)))
+    return record
+
+
 def comm_plan(step) -> dict:
     return {v: [str(op) for op in p.graph.nodes if "collective" in op.meta] for v, p in step.programs.items()}
 
@@ -145,7 +164,7 @@ def loss_scaling(rank, world) -> dict:
     model = base_model()
     opt = sgd(model)
     step = transpile(model, opt, "fused_allreduce", LOSS, loss_scale="dynamic", init_scale=1024.0, growth_interval=3)
-    record = []
+    record, seen = [], []
     for t, batch in enumerate(batches):
         x, y = shard(batch, rank)
         if t == 2 and rank == 1:
@@ -160,8 +179,10 @@ def loss_scaling(rank, world) -> dict:
             torch.equal(momentum[n], opt.state[p]["momentum_buffer"]) for n, p in model.named_parameters()
         )
         record.append((dict(step.last_metrics), unchanged, kept, float(step.extra["loss_scale.scale"])))
-    out["inject"] = record
+        seen.append(after)
+    out["inject"], out["inject_params"] = record, seen
     out["inject_state"] = sorted(step.state_dict()["transpiler"]["extra"])
+    out["grad_scaler"] = grad_scaler_reference(rank, batches)
     clean = batches[:5]
     plain = run("fused_allreduce", rank, world, clean)["params"]
     out["clean"] = (run("fused_allreduce", rank, world, clean, loss_scale="dynamic")["params"], plain)

@@ -81,6 +81,18 @@ def test_an_inf_on_one_rank_makes_every_rank_skip_and_back_off(ranks):
     assert ranks[0]["loss_scaling"]["inject_state"] == ["loss_scale.growth_tracker", "loss_scale.scale"]
 
 
+def test_dynamic_loss_scaling_is_ddp_with_torchs_grad_scaler(ranks):
+    """The independent reference: DDP with ``torch.amp.GradScaler`` (init_scale 1024, growth_interval 3) on the
+    same batches and the same inf. The same scale after every step, the same skipped step, and the same
+    parameters bit for bit (scales are powers of two, so scaling and unscaling are exact)."""
+    for rank in ranks:
+        ours = rank["loss_scaling"]["inject"]
+        reference = rank["loss_scaling"]["grad_scaler"]
+        assert [s for *_, s in ours] == [s for s, _ in reference]
+        params = rank["loss_scaling"]["inject_params"]
+        assert all(same(a, b) for a, (_, b) in zip(params, reference, strict=True))
+
+
 @pytest.mark.parametrize("combination", ["clean", "adasum", "accumulation"])
 def test_loss_scaling_without_overflow_is_bitwise_the_unscaled_run(ranks, combination):
     for rank in ranks:
