@@ -3,7 +3,8 @@
 A ``TorchDispatchMode`` around the step sees every aten op: forward, backward (the autograd engine carries the
 mode to its thread), DDP's bucket copies and the optimizer, eager and traced alike. Ops split into *work*,
 which on a GPU is about one kernel launch each, and *views* (``func.is_view``, ``detach``, ``alias``), which
-launch nothing but still cost the host a dispatch. Dynamo refuses such a mode around a compiled call, so
+launch nothing but still cost the host a dispatch (``transpiler.graph.op_counts.is_view_op``, which
+``transpiler dump --op-counts`` uses too). Dynamo refuses such a mode around a compiled call, so
 compiled programs are timed, not counted.
 """
 
@@ -12,15 +13,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-aten = torch.ops.aten
-VIEWLIKE = frozenset({aten.detach.default, aten.alias.default})
-
-
-def is_view_op(func: torch._ops.OpOverload) -> bool:
-    return func.is_view or func in VIEWLIKE
+from transpiler.graph.op_counts import is_view_op
 
 
 class DispatchCounter(TorchDispatchMode):

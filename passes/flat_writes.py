@@ -5,7 +5,8 @@ Not a pass. ``flatten-update`` writes each run's new values into its range of a 
 that reads the buffer after the update (``gather-params`` sends this rank's shard of the parameters,
 ``local-sgd-average`` averages them) must read it *after* those writes, which only a data dependency
 guarantees: :func:`written_value` builds the range from the runs' values, zeros where no run writes
-(padding between runs, a rank's elements of no parameter).
+(padding between runs, a rank's elements of no parameter). :func:`laid_out` is that assembly for any pieces
+(``gather-params`` builds a rank's shard of per-parameter slices with it too).
 """
 
 from __future__ import annotations
@@ -34,10 +35,19 @@ def run_writes(program: StepProgram, flat: fx.Node) -> list[tuple[int, int, fx.N
 def written_value(program: StepProgram, flat: fx.Node, lo: int, hi: int, cursor: Cursor, **meta) -> fx.Node:
     """Elements ``[lo, hi)`` of ``flat`` after the update wrote it (a new tensor, or a run's value where one run
     covers them all), emitted at ``cursor``."""
+    return laid_out(cursor, run_writes(program, flat), lo, hi, flat, **meta)
+
+
+def laid_out(
+    cursor: Cursor, pieces: list[tuple[int, int, fx.Node]], lo: int, hi: int, like: fx.Node, **meta
+) -> fx.Node:
+    """Elements ``[lo, hi)`` of a flat layout whose ranges ``[a, b)`` hold ``pieces`` (in order, not
+    overlapping), cut to the range, zeros between them: one piece alone where it covers it all, else a ``cat``.
+    ``like`` gives the zeros' dtype and device where no piece does."""
     parts: list[fx.Node] = []
     end = lo
-    for a, b, value in run_writes(program, flat):
-        if b <= lo or a >= hi:
+    for a, b, value in pieces:
+        if b <= lo or a >= hi or b == a:
             continue
         if a < lo or b > hi:
             value = cursor.emit(aten.slice.Tensor, (value, 0, max(lo - a, 0), min(hi, b) - a), **meta)
@@ -46,6 +56,5 @@ def written_value(program: StepProgram, flat: fx.Node, lo: int, hi: int, cursor:
         parts.append(value)
         end = min(b, hi)
     if hi > end:
-        like = parts[-1] if parts else flat
-        parts.append(cursor.emit(aten.new_zeros.default, (like, [hi - end]), **meta))
+        parts.append(cursor.emit(aten.new_zeros.default, (parts[-1] if parts else like, [hi - end]), **meta))
     return parts[0] if len(parts) == 1 else cursor.emit(aten.cat.default, (parts,), **meta)

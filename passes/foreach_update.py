@@ -75,7 +75,7 @@ def _merge(program: StepProgram, nodes: list[fx.Node], reach: dict[fx.Node, str]
     order = position(program.graph)
     inputs = [i for n in nodes for i in n.all_input_nodes]
     cursor = Cursor(program.graph, max(inputs, key=order.__getitem__))
-    joined = cursor.emit(target, args, kwargs, role="optimizer", foreach_of=tuple(n.name for n in nodes))
+    joined = cursor.emit(target, args, kwargs, role="optimizer")
     for j, node in enumerate(nodes):
         item = cursor.emit(operator.getitem, (joined, j), role="optimizer")
         item.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "stack_trace")})

@@ -22,7 +22,7 @@ from transpiler.graph.edit import Cursor
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import Port, StepProgram
 
-from .flat_writes import written_value
+from .flat_writes import laid_out, written_value
 from .gradient_flow import before_output, input_node, output_values, set_output_values
 
 aten = torch.ops.aten
@@ -66,20 +66,10 @@ def rank_shard(
     parameter's slice ``slices[name]`` (its elements ``program.shards[name]``) where it lies, zeros between. A
     rank that owns nothing of the bucket sends zeros."""
     rank, shard = program.rank, length // program.world_size
-    parts: list[fx.Node] = []
-    end = rank * shard
-    for name, start in zip(names, starts):
-        lo, hi = program.shards[name]
-        if hi == lo:
-            continue
-        if start + lo > end:
-            parts.append(cursor.emit(aten.new_zeros.default, (slices[name], [start + lo - end]), **meta))
-        parts.append(slices[name])
-        end = start + hi
-    if (rank + 1) * shard > end:
-        like = parts[-1] if parts else slices[names[0]]
-        parts.append(cursor.emit(aten.new_zeros.default, (like, [(rank + 1) * shard - end]), **meta))
-    return parts[0] if len(parts) == 1 else cursor.emit(aten.cat.default, (parts,), **meta)
+    pieces = [
+        (start + program.shards[n][0], start + program.shards[n][1], slices[n]) for n, start in zip(names, starts)
+    ]
+    return laid_out(cursor, pieces, rank * shard, (rank + 1) * shard, slices[names[0]], **meta)
 
 
 def _gather_flat(program: StepProgram, bucket: dict, flat: fx.Node) -> None:

@@ -55,22 +55,9 @@ from .bucketing import (
 )
 from .gradient_flow import input_node, replace_gradient
 from .sharded_norms import norms_over_ranks
+from .update_chains import SHAPE_FOLLOWING
 
 aten = torch.ops.aten
-# not tagged pointwise, yet element for element: copies and factories shaped like their input
-SHAPE_FOLLOWING = frozenset(
-    {
-        aten.clone.default,
-        aten.zeros_like.default,
-        aten.ones_like.default,
-        aten.full_like.default,
-        aten.empty_like.default,
-        aten._to_copy.default,
-        aten.lift_fresh_copy.default,
-        aten.copy.default,
-        aten.alias.default,
-    }
-)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from transpiler.graph.views import is_view
 from .gradient_flow import input_node
 
 aten = torch.ops.aten
-# not tagged pointwise, yet element for element: copies and factories shaped like their input
+# not tagged pointwise, yet element for element: copies and factories shaped like their input (flatten-update's
+# proof and shard-optimizer's check of what a slice may run)
 SHAPE_FOLLOWING = frozenset(
     {
         aten.clone.default,
@@ -31,6 +32,7 @@ SHAPE_FOLLOWING = frozenset(
         aten.full_like.default,
         aten.empty_like.default,
         aten._to_copy.default,
+        aten.lift_fresh_copy.default,
         aten.copy.default,
         aten.alias.default,
     }

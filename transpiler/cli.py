@@ -86,7 +86,9 @@ def _op_counts_table(program: StepProgram) -> str:
         if previous is not None:
             deltas = (counts.work - previous.work, counts.views - previous.views, counts.copies - previous.copies)
             change = "(" + ", ".join(f"{d:+d}" for d in deltas) + ")" if any(deltas) else "(no change)"
-        lines.append(f"{label.split('{')[0]:28s} {counts.work:7d} {counts.views:6d} {counts.copies:7d}   {change}")
+        lines.append(
+            f"{label.split('{')[0]:28s} {counts.work:7d} {counts.views:6d} {counts.copies:7d}   {change}".rstrip()
+        )
         previous = counts
     return "\n".join(lines)
 

@@ -14,10 +14,15 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .views import is_view
-
 aten = torch.ops.aten
 COPIES = frozenset({aten.copy_.default, aten.clone.default})
+VIEWLIKE = frozenset({aten.detach.default, aten.alias.default})
+
+
+def is_view_op(func: torch._ops.OpOverload) -> bool:
+    """A view (or ``detach``/``alias``): no kernel, only a dispatch. The one definition, for the graph's counts
+    here and for what ``bench/op_count.py`` counts a step dispatch."""
+    return func.is_view or func in VIEWLIKE
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,7 @@ def op_counts(graph: fx.Graph) -> OpCounts:
     for node in graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        if is_view(node) or node.target in (aten.detach.default, aten.alias.default):
+        if is_view_op(node.target):
             views += 1
         elif node.target in COPIES:
             copies += 1
