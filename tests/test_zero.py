@@ -32,10 +32,12 @@ Where parity is bitwise, and why:
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
+from tests.checkpoint_worker import STAGES
 from tests.distributed import ROOT, launch
 from tests.zero_worker import SCENARIOS
 
@@ -53,15 +55,16 @@ def runs(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dcp_worlds(tmp_path_factory) -> dict[int, list[dict]]:
-    """Both checkpoint worlds, in the order the checks need: the world of 4 writes a checkpoint, the world of 2
-    reads it. One fixture, so that no test depends on another having run first."""
+def dcp_worlds(tmp_path_factory) -> dict[str, list[dict]]:
+    """The checkpoint worlds in the order the checks need (tests/checkpoint_worker.py's STAGES): W=2 writes a
+    zero2 checkpoint, W=4 reads it and writes a zero3 one, W=3 reads that and writes its own, a second W=2
+    reads W=3's. One fixture, so that no test depends on another having run first."""
     checkpoints = tmp_path_factory.mktemp("dcp")
     worlds = {}
-    for world in (4, 2):
-        out = tmp_path_factory.mktemp(f"dcp{world}")
-        launch(ROOT / "tests" / "checkpoint_worker.py", world, [str(out), str(checkpoints)], timeout=240)
-        worlds[world] = [{"dcp": torch.load(out / f"rank{r}.pt")} for r in range(world)]
+    for stage, (world, *_) in STAGES.items():
+        out = tmp_path_factory.mktemp(f"dcp_{stage}")
+        launch(ROOT / "tests" / "checkpoint_worker.py", world, [str(out), str(checkpoints), stage], timeout=240)
+        worlds[stage] = [torch.load(out / f"rank{r}.pt") for r in range(world)]
     return worlds
 
 
@@ -82,62 +85,91 @@ def whole_from_slices(records: list[dict]) -> dict[str, torch.Tensor]:
     return whole
 
 
-@pytest.mark.timeout(600)  # the first test to ask for the two worlds waits for both
+@pytest.mark.timeout(600)  # the first test to ask for the worlds waits for all four
 def test_dcp_resume_at_the_same_world_size_is_bitwise(dcp_worlds):
     """save_checkpoint after 3 steps, 2 more; a fresh model, optimizer and step (other weights) read it back
-    with load_checkpoint and take the same 2 steps: the same bits (zero3 at W=4, parameters sharded too; zero1
-    and zero2 at W=2)."""
-    for world, ranks in dcp_worlds.items():
+    with load_checkpoint and take the same 2 steps: the same bits (zero1 and zero2 at W=2; zero3 at W=4, its
+    parameters sharded too)."""
+    checked = set()
+    for stage, ranks in dcp_worlds.items():
         for rank, results in enumerate(ranks):
-            for mode, resumed in results["dcp"]["resume"].items():
-                assert resumed["params"][0] and resumed["state"][0], (world, rank, mode, resumed)
+            for mode, resumed in results["resume"].items():
+                assert resumed["params"][0] and resumed["state"][0], (stage, rank, mode, resumed)
+                checked.add((len(ranks), mode))
+    assert checked == {(2, "zero1"), (2, "zero2"), (4, "zero3")}
 
 
 @pytest.mark.timeout(600)
-def test_dcp_checkpoint_of_four_ranks_reads_at_two_and_trains_as_ddp(dcp_worlds):
-    """The W=4 zero3 checkpoint read by W=2 steps: zero3 built before loading (each rank reads its slices of the
-    parameters and the state) and zero1 not (whole tensors, cut at the first step): the parameters and the
-    optimizer state reassembled from
-    the two ranks' slices are the saved ones, bitwise; the next 2 steps are bitwise DDP's, DDP loaded from the
-    same checkpoint through get_state_dict/dcp.load/set_state_dict."""
-    ranks, writers = dcp_worlds[2], dcp_worlds[4]
-    saved = writers[0]["dcp"]["saved"]["params"]
-    saved_state = whole_from_slices([r["dcp"]["saved"] for r in writers])
-    for entry in ("reshard_built", "reshard_unbuilt"):
+@pytest.mark.parametrize(
+    "reader,writer", [("w4", "w2"), ("w3", "w4"), ("w2_from_w3", "w3")], ids=["2to4", "4to3", "3to2"]
+)
+def test_dcp_checkpoint_reads_at_another_world_size_and_trains_as_ddp(dcp_worlds, reader, writer):
+    """A checkpoint written at one world size, read at another (W=2's zero2 at W=4; W=4's zero3 at W=3, an odd
+    size whose shards are uneven; W=3's at W=2), into zero3 built before loading (each rank reads its slices of
+    the parameters and the state) and into zero1 not built (whole tensors, cut at the first step). The
+    parameters, and the optimizer state reassembled from the reader's slices, are the saved ones, bitwise. The
+    next 2 steps follow DDP loaded from the same checkpoint through get_state_dict/dcp.load/set_state_dict:
+    bitwise at W=2; within ATOL_W4 at W=3 and W=4, where gloo's ring sums each element in an order that depends
+    on its place in the bucket (as in test_parity_with_ddp_and_single_process; 1.9e-9 at W=4 and 6e-8 at W=3
+    measured)."""
+    ranks, writers = dcp_worlds[reader], dcp_worlds[writer]
+    exact = len(ranks) == 2
+    saved = writers[0]["saved"]["params"]
+    saved_state = whole_from_slices([r["saved"] for r in writers])
+    for entry in ("built", "unbuilt"):
         for rank, results in enumerate(ranks):
-            loaded = results["dcp"][entry]["loaded"]["params"]
-            assert all(torch.equal(saved[n], loaded[n]) for n in saved), (entry, rank)
-            for step, (params, state) in enumerate(results["dcp"][entry]["trained"]):
-                assert params[0] and state[0], (entry, rank, step, params, state)
-        if entry == "reshard_built":  # the unbuilt step holds whole tensors until its first step
-            state = whole_from_slices([r["dcp"][entry]["loaded"] for r in ranks])
+            record = results["reshard"][entry]
+            loaded = record["loaded"]["params"]
+            assert loaded.keys() == saved.keys() and all(torch.equal(saved[n], loaded[n]) for n in saved), (entry, rank)
+            assert len(record["trained"]) == 2, entry
+            for step, (params, state) in enumerate(record["trained"]):
+                if exact:
+                    assert params[0] and state[0], (entry, rank, step, params, state)
+                else:
+                    assert params[1] <= ATOL_W4 and state[1] <= ATOL_W4, (entry, rank, step, params, state)
+        if entry == "built":  # the unbuilt step holds whole tensors until its first step
+            state = whole_from_slices([r["reshard"][entry]["loaded"] for r in ranks])
             assert state.keys() == saved_state.keys()
             assert all(torch.equal(state[k], saved_state[k]) for k in state), entry
 
 
 @pytest.mark.timeout(600)
-def test_dcp_checkpoint_of_four_ranks_reads_into_a_plain_model(dcp_worlds):
-    """One process, no process group: a plain TiedLM and AdamW read the W=4 zero3 checkpoint with torch's own
-    get_state_dict/dcp.load/set_state_dict, and hold the saved parameters and the whole optimizer state."""
+@pytest.mark.parametrize("writer", ["w4", "w3"], ids=["4to1", "3to1"])
+def test_dcp_checkpoint_reads_into_a_plain_model(dcp_worlds, writer):
+    """One process, no process group: a plain TiedLM and AdamW read a zero3 checkpoint of W=4 or W=3 (uneven
+    slices) with torch's own get_state_dict/dcp.load/set_state_dict, and hold the saved parameters and the
+    whole optimizer state."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from tests.models import TiedLM
 
-    writers = dcp_worlds[4]
-    path = writers[0]["dcp"]["path"]
+    writers = dcp_worlds[writer]
     model = TiedLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     msd, osd = get_state_dict(model, optimizer)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=writers[0]["path"])
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
-    saved = writers[0]["dcp"]["saved"]["params"]
+    saved = writers[0]["saved"]["params"]
     assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters())
-    expected = whole_from_slices([r["dcp"]["saved"] for r in writers])
+    expected = whole_from_slices([r["saved"] for r in writers])
     names = {p: n for n, p in model.named_parameters()}
+    assert {f"{names[p]}.{k}" for p, entries in optimizer.state.items() for k in entries} == expected.keys()
     for p, entries in optimizer.state.items():
         for key, value in entries.items():
             assert torch.equal(value, expected[f"{names[p]}.{key}"]), (names[p], key)
+
+
+@pytest.mark.timeout(600)
+def test_dcp_refuses_a_mode_that_keeps_ranks_apart_and_the_world_goes_on(dcp_worlds):
+    """local_sgd at W=2: save_checkpoint raises CheckpointError on every rank, saying why and what to do
+    instead, before any collective: an all-reduce afterwards still sums both ranks."""
+    for rank, results in enumerate(dcp_worlds["w2"]):
+        refusal = results["refuses"]["refusal"]
+        assert "keeps ranks apart" in refusal and "state_dict()" in refusal, (rank, refusal)
+        assert results["refuses"]["after"] == 2.0, rank
 
 
 def _scenarios(world: int) -> list[str]:
