@@ -10,6 +10,7 @@ SINGA's partial average). Each rank saves what it saw; the test compares.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sys
@@ -124,36 +125,56 @@ def accumulation(rank, world) -> dict:
     }
 
 
-def per_rank_concat(batches, rank, k):
-    """This rank's micro-batches of each cycle, concatenated: the batch one step without accumulation sees."""
-    out = []
-    for i in range(0, len(batches), k):
-        parts = [shard(b, rank) for b in batches[i : i + k]]
-        out.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
+def gathered(tensors: dict[str, torch.Tensor], world: int) -> dict[str, torch.Tensor]:
+    """Every rank's copy of each tensor, stacked: [world, *shape]."""
+    out = {}
+    for n, t in tensors.items():
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        out[n] = torch.stack(parts)
     return out
 
 
-def run_local(mode, batches_local, make_opt=sgd, **options):
-    model = base_model()
-    opt = make_opt(model)
-    step = transpile(model, opt, mode, LOSS, **options)
-    params = []
-    for x, y in batches_local:
-        step(x, y)
-        params.append(params_of(model))
-    return params, step
+def accumulated_grads(model: nn.Module, micro: list) -> dict[str, torch.Tensor]:
+    """Eager: the gradient one cycle accumulates, each micro-step's loss divided by the number of micro-steps."""
+    model.zero_grad()
+    for x, y in micro:
+        (LOSS(model(x), y) / len(micro)).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def accumulation_composed(rank, world) -> dict:
-    """Accumulation with AdaSum and LocalSGD against the same mode on the concatenated micro-batches."""
+    """Accumulation (2 micro-steps) with AdaSum and with LocalSGD (k=2), each next to a reference from the
+    published rule. Per cycle, an eager twin at the step's own parameters and optimizer state records what the
+    test needs: for AdaSum every rank's accumulated gradient (the test applies the AdaSum tree and SGD with
+    momentum), for LocalSGD every rank's parameters after its local update (the test holds a sync to their mean
+    and a local update to this rank's own)."""
     batches = global_batches(8, world)
-    micro = [shard(b, rank) for b in batches]
-    big = per_rank_concat(batches, rank, 2)
+    cycles = [[shard(b, rank) for b in batches[i : i + 2]] for i in range(0, len(batches), 2)]
     out = {}
     for mode, options in (("adasum", {}), ("local_sgd", {"k_steps": 2})):
-        ours, _ = run_local(mode, micro, accumulate_steps=2, **options)
-        reference, _ = run_local(mode, big, **options)
-        out[mode] = (ours[1::2], reference)
+        model = base_model()
+        opt = sgd(model)
+        step = transpile(model, opt, mode, LOSS, accumulate_steps=2, **options)
+        twin = base_model()
+        twin_opt = sgd(twin)
+        record = []
+        for micro in cycles:
+            twin.load_state_dict(model.state_dict())
+            twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            momentum = {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters() if opt.state[p]}
+            entry = {"before": params_of(model), "momentum": momentum}
+            if mode == "adasum":
+                entry["grads"] = gathered(accumulated_grads(twin, micro), world)
+            else:
+                accumulated_grads(twin, micro)
+                twin_opt.step()
+                entry["pre"] = gathered(params_of(twin), world)
+            for x, y in micro:
+                step(x, y)
+            entry.update(after=params_of(model), variant=step.last_variant)
+            record.append(entry)
+        out[mode] = record
     return out
 
 
@@ -406,21 +427,60 @@ def partial_sync(rank, world) -> dict:
     return {"record": record, "members": members, "names": [n for n, _ in model.named_parameters()]}
 
 
+WRAPPERS = {
+    "accumulate_steps": 2,
+    "loss_scale": "dynamic",
+    "max_grad_norm": 0.3,
+    "freeze_groups": 2,
+    "freeze_type": 0,
+    "freeze_p": 0.5,
+}
+
+
+def wrapped_reference(rank: int, world: int, batches: list) -> list[dict]:
+    """WRAPPERS written eagerly from their published rules, the independent reference: each micro-step's loss /2
+    scaled by ``torch.amp.GradScaler`` (2**16, torch's default, as ours) and backpropagated; Boost's continuous
+    freeze cycle for 2 groups and p=0.5 (one zero: 0 1 0 1 ..., the index held for a cycle) drops group 0's
+    gradients (the first 3 of the MLP's 6 tensors) on odd updates; the rest are summed over the ranks with
+    all_reduce and divided by W (DDP's arithmetic), unscaled, clipped with ``clip_grad_norm_`` and stepped."""
+    model = base_model()
+    opt = sgd(model)
+    scaler = torch.amp.GradScaler("cpu")
+    params = list(model.parameters())
+    out = []
+    for update, i in enumerate(range(0, len(batches), 2)):
+        frozen = set(range(3)) if update % 2 else set()
+        opt.zero_grad()
+        for batch in batches[i : i + 2]:
+            x, y = shard(batch, rank)
+            scaler.scale(LOSS(model(x), y) / 2).backward()
+        for j, p in enumerate(params):
+            if j in frozen:
+                p.grad = None
+            else:
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], WRAPPERS["max_grad_norm"])
+        scaler.step(opt)
+        scaler.update()
+        out.append(params_of(model))
+    return out
+
+
 def allreduce_wrappers(rank, world) -> dict:
-    """``allreduce`` takes the same wrapping options through the same passes: it must equal ``fused_allreduce``
-    with them (bitwise at world size 2: a sum of two values, per gradient or per bucket)."""
+    """``allreduce`` and ``fused_allreduce`` with accumulation, dynamic loss scaling, clipping and freeze all
+    switched on, against the eager reference (bitwise at world size 2: the scale and 1/2 are powers of two, a
+    sum of two values does not depend on the order, and clipping runs clip_grad_norm_'s ops)."""
     batches = global_batches(8, world)
-    options = {
-        "accumulate_steps": 2,
-        "loss_scale": "dynamic",
-        "max_grad_norm": 0.3,
-        "freeze_groups": 2,
-        "freeze_type": 0,
-        "freeze_p": 0.5,
+    ours = run("allreduce", rank, world, batches, **WRAPPERS)
+    fused = run("fused_allreduce", rank, world, batches, **WRAPPERS)
+    return {
+        "ours": ours["params"][1::2],
+        "fused": fused["params"][1::2],
+        "variants": ours["variants"],
+        "reference": wrapped_reference(rank, world, batches),
     }
-    ours = run("allreduce", rank, world, batches, **options)
-    fused = run("fused_allreduce", rank, world, batches, **options)
-    return {"ours": ours["params"], "fused": fused["params"], "variants": ours["variants"]}
 
 
 def compiled(rank, world) -> dict:

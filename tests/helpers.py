@@ -1,9 +1,10 @@
-"""Eager reference training and comparisons shared by single-process tests."""
+"""Eager reference training, comparisons and the published AdaSum (numpy) shared by the tests."""
 
 from __future__ import annotations
 
 import copy
 
+import numpy as np
 import torch
 
 from transpiler.graph.program import Port
@@ -101,3 +102,20 @@ def run_by_ports(program, values: dict) -> dict:
         for port, start, shape in zip(ports, layout.starts, layout.shapes):
             results[port] = buffer[start : start + torch.Size(shape).numel()].view(shape)
     return results
+
+
+def combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """AdaSum of two vectors (Maleki et al.): (1 - a·b/(2|a|²)) a + (1 - a·b/(2|b|²)) b, a zero vector's
+    coefficient 1."""
+    dot, na, nb = float(a @ b), float(a @ a), float(b @ b)
+    ca = 1.0 if na == 0 else 1 - dot / (2 * na)
+    cb = 1.0 if nb == 0 else 1 - dot / (2 * nb)
+    return ca * a + cb * b
+
+
+def adasum_tree(vectors: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """vectors[rank][tensor] -> the AdaSum of all ranks, tensor by tensor."""
+    level = [[v.astype(np.float64).ravel() for v in rank] for rank in vectors]
+    while len(level) > 1:
+        level = [[combine(a, b) for a, b in zip(level[i], level[i + 1])] for i in range(0, len(level), 2)]
+    return level[0]

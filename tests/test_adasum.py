@@ -16,25 +16,10 @@ import pytest
 import torch
 
 from tests.distributed import ROOT, launch
-from tests.helpers import eager_step
+from tests.helpers import adasum_tree, eager_step
 from transpiler import ConfigurationError, transpile
 
 EPS32 = float(np.finfo(np.float32).eps)
-
-
-def combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    dot, na, nb = float(a @ b), float(a @ a), float(b @ b)
-    ca = 1.0 if na == 0 else 1 - dot / (2 * na)
-    cb = 1.0 if nb == 0 else 1 - dot / (2 * nb)
-    return ca * a + cb * b
-
-
-def adasum_tree(vectors: list[list[np.ndarray]]) -> list[np.ndarray]:
-    """vectors[rank][tensor] -> the AdaSum of all ranks, tensor by tensor."""
-    level = [[v.astype(np.float64).ravel() for v in rank] for rank in vectors]
-    while len(level) > 1:
-        level = [[combine(a, b) for a, b in zip(level[i], level[i + 1])] for i in range(0, len(level), 2)]
-    return level[0]
 
 
 def rel_err(got: torch.Tensor, want: np.ndarray) -> float:
