@@ -2,6 +2,13 @@
 
     torchrun --nproc-per-node 2 examples/train_digits.py --mode fused_allreduce
 
+Elastic, surviving a lost rank or host (docs/fault_tolerance.md): checkpoints every 5 steps, and torchrun
+restarts the workers, which resume from the newest checkpoint at whatever world size the restart has:
+
+    torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \
+        --rdzv-endpoint HOST:29400 --rdzv-id digits examples/train_digits.py \
+        --mode fused_allreduce --checkpoint-dir /shared/ckpt --save-every 5
+
 Each rank trains on its own shard of every global batch; the transpiled graph
 averages the gradients across ranks. Rank 0 shows progress and prints the
 final test accuracy. Works with one process too (``python examples/train_digits.py``).
@@ -10,6 +17,7 @@ final test accuracy. Works with one process too (``python examples/train_digits.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -22,7 +30,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from transpiler import transpile  # noqa: E402
+from transpiler import Checkpointer, DataPosition, transpile  # noqa: E402
 from transpiler.graph.options import key_values  # noqa: E402
 from transpiler.strategies.modes import MODES  # noqa: E402
 
@@ -60,6 +68,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--init", metavar="PATH", help="start from these model weights (a --save-model file)")
     parser.add_argument("--save-model", metavar="PATH", help="rank 0 saves the trained model's weights here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="save checkpoints here (every rank must see it) and resume from it"
+    )
+    parser.add_argument("--save-every", type=int, default=10, help="steps between checkpoints (--checkpoint-dir)")
+    parser.add_argument("--keep", type=int, default=2, help="checkpoints kept (--checkpoint-dir)")
+    parser.add_argument(
+        "--log-samples", metavar="DIR", help="each rank appends the sample ids of every step to DIR/rank<r>.jsonl"
+    )
+    parser.add_argument("--timeout", type=float, default=120, help="process-group timeout in seconds")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL")
     parser.add_argument(
         "--cuda-graph", action="store_true", help="capture the step as a CUDA graph (needs --device cuda)"
@@ -102,11 +119,11 @@ def main() -> None:
             "nccl",
             rank=int(os.environ.get("RANK", "0")),
             world_size=world,
-            timeout=timedelta(seconds=120),
+            timeout=timedelta(seconds=args.timeout),
             device_id=device,
         )
     elif world > 1:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(args.seed)  # every rank builds the same model; broadcast-params makes sure
     x_train, x_test, y_train, y_test = (t.to(device) for t in load_data(args.seed))
@@ -121,7 +138,7 @@ def main() -> None:
     model.to(device)
     optimizer = make_optimizer(model, args)
     loss_fn = torch.nn.CrossEntropyLoss()
-    steps_per_epoch = len(x_train) // args.global_batch
+    position = DataPosition(len(x_train), args.global_batch, seed=args.seed)  # the same shuffle on every rank
     step = transpile(
         model,
         optimizer,
@@ -138,7 +155,14 @@ def main() -> None:
             for variant, program in step.programs.items()
         }
         print(f"mode={args.mode} world={world} per-rank batch={per_rank} communication ops per variant: {counts}")
-    generator = torch.Generator().manual_seed(args.seed)  # the same shuffle on every rank
+    checkpointer = None
+    if args.checkpoint_dir:
+        checkpointer = Checkpointer(step, args.checkpoint_dir, every=args.save_every, keep=args.keep, position=position)
+        resumed = checkpointer.resume()
+        if rank == 0:
+            where = f"resumed from {resumed} (epoch {position.epoch}, offset {position.offset})" if resumed else "fresh"
+            print(f"{where}; checkpoints every {args.save_every} steps in {args.checkpoint_dir}", flush=True)
+    log = SampleLog(args.log_samples, rank, world) if args.log_samples else None
     start = time.perf_counter()
     with Progress(
         TextColumn("[bold]epoch {task.completed}/{task.total}"),
@@ -148,17 +172,17 @@ def main() -> None:
         TimeElapsedColumn(),
         disable=rank != 0,
     ) as progress:
-        task = progress.add_task("train", total=args.epochs, loss=float("nan"), metrics="")
-        for _ in range(args.epochs):
-            order = torch.randperm(len(x_train), generator=generator)
-            total = 0.0
-            for i in range(steps_per_epoch):
-                idx = order[i * args.global_batch : (i + 1) * args.global_batch][
-                    rank * per_rank : (rank + 1) * per_rank
-                ]
-                total += step(x_train[idx], y_train[idx]).item()
+        task = progress.add_task("train", total=args.epochs, completed=position.epoch, loss=float("nan"), metrics="")
+        while position.epoch < args.epochs:
+            total, count = 0.0, 0
+            for idx in position.epoch_batches(rank, world):
+                total, count = total + step(x_train[idx], y_train[idx]).item(), count + 1
+                if log is not None:
+                    log.write(checkpointer.steps + 1 if checkpointer else None, position, idx)
+                if checkpointer is not None:
+                    checkpointer.step_done()
             metrics = " ".join(f"{k} {v:.4g}" for k, v in step.last_metrics.items())  # grad_norm, loss_scale...
-            progress.update(task, advance=1, loss=total / steps_per_epoch, metrics=metrics)
+            progress.update(task, advance=1, loss=total / max(count, 1), metrics=metrics)
     model.eval()
     with step.gathered(), torch.no_grad():  # zero3 holds slices between steps; every rank enters (a no-op elsewhere)
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
@@ -169,6 +193,23 @@ def main() -> None:
         print(f"trained {args.epochs} epochs in {time.perf_counter() - start:.1f}s; test accuracy {accuracy:.4f}")
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class SampleLog:
+    """Each step's sample ids on this rank, one JSON line per step, with the restart they ran in: what the tests
+    check for samples lost or repeated across restarts."""
+
+    def __init__(self, directory: str, rank: int, world: int) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.file = open(os.path.join(directory, f"rank{rank}.jsonl"), "a")  # noqa: SIM115 (open for the run)
+        self.rank, self.world = rank, world
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def write(self, step: int | None, position: DataPosition, idx: torch.Tensor) -> None:
+        record = {"restart": self.restart, "world": self.world, "rank": self.rank, "pid": os.getpid(), "step": step}
+        record.update(epoch=position.epoch, offset=position.offset, ids=idx.tolist())
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
 
 
 def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:

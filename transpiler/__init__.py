@@ -20,12 +20,14 @@ from .errors import (
     UnsupportedOptimizerError,
     VerificationError,
 )
-from .runtime import DistributedStep
+from .runtime import Checkpointer, DataPosition, DistributedStep
 
 __all__ = [
     "CheckpointError",
+    "Checkpointer",
     "CommunicationError",
     "ConfigurationError",
+    "DataPosition",
     "DistributedStep",
     "FactoryError",
     "PipelineSpecError",

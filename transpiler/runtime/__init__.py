@@ -1,6 +1,9 @@
 """Running a rank's programs: ``DistributedStep``, process groups, the handshake, failures, the cost probe,
-trajectories, and the compiled and CUDA-graph runners."""
+trajectories, the compiled and CUDA-graph runners, and periodic checkpoints with the data position a restart
+resumes from."""
 
+from .checkpointer import Checkpointer
+from .data_position import DataPosition
 from .distributed_step import DistributedStep
 
-__all__ = ["DistributedStep"]
+__all__ = ["Checkpointer", "DataPosition", "DistributedStep"]

@@ -1,0 +1,164 @@
+"""Several "hosts" on one machine: Linux network namespaces joined by veth pairs to a bridge, made and deleted by
+the test that uses them. Each host has one interface with an address that exists only inside these namespaces,
+and runs its own ``torchrun``; ``GLOO_SOCKET_IFNAME`` makes gloo use that interface, so the ranks of two hosts
+talk over the veth links, and taking a link down partitions a host silently (no reset, no error: packets stop).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SUBNET = "10.231.0"  # inside the namespaces only
+
+
+def namespaces_unavailable() -> str | None:
+    """Why namespaces cannot be made here (None: they can)."""
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    if os.geteuid() != 0:
+        return "making network namespaces needs root"
+    probe = f"tpprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode:
+        return f"`ip netns add` failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@dataclass
+class Host:
+    name: str  # the namespace
+    interface: str
+    address: str
+    agents: list[subprocess.Popen] = field(default_factory=list)
+
+    def run(self, command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        """Start ``command`` inside this host, in its own process group (so that the whole host can be killed),
+        with gloo on this host's interface."""
+        env = {**env, "GLOO_SOCKET_IFNAME": self.interface}
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", self.name, *command],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=ROOT,
+            )
+        self.agents.append(proc)
+        return proc
+
+    def kill_all(self) -> None:
+        """SIGKILL every process this host started (agents and their workers): a host that is lost."""
+        for proc in self.agents:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for proc in self.agents:
+            proc.wait(timeout=30)
+
+    def unplug(self, switch: str) -> None:
+        """Take this host's link down on the bridge's side: its packets stop, nobody is told."""
+        _ip("-n", switch, "link", "set", f"s{self.interface}", "down")
+
+
+class Hosts:
+    """``count`` hosts on one bridge; a context manager that deletes everything it made."""
+
+    def __init__(self, count: int) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.switch = f"tpsw{tag}"
+        self.hosts = [Host(f"tph{tag}-{i}", f"v{tag}h{i}", f"{SUBNET}.{i + 1}") for i in range(count)]
+
+    def __enter__(self) -> list[Host]:
+        try:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for host in self.hosts:
+                _ip("netns", "add", host.name)
+                peer = f"s{host.interface}"
+                _ip("link", "add", host.interface, "type", "veth", "peer", "name", peer)
+                _ip("link", "set", host.interface, "netns", host.name)
+                _ip("link", "set", peer, "netns", self.switch)
+                _ip("-n", self.switch, "link", "set", peer, "master", "br0")
+                _ip("-n", self.switch, "link", "set", peer, "up")
+                _ip("-n", host.name, "addr", "add", f"{host.address}/24", "dev", host.interface)
+                _ip("-n", host.name, "link", "set", host.interface, "up")
+                _ip("-n", host.name, "link", "set", "lo", "up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self.hosts
+
+    def __exit__(self, *exc: object) -> None:
+        for host in self.hosts:
+            host.kill_all()
+        for name in [h.name for h in self.hosts] + [self.switch]:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)  # takes its veth ends with it
+
+
+def torchrun(
+    host: Host,
+    script: str,
+    args: list[str],
+    *,
+    nnodes: str,
+    nproc: int,
+    endpoint: str,
+    run_id: str,
+    log: Path,
+    max_restarts: int = 0,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """One host's ``torchrun`` with the c10d rendezvous (its store on the ``endpoint`` host), tuned for a test:
+    a dead host is noticed after 3 missed 1-second heartbeats, and a rendezvous with its minimum of hosts closes
+    after 2 seconds more."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        "--rdzv-conf=join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,close_timeout=5",
+        f"--local-addr={host.address}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.5",
+        script,
+        *args,
+    ]
+    base = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
+    return host.run(command, base, log)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Wait for every process; kill the rest and fail if the timeout passes first."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                try:
+                    os.killpg(other.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            raise AssertionError(f"torchrun did not finish within {timeout} s") from None
+    return codes

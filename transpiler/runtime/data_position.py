@@ -1,0 +1,81 @@
+"""Where training stands in its data, kept so that a restart at another world size sees every sample once.
+
+``DistributedSampler`` cuts each epoch's permutation into one strided shard per rank, fixed for the epoch; after
+a restart at another world size the shards no longer line up with what was consumed. Here the unit of progress
+is the *global* batch: each epoch's permutation depends only on ``(seed, epoch)``, the world consumes it
+``global_batch`` samples at a time, and each rank takes its contiguous part of the current global batch. The
+position is ``(epoch, offset)``, the count of samples the world has consumed this epoch, which means the same
+at any world size: resumed at W=2 from a W=4 checkpoint, the next global batch starts where W=4 stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+
+from transpiler.errors import CheckpointError, ConfigurationError
+
+
+@dataclass
+class DataPosition:
+    """Epoch and offset (samples consumed this epoch, over all ranks) in a dataset of ``size`` samples read in
+    global batches of ``global_batch``; ``seed`` fixes every epoch's shuffle. A last partial global batch is
+    dropped, as ``drop_last=True`` does, so that every step has the same shape."""
+
+    size: int
+    global_batch: int
+    seed: int = 0
+    epoch: int = 0
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.global_batch <= self.size:
+            raise ConfigurationError(
+                f"global_batch must be between 1 and the dataset size {self.size}, got {self.global_batch}."
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.size // self.global_batch
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """Epoch ``epoch``'s permutation: the ``epoch + 1``-th ``randperm`` of a generator seeded with ``seed``
+        (what a loop drawing one permutation per epoch from one generator sees), the same on every rank."""
+        generator = torch.Generator().manual_seed(self.seed)
+        for _ in range(epoch):
+            torch.randperm(self.size, generator=generator)
+        return torch.randperm(self.size, generator=generator)
+
+    def epoch_batches(self, rank: int, world: int) -> Iterator[torch.Tensor]:
+        """This rank's sample indices for each remaining global batch of the current epoch. The position moves
+        past a batch when it is handed out, so a checkpoint written after the step on it counts it as consumed;
+        at the end of the epoch it moves to the next epoch's start."""
+        if self.global_batch % world:
+            raise ConfigurationError(
+                f"the global batch {self.global_batch} does not split evenly over {world} ranks; choose a global "
+                "batch divisible by every world size the job may run at."
+            )
+        per_rank = self.global_batch // world
+        order = self.order(self.epoch)
+        while self.offset + self.global_batch <= self.size:
+            start = self.offset + rank * per_rank
+            self.offset += self.global_batch
+            yield order[start : start + per_rank]
+        self.epoch, self.offset = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Take the saved epoch and offset; the dataset size, global batch and seed must be the saved ones, or
+        the saved offset would point into another permutation."""
+        for key in ("size", "global_batch", "seed"):
+            if state.get(key) != getattr(self, key):
+                raise CheckpointError(
+                    f"the checkpoint's data position was saved with {key}={state.get(key)}, and this run has "
+                    f"{key}={getattr(self, key)}: resuming would skip or repeat samples. Restart with the saved "
+                    "setting, or start a new run without resuming."
+                )
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
