@@ -5,9 +5,11 @@
 Elastic, surviving a lost rank or host (docs/fault_tolerance.md): checkpoints every 5 steps, and torchrun
 restarts the workers, which resume from the newest checkpoint at whatever world size the restart has:
 
-    torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d \
-        --rdzv-endpoint HOST:29400 --rdzv-id digits examples/train_digits.py \
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 \
+        --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id digits examples/train_digits.py \
         --mode fused_allreduce --checkpoint-dir /shared/ckpt --save-every 5
+
+(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh store for each restart's workers, pytorch/pytorch#135712.)
 
 Each rank trains on its own shard of every global batch; the transpiled graph
 averages the gradients across ranks. Rank 0 shows progress and prints the
@@ -196,17 +198,22 @@ def main() -> None:
 
 
 class SampleLog:
-    """Each step's sample ids on this rank, one JSON line per step, with the restart they ran in: what the tests
-    check for samples lost or repeated across restarts."""
+    """Each step's sample ids on this rank, one JSON line per step, with the attempt they ran in (rank 0's start
+    time, the same on every rank: torchrun's restart count is each agent's own, and an agent restarted for a
+    membership change does not count it): what the tests check for samples lost or repeated across restarts."""
 
     def __init__(self, directory: str, rank: int, world: int) -> None:
         os.makedirs(directory, exist_ok=True)
         self.file = open(os.path.join(directory, f"rank{rank}.jsonl"), "a")  # noqa: SIM115 (open for the run)
         self.rank, self.world = rank, world
-        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        box = [time.time()]
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)
+        self.attempt = box[0]
 
     def write(self, step: int | None, position: DataPosition, idx: torch.Tensor) -> None:
-        record = {"restart": self.restart, "world": self.world, "rank": self.rank, "pid": os.getpid(), "step": step}
+        record = {"attempt": self.attempt, "world": self.world, "rank": self.rank, "pid": os.getpid(), "step": step}
+        record["time"] = time.time()
         record.update(epoch=position.epoch, offset=position.offset, ids=idx.tolist())
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()

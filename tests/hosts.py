@@ -42,6 +42,7 @@ class Host:
     name: str  # the namespace
     interface: str
     address: str
+    switch: str  # the bridge's namespace
     agents: list[subprocess.Popen] = field(default_factory=list)
 
     def run(self, command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -61,18 +62,20 @@ class Host:
         return proc
 
     def kill_all(self) -> None:
-        """SIGKILL every process this host started (agents and their workers): a host that is lost."""
-        for proc in self.agents:
+        """SIGKILL every process in this host's namespace (agents and their workers, which torchrun starts in
+        sessions of their own): a host that is lost."""
+        listed = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True).stdout
+        for pid in [int(p) for p in listed.split()] + [proc.pid for proc in self.agents]:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         for proc in self.agents:
             proc.wait(timeout=30)
 
-    def unplug(self, switch: str) -> None:
+    def unplug(self) -> None:
         """Take this host's link down on the bridge's side: its packets stop, nobody is told."""
-        _ip("-n", switch, "link", "set", f"s{self.interface}", "down")
+        _ip("-n", self.switch, "link", "set", f"s{self.interface}", "down")
 
 
 class Hosts:
@@ -81,7 +84,7 @@ class Hosts:
     def __init__(self, count: int) -> None:
         tag = f"{os.getpid() % 100000}"
         self.switch = f"tpsw{tag}"
-        self.hosts = [Host(f"tph{tag}-{i}", f"v{tag}h{i}", f"{SUBNET}.{i + 1}") for i in range(count)]
+        self.hosts = [Host(f"tph{tag}-{i}", f"v{tag}h{i}", f"{SUBNET}.{i + 1}", self.switch) for i in range(count)]
 
     def __enter__(self) -> list[Host]:
         try:
@@ -124,9 +127,11 @@ def torchrun(
     max_restarts: int = 0,
     env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
-    """One host's ``torchrun`` with the c10d rendezvous (its store on the ``endpoint`` host), tuned for a test:
-    a dead host is noticed after 3 missed 1-second heartbeats, and a rendezvous with its minimum of hosts closes
-    after 2 seconds more."""
+    """One host's ``torchrun`` with the c10d rendezvous, tuned for a test: a dead host is noticed after 3 missed
+    1-second heartbeats, and a rendezvous with its minimum of hosts closes after 2 seconds more. The host whose
+    address is the ``endpoint``'s hosts the rendezvous store (``is_host``: torchrun's own guess compares the
+    endpoint with the machine's hostname, which a namespace shares with the others)."""
+    is_host = endpoint.rsplit(":", 1)[0] == host.address
     command = [
         sys.executable,
         "-m",
@@ -136,14 +141,18 @@ def torchrun(
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}",
-        "--rdzv-conf=join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,close_timeout=5",
+        "--rdzv-conf=join_timeout=60,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,"
+        f"close_timeout=5,is_host={str(is_host).lower()}",
         f"--local-addr={host.address}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.5",
         script,
         *args,
     ]
-    base = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
+    # A fresh worker store each round: with the agent's shared store, a restart reads the keys the last round's
+    # workers left and connects to dead peers (pytorch/pytorch#135712; docs/fault_tolerance.md)
+    base = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    base.update(env or {})
     return host.run(command, base, log)
 
 

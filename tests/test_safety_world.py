@@ -98,5 +98,6 @@ def test_faults_fail_within_the_timeout_naming_what_failed(kind, tmp_path_factor
     assert "rank 0:" in survivor["message"]
     if kind != "freeze_one":
         assert "all_reduce" in survivor["message"] and "bucket" in survivor["message"]
+        assert "waited for ranks 1," in survivor["message"], survivor["message"]  # the stalled or dead peer
     # no bound on how fast: a hang would have ended the world at launch()'s timeout, not in an error; a stalled
     # peer wakes after 4 x the timeout, and had the survivor waited for it the step would have raised nothing

@@ -355,6 +355,7 @@ class DistributedStep:
                     exc,
                     gm,
                     rank=self.placement.rank,
+                    world=self.placement.world_size,
                     elapsed=time.perf_counter() - start,
                     timeout=self.placement.timeout,
                     program=label,

@@ -6,12 +6,18 @@ peer"). The traceback still points at the line of the graph's code that
 failed; fx names each line's result after its node, so the node (the wait of
 a bucket's all-reduce, an exchange, a broadcast) is found and described: what
 it reduces, for which parameters, on which group, and how long the rank waited.
+
+Which peer is at fault the failure itself rarely says (a timed-out receive names no one), so the failing rank
+asks: it reports its failure in torch.distributed's store and waits a few seconds for the other ranks'
+reports. Ranks that fail the same collective report too; a rank that stalled, died or sits behind a cut link
+does not, and the error names it. A rank that cannot reach the store at all is the one cut off, and says so.
 """
 
 from __future__ import annotations
 
 import linecache
 import re
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -61,14 +67,52 @@ def describe(node: fx.Node | None) -> str:
     return f"'{target.name}' ({signature(target)}{bucket}{of})"
 
 
+def silent_peers(rank: int, world: int, wait_s: float) -> list[int] | None:
+    """The ranks that did not report a failure in the default store within ``wait_s`` seconds of this rank's
+    report (None: the store cannot be reached from here, or there is none)."""
+    if not dist.is_initialized():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"transpiler/failed/{rank}", "1")
+        deadline = time.monotonic() + wait_s
+        missing = [r for r in range(world) if r != rank]
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([f"transpiler/failed/{r}"])]
+            time.sleep(0.1)
+        return missing
+    except Exception:  # noqa: BLE001 (a store that is gone or cut off: say so instead)
+        return None
+
+
+def who_is_silent(rank: int, world: int, timeout: timedelta) -> str:
+    wait_s = min(5.0, max(timeout.total_seconds() / 4, 0.5))
+    silent = silent_peers(rank, world, wait_s)
+    if silent is None:
+        return "this rank cannot reach the store either, so it is the one cut off (or the store's host is gone)"
+    if not silent:
+        return "every rank failed here too: look for the first error in the ranks' output"
+    return (
+        f"waited for ranks {', '.join(map(str, silent))}, which did not report this failure within {wait_s:g} s: "
+        "they stalled, died or cannot be reached"
+    )
+
+
 def communication_error(
-    exc: BaseException, gm: fx.GraphModule, *, rank: int, elapsed: float, timeout: timedelta, program: str
+    exc: BaseException,
+    gm: fx.GraphModule,
+    *,
+    rank: int,
+    world: int,
+    elapsed: float,
+    timeout: timedelta,
+    program: str,
 ) -> CommunicationError:
     node = failing_node(exc, gm)
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return CommunicationError(
         f"rank {rank}: {describe(node)} in program '{program}' failed after {elapsed:.1f} s "
-        f"(timeout {timeout.total_seconds():g} s): another rank stalled, died or runs a different program. "
-        f"Check the other ranks' output; set the timeout with transpile(..., timeout=seconds) or "
-        f"init_process_group(timeout=...). Torch said: {first[:400]}"
+        f"(timeout {timeout.total_seconds():g} s); {who_is_silent(rank, world, timeout)}. "
+        "Another rank stalled, died or runs a different program: check the other ranks' output; set the timeout "
+        f"with transpile(..., timeout=seconds) or init_process_group(timeout=...). Torch said: {first[:400]}"
     )

@@ -1,0 +1,216 @@
+"""Elastic restarts end to end: the digits example under torchrun's elastic agent (``--nnodes 1:2``,
+``--max-restarts``, the c10d rendezvous) on two hosts of two processes (network namespaces, tests/hosts.py),
+checkpointing every 10 steps. A rank or a host is lost mid-epoch; torchrun restarts the world, and the example
+resumes from the newest checkpoint (transpiler.Checkpointer) at whatever world size the restart has.
+
+The uninterrupted reference is the same job at 1 host × 4 on loopback (the ranks, data and reductions are
+those of 2 × 2: tests/test_multihost.py shows the two bitwise equal).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import ROOT, launch
+from tests.hosts import Hosts, namespaces_unavailable, torchrun, wait_all
+from transpiler import DataPosition
+
+REASON = namespaces_unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
+EXAMPLE = ROOT / "examples" / "train_digits.py"
+EPOCHS, SAVE_EVERY, GLOBAL_BATCH = 8, 10, 128
+TRAIN_SAMPLES = 1437  # digits' 1797 less the 20% test split
+TIMEOUT = 20  # the process group's, in seconds: above a restart's start-up on a loaded 2-core machine
+JOB = ["--mode", "fused_allreduce", "--epochs", str(EPOCHS), "--global-batch", str(GLOBAL_BATCH)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The job without a failure, at W=4: its final weights and test accuracy."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    model = out / "model.pt"
+    procs = launch(EXAMPLE, 4, [*JOB, "--save-model", str(model)], timeout=240)
+    return {"model": torch.load(model), "accuracy": accuracy_of(procs[0].stdout)}
+
+
+def accuracy_of(output: str) -> float:
+    found = re.findall(r"test accuracy (\d\.\d+)", output)
+    assert found, output[-2000:]
+    return float(found[-1])
+
+
+def records(log_dir: Path) -> list[dict]:
+    out = []
+    for path in sorted(log_dir.glob("rank*.jsonl")):
+        out.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return out
+
+
+def attempts(log: list[dict]) -> list[float]:
+    """The attempts (each rank 0's start time) in the order they ran."""
+    return sorted({r["attempt"] for r in log})
+
+
+def wait_for_step(log_dir: Path, step: int, timeout: float = 120) -> list[dict]:
+    """Poll the sample logs until every rank of the first attempt has logged ``step``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = records(log_dir)
+        seen = [r for r in log if r["attempt"] == min(attempts(log)) and r["step"] >= step] if log else []
+        if len({r["rank"] for r in seen}) == 4:
+            return seen
+        time.sleep(0.05)
+    raise AssertionError(f"the job did not reach step {step} within {timeout} s")
+
+
+def elastic_job(tmp_path: Path, hosts, fault) -> tuple[list[int], str, Path]:
+    """Both hosts' torchrun (``--nnodes 1:2 --max-restarts 3``) on the example with checkpoints; ``fault(hosts,
+    logs)`` runs once training is under way. Returns the agents' exit codes, host 0's output, the sample logs."""
+    logs, checkpoints = tmp_path / "samples", tmp_path / "checkpoints"
+    args = [
+        *JOB,
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--save-every",
+        str(SAVE_EVERY),
+        "--log-samples",
+        str(logs),
+        "--save-model",
+        str(tmp_path / "model.pt"),
+        "--timeout",
+        str(TIMEOUT),
+    ]
+    agents = [
+        torchrun(
+            host,
+            str(EXAMPLE),
+            args,
+            nnodes="1:2",
+            nproc=2,
+            endpoint=f"{hosts[0].address}:29412",
+            run_id="elastic",
+            max_restarts=3,
+            log=tmp_path / f"host{i}.log",
+        )
+        for i, host in enumerate(hosts)
+    ]
+    fault(hosts, logs)
+    codes = wait_all(agents[:1], timeout=240)
+    return codes, (tmp_path / "host0.log").read_text(), logs
+
+
+def counted_steps(log: list[dict], resumed_at: list[int]) -> dict[int, dict]:
+    """The steps that made the final model: each attempt's steps up to the checkpoint the next attempt resumed
+    from (``resumed_at[i]``: where attempt i+1 started), by step number, with every rank's sample ids."""
+    by_attempt: dict[float, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in log:
+        by_attempt[r["attempt"]][r["step"]].append(r)
+    order = attempts(log)
+    assert len(order) == len(resumed_at) + 1, (order, resumed_at)
+    counted = {}
+    for i, attempt in enumerate(order):
+        start = resumed_at[i - 1] if i else 0
+        end = resumed_at[i] if i < len(resumed_at) else max(by_attempt[attempt])
+        for step in range(start + 1, end + 1):
+            entries = by_attempt[attempt][step]
+            assert entries, f"attempt {attempt} never ran step {step}"
+            counted[step] = {"world": entries[0]["world"], "epoch": entries[0]["epoch"], "entries": entries}
+    return counted
+
+
+def assert_every_sample_once(counted: dict[int, dict]) -> None:
+    """Every step from 1 to the last counted exactly once, each with all of its world's ranks; per epoch, the
+    samples of the counted steps are the epoch's permutation, each sample once."""
+    assert sorted(counted) == list(range(1, max(counted) + 1))
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for step in sorted(counted):
+        entries = sorted(counted[step]["entries"], key=lambda r: r["rank"])
+        assert [r["rank"] for r in entries] == list(range(counted[step]["world"])), (step, entries)
+        for r in entries:
+            per_epoch[counted[step]["epoch"]].extend(r["ids"])
+    position = DataPosition(TRAIN_SAMPLES, GLOBAL_BATCH)
+    assert sorted(per_epoch) == list(range(EPOCHS))
+    for epoch, ids in per_epoch.items():
+        assert len(ids) == len(set(ids)) == position.steps_per_epoch * GLOBAL_BATCH, epoch
+        assert ids == position.order(epoch)[: len(ids)].tolist(), epoch
+
+
+def resumed_steps(output: str) -> list[int]:
+    return [int(n) for n in re.findall(r"resumed from \S*step-(\d{8})", output)]
+
+
+def test_a_killed_rank_restarts_the_world_which_resumes_bitwise(tmp_path, uninterrupted):
+    """SIGKILL one rank mid-epoch at 2 hosts × 2: torchrun restarts all four, they resume from the newest
+    checkpoint at W=4, and the final weights are the uninterrupted run's, bit for bit."""
+    with Hosts(2) as hosts:
+
+        def kill_rank_three(hosts, logs):
+            seen = wait_for_step(logs, 25)
+            os.kill(next(r["pid"] for r in seen if r["rank"] == 3), signal.SIGKILL)
+
+        codes, output, logs = elastic_job(tmp_path, hosts, kill_rank_three)
+    assert codes == [0], output[-4000:]
+    resumed = resumed_steps(output)
+    assert len(resumed) == 1 and resumed[0] >= 20, output[-4000:]
+    counted = counted_steps(records(logs), resumed)
+    assert {c["world"] for c in counted.values()} == {4}
+    assert_every_sample_once(counted)
+    final = torch.load(tmp_path / "model.pt")
+    assert all(torch.equal(final[k], v) for k, v in uninterrupted["model"].items())
+
+
+def test_a_lost_host_leaves_a_world_of_two_that_finishes_with_every_sample_once(tmp_path, uninterrupted):
+    """Kill every process of host 1, its agent included: the survivor's workers fail, torchrun re-rendezvouses
+    at one host (W=4 → 2), the example reshards the W=4 checkpoint and finishes. Every sample is seen once per
+    epoch over the steps that count, and the accuracy is within 0.03 of the uninterrupted run's."""
+    with Hosts(2) as hosts:
+
+        def lose_host_one(hosts, logs):
+            wait_for_step(logs, 25)
+            hosts[1].kill_all()
+
+        codes, output, logs = elastic_job(tmp_path, hosts, lose_host_one)
+    assert codes == [0], output[-4000:]
+    resumed = resumed_steps(output)
+    assert len(resumed) == 1 and resumed[0] >= 20, output[-4000:]
+    counted = counted_steps(records(logs), resumed)
+    assert {c["world"] for c in counted.values()} == {4, 2}
+    assert_every_sample_once(counted)
+    assert abs(accuracy_of(output) - uninterrupted["accuracy"]) <= 0.03, (accuracy_of(output), uninterrupted)
+
+
+def test_a_silent_partition_fails_within_the_timeout_naming_the_peer_and_the_survivors_go_on(tmp_path, uninterrupted):
+    """Take host 1's link down mid-epoch: no process dies and no connection is reset, packets just stop. Host
+    0's workers do not hang: each fails within the process-group timeout with a CommunicationError naming the
+    collective and the ranks it waited for; torchrun restarts them at one host (W=2), and they finish with every
+    sample once per epoch."""
+    with Hosts(2) as hosts:
+        cut = {}
+
+        def partition(hosts, logs):
+            wait_for_step(logs, 25)
+            cut["at"] = time.time()
+            hosts[1].unplug()
+
+        codes, output, logs = elastic_job(tmp_path, hosts, partition)
+    assert codes == [0], output[-4000:]
+    failures = re.findall(r"CommunicationError: rank (\d): (.*)", output)
+    assert {rank for rank, _ in failures} == {"0", "1"}, output[-4000:]
+    for _, message in failures:
+        assert "waited for ranks" in message and "timeout 20 s" in message, message
+    log = records(logs)
+    restarted = min(r["time"] for r in log if r["attempt"] > min(attempts(log)))
+    assert restarted - cut["at"] <= TIMEOUT + 60, restarted - cut["at"]  # the timeout, a rendezvous, a start-up
+    resumed = resumed_steps(output)
+    counted = counted_steps(records(logs), resumed)
+    assert {c["world"] for c in counted.values()} == {4, 2}
+    assert_every_sample_once(counted)
