@@ -8,6 +8,8 @@ algorithms are the same, only the wire differs, so the reduction order is the sa
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -48,3 +50,40 @@ def test_two_hosts_of_two_match_one_host_of_four_bitwise(tmp_path):
         for mode, params in theirs["params"].items():
             for name, value in params.items():
                 assert torch.equal(mine["params"][mode][name], value), (rank, mode, name)
+
+
+@pytest.mark.parametrize(
+    "differs,error",
+    [
+        (["--mode", "zero2"], "RankMismatchError"),  # another mode (other options: the same check, test_safety_world)
+        (["--checkpoint-dir", "{tmp}/elsewhere"], "CheckpointError"),  # another checkpoint
+    ],
+    ids=["mode", "checkpoint"],
+)
+def test_a_host_restarted_with_other_arguments_is_refused_on_every_rank(tmp_path, differs, error):
+    """Host 1 comes back with another mode or another checkpoint directory than host 0: every
+    rank of both hosts raises the same typed error before training (the startup handshake; the Checkpointer's
+    agreement on what to resume), instead of a silently mixed world."""
+    example = str(ROOT / "examples" / "train_digits.py")
+    common = ["--epochs", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "5"]
+    differs = [a.replace("{tmp}", str(tmp_path)) for a in differs]
+    with Hosts(2) as hosts:
+        agents = [
+            torchrun(
+                host,
+                example,
+                common + (differs if i == 1 else []),
+                nnodes="2",
+                nproc=2,
+                endpoint=f"{hosts[0].address}:29413",
+                run_id="mismatch",
+                log=tmp_path / f"host{i}.log",
+            )
+            for i, host in enumerate(hosts)
+        ]
+        codes = wait_all(agents, timeout=180)
+    output = "\n".join((tmp_path / f"host{i}.log").read_text() for i in range(2))
+    assert all(code != 0 for code in codes), output[-3000:]
+    for rank in range(4):
+        assert re.search(rf"\[rank{rank}\]:.*{error}", output), (rank, output[-3000:])
+    assert "test accuracy" not in output

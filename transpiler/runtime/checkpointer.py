@@ -60,13 +60,29 @@ class Checkpointer:
         return sorted(found, key=lambda p: int(COMPLETE.match(p.name).group(1)))
 
     def resume(self) -> Path | None:
-        """Load the newest complete checkpoint, if there is one, into the step and the data position; rank 0
-        chooses it, so every rank reads the same one. Returns its folder (None: a fresh start)."""
+        """Load the newest complete checkpoint, if there is one, into the step and the data position. Every rank
+        must name the same directory and see rank 0's newest checkpoint there, or every rank raises a
+        CheckpointError saying which ranks differ (a host restarted with other arguments, or storage that not
+        every host sees), before any rank reads a byte. Returns the folder read (None: a fresh start)."""
         newest = self.complete()
-        chosen = _from_rank_zero(str(newest[-1]) if newest else None)
+        views = _gathered((str(self.directory.resolve()), newest[-1].name if newest else None))
+        if len({directory for directory, _ in views}) > 1:
+            listed = "; ".join(f"rank {r}: {d}" for r, (d, _) in enumerate(views))
+            raise CheckpointError(
+                f"the ranks resume from different checkpoint directories ({listed}). Start every "
+                "rank with the same directory, on storage that every host sees."
+            )
+        chosen = views[0][1]
         if chosen is None:
             return None
-        path = Path(chosen)
+        path = self.directory / chosen
+        unseen = [r for r, sees in enumerate(_gathered(path in newest)) if not sees]
+        if unseen:
+            raise CheckpointError(
+                f"rank 0 resumes from {path}, which ranks {unseen} do not see complete there: the checkpoint "
+                "directory must be on storage that every host sees (a shared filesystem), as "
+                "torch.distributed.checkpoint needs."
+            )
         saved = json.loads((path / POSITION).read_text())
         self.step.load_checkpoint(path)
         self.steps = int(saved["steps"])
@@ -115,9 +131,10 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _from_rank_zero(value: str | None) -> str | None:
+def _gathered(value: object) -> list:
+    """Every rank's ``value``, in rank order."""
     if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
