@@ -39,13 +39,14 @@ def uninterrupted(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("uninterrupted")
     model = out / "model.pt"
     procs = launch(EXAMPLE, 4, [*JOB, "--save-model", str(model)], timeout=240)
-    return {"model": torch.load(model), "accuracy": accuracy_of(procs[0].stdout)}
+    return {"model": torch.load(model), **final_scores(procs[0].stdout)}
 
 
-def accuracy_of(output: str) -> float:
-    found = re.findall(r"test accuracy (\d\.\d+)", output)
+def final_scores(output: str) -> dict[str, float]:
+    """The final weights' loss on the whole training set and test accuracy, as rank 0 prints them."""
+    found = re.findall(r"train loss (\d+\.\d+); test accuracy (\d\.\d+)", output)
     assert found, output[-2000:]
-    return float(found[-1])
+    return {"loss": float(found[-1][0]), "accuracy": float(found[-1][1])}
 
 
 def records(log_dir: Path) -> list[dict]:
@@ -171,7 +172,9 @@ def test_a_killed_rank_restarts_the_world_which_resumes_bitwise(tmp_path, uninte
 def test_a_lost_host_leaves_a_world_of_two_that_finishes_with_every_sample_once(tmp_path, uninterrupted):
     """Kill every process of host 1, its agent included: the survivor's workers fail, torchrun re-rendezvouses
     at one host (W=4 → 2), the example reshards the W=4 checkpoint and finishes. Every sample is seen once per
-    epoch over the steps that count, and the accuracy is within 0.03 of the uninterrupted run's."""
+    epoch over the steps that count. The final training loss is within 5% and the test accuracy within 0.02 of
+    the uninterrupted run's: the same global batches in the same order, only summed as 2 shard means instead of
+    4, a rounding difference that Adam's normalisation carries on."""
     with Hosts(2) as hosts:
 
         def lose_host_one(hosts, logs):
@@ -185,7 +188,9 @@ def test_a_lost_host_leaves_a_world_of_two_that_finishes_with_every_sample_once(
     counted = counted_steps(records(logs), resumed)
     assert {c["world"] for c in counted.values()} == {4, 2}
     assert_every_sample_once(counted)
-    assert abs(accuracy_of(output) - uninterrupted["accuracy"]) <= 0.03, (accuracy_of(output), uninterrupted)
+    scores = final_scores(output)
+    assert abs(scores["accuracy"] - uninterrupted["accuracy"]) <= 0.02, (scores, uninterrupted["accuracy"])
+    assert abs(scores["loss"] - uninterrupted["loss"]) <= 0.05 * uninterrupted["loss"], (scores, uninterrupted["loss"])
 
 
 def test_a_silent_partition_fails_within_the_timeout_naming_the_peer_and_the_survivors_go_on(tmp_path, uninterrupted):
