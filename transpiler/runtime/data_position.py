@@ -11,7 +11,7 @@ at any world size: resumed at W=2 from a W=4 checkpoint, the next global batch s
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,7 @@ class DataPosition:
     seed: int = 0
     epoch: int = 0
     offset: int = 0
+    _drawn: tuple[int, torch.Generator] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.global_batch <= self.size:
@@ -42,11 +43,16 @@ class DataPosition:
 
     def order(self, epoch: int) -> torch.Tensor:
         """Epoch ``epoch``'s permutation: the ``epoch + 1``-th ``randperm`` of a generator seeded with ``seed``
-        (what a loop drawing one permutation per epoch from one generator sees), the same on every rank."""
-        generator = torch.Generator().manual_seed(self.seed)
-        for _ in range(epoch):
+        (what a loop drawing one permutation per epoch from one generator sees), the same on every rank. The
+        generator is kept between epochs, so that a run draws each permutation once, not ``epoch + 1`` times."""
+        drawn, generator = self._drawn or (0, torch.Generator().manual_seed(self.seed))
+        if drawn > epoch:
+            drawn, generator = 0, torch.Generator().manual_seed(self.seed)
+        for _ in range(epoch - drawn):
             torch.randperm(self.size, generator=generator)
-        return torch.randperm(self.size, generator=generator)
+        order = torch.randperm(self.size, generator=generator)
+        self._drawn = (epoch + 1, generator)
+        return order
 
     def epoch_batches(self, rank: int, world: int) -> Iterator[torch.Tensor]:
         """This rank's sample indices for each remaining global batch of the current epoch. The position moves
@@ -66,7 +72,7 @@ class DataPosition:
         self.epoch, self.offset = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {k: getattr(self, k) for k in ("size", "global_batch", "seed", "epoch", "offset")}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Take the saved epoch and offset; the dataset size, global batch and seed must be the saved ones, or
