@@ -14,9 +14,7 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.models import NarrowGPT  # noqa: E402
+from bench.two_ranks import two_rank_results, write_section  # noqa: E402
 from transpiler import Checkpointer, DataPosition, transpile  # noqa: E402
 
 DOC = ROOT / "docs" / "fault_tolerance.md"
@@ -131,12 +130,7 @@ def table(ranks: list[dict]) -> str:
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29589"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        subprocess.run([*cmd, __file__, str(out), tmp], check=True, timeout=1800, env=env, cwd=ROOT)
-        ranks = json.loads(out.read_text())
+    ranks = two_rank_results(__file__, lambda out, tmp: [out, tmp], port=29589)
     cpu = platform.processor() or platform.machine()
     body = (
         f"`python bench/checkpoint_cost.py` (W=2 over gloo, one thread per rank, AdamW, torch {torch.__version__}, "
@@ -144,10 +138,7 @@ def main() -> None:
         "slower rank):\n\n" + table(ranks) + "\n"
     )
     print(body)
-    text = DOC.read_text()
-    if BEGIN in text:
-        head, _, rest = text.partition(BEGIN)
-        DOC.write_text(head + BEGIN + "\n" + body + END + rest.partition(END)[2])
+    write_section(DOC, BEGIN, END, body)
 
 
 if __name__ == "__main__":

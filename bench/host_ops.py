@@ -20,9 +20,7 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -36,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.models import NARROW, narrow_batch  # noqa: E402
 from bench.op_count import count_ops  # noqa: E402
+from bench.two_ranks import two_rank_results, write_section  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 PER_RANK = {"gpt": 4, "cnn": 8}
@@ -147,12 +146,7 @@ def table(ranks: list[dict]) -> str:
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29587"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        subprocess.run([*cmd, __file__, str(out)], check=True, timeout=1800, env=env, cwd=ROOT)
-        ranks = json.loads(out.read_text())
+    ranks = two_rank_results(__file__, lambda out, _: [out], port=29587)
     cpu = platform.processor() or platform.machine()
     body = (
         f"`python bench/host_ops.py` (W=2 over gloo, one thread per rank, torch {torch.__version__}, "
@@ -160,11 +154,7 @@ def main() -> None:
         + table(ranks)
     )
     print(body)
-    text = DOC.read_text()
-    if BEGIN in text:
-        head, _, rest = text.partition(BEGIN)
-        text = head + BEGIN + "\n" + body + rest.partition(END)[1] + rest.partition(END)[2]
-        DOC.write_text(text)
+    write_section(DOC, BEGIN, END, body)
 
 
 if __name__ == "__main__":

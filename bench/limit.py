@@ -17,9 +17,7 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -33,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.models import TinyTransformer  # noqa: E402
+from bench.two_ranks import two_rank_results  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 COMMAND = "python bench/limit.py"
@@ -264,12 +263,7 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         worker(sys.argv[2])
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "limit.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29573"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        subprocess.run([*cmd, __file__, "--worker", str(out)], check=True, timeout=1800, env=env, cwd=ROOT)
-        results = json.loads(out.read_text())
+    results = two_rank_results(__file__, lambda out, _: ["--worker", out], port=29573)
     (ROOT / "docs" / "serial_limit.md").write_text(render(results))
     print(render(results))
 

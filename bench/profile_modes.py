@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import os
 import resource
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.models import start_rank  # noqa: E402
+from bench.two_ranks import run_two_ranks  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 MODEL, PER_RANK, WARMUP, STEPS = "mlp_5m", 32, 3, 5
@@ -52,9 +52,7 @@ def rank_main(modes: list[str]) -> None:
 
 def main() -> None:
     modes = sys.argv[1:] or ["zero1", "zero2"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29583"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    subprocess.run([*cmd, __file__, *modes], check=True, timeout=900, env=env, cwd=ROOT)
+    run_two_ranks(__file__, modes, port=29583, timeout=900)
 
 
 if __name__ == "__main__":
