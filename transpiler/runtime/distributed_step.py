@@ -356,6 +356,7 @@ class DistributedStep:
                     gm,
                     rank=self.placement.rank,
                     world=self.placement.world_size,
+                    group=self.placement.group_name,
                     elapsed=time.perf_counter() - start,
                     timeout=self.placement.timeout,
                     program=label,

@@ -67,27 +67,29 @@ def describe(node: fx.Node | None) -> str:
     return f"'{target.name}' ({signature(target)}{bucket}{of})"
 
 
-def silent_peers(rank: int, world: int, wait_s: float) -> list[int] | None:
-    """The ranks that did not report a failure in the default store within ``wait_s`` seconds of this rank's
-    report (None: the store cannot be reached from here, or there is none)."""
+def silent_peers(rank: int, world: int, group: str, wait_s: float) -> list[int] | None:
+    """The ranks of ``group`` that did not report a failure in the default store within ``wait_s`` seconds of
+    this rank's report (None: the store cannot be reached from here, or there is none). Keys are per group, so
+    the steps of another group in the same job never answer for this one's ranks."""
     if not dist.is_initialized():
         return None
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set(f"transpiler/failed/{rank}", "1")
+        key = f"transpiler/failed/{group}/"
+        store.set(f"{key}{rank}", "1")
         deadline = time.monotonic() + wait_s
         missing = [r for r in range(world) if r != rank]
         while missing and time.monotonic() < deadline:
-            missing = [r for r in missing if not store.check([f"transpiler/failed/{r}"])]
+            missing = [r for r in missing if not store.check([f"{key}{r}"])]
             time.sleep(0.1)
         return missing
     except Exception:  # noqa: BLE001 (a store that is gone or cut off: say so instead)
         return None
 
 
-def who_is_silent(rank: int, world: int, timeout: timedelta) -> str:
+def who_is_silent(rank: int, world: int, group: str, timeout: timedelta) -> str:
     wait_s = min(5.0, max(timeout.total_seconds() / 4, 0.5))
-    silent = silent_peers(rank, world, wait_s)
+    silent = silent_peers(rank, world, group, wait_s)
     if silent is None:
         return "this rank cannot reach the store either, so it is the one cut off (or the store's host is gone)"
     if not silent:
@@ -104,6 +106,7 @@ def communication_error(
     *,
     rank: int,
     world: int,
+    group: str,
     elapsed: float,
     timeout: timedelta,
     program: str,
@@ -112,7 +115,7 @@ def communication_error(
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return CommunicationError(
         f"rank {rank}: {describe(node)} in program '{program}' failed after {elapsed:.1f} s "
-        f"(timeout {timeout.total_seconds():g} s); {who_is_silent(rank, world, timeout)}. "
+        f"(timeout {timeout.total_seconds():g} s); {who_is_silent(rank, world, group, timeout)}. "
         "Another rank stalled, died or runs a different program: check the other ranks' output; set the timeout "
         f"with transpile(..., timeout=seconds) or init_process_group(timeout=...). Torch said: {first[:400]}"
     )
