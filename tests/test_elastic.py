@@ -145,6 +145,18 @@ def assert_every_sample_once(counted: dict[int, dict]) -> None:
         assert ids == position.order(epoch)[: len(ids)].tolist(), epoch
 
 
+def report_restart(log: list[dict], fault: str) -> None:
+    """Print what the fault cost (docs/fault_tolerance.md quotes it; ``pytest tests/test_elastic.py -s`` shows
+    it): seconds from the last step before it to the first step after, and the steps run twice. Measured, not
+    asserted."""
+    first, second = attempts(log)[:2]
+    before = [r for r in log if r["attempt"] == first]
+    after = [r for r in log if r["attempt"] == second]
+    gap = min(r["time"] for r in after) - max(r["time"] for r in before)
+    redone = max(r["step"] for r in before) - min(r["step"] for r in after) + 1
+    print(f"\n{fault}: {gap:.1f} s from the last step before to the first step after; {redone} steps run again")
+
+
 def resumed_steps(output: str) -> list[int]:
     return [int(n) for n in re.findall(r"resumed from \S*step-(\d{8})", output)]
 
@@ -163,6 +175,7 @@ def test_a_killed_rank_restarts_the_world_which_resumes_bitwise(tmp_path, uninte
     resumed = resumed_steps(output)
     assert len(resumed) == 1 and resumed[0] >= 20, output[-4000:]
     counted = counted_steps(records(logs), resumed)
+    report_restart(records(logs), "a killed rank")
     assert {c["world"] for c in counted.values()} == {4}
     assert_every_sample_once(counted)
     final = torch.load(tmp_path / "model.pt")
@@ -186,6 +199,7 @@ def test_a_lost_host_leaves_a_world_of_two_that_finishes_with_every_sample_once(
     resumed = resumed_steps(output)
     assert len(resumed) == 1 and resumed[0] >= 20, output[-4000:]
     counted = counted_steps(records(logs), resumed)
+    report_restart(records(logs), "a lost host")
     assert {c["world"] for c in counted.values()} == {4, 2}
     assert_every_sample_once(counted)
     scores = final_scores(output)
@@ -195,27 +209,25 @@ def test_a_lost_host_leaves_a_world_of_two_that_finishes_with_every_sample_once(
 
 def test_a_silent_partition_fails_within_the_timeout_naming_the_peer_and_the_survivors_go_on(tmp_path, uninterrupted):
     """Take host 1's link down mid-epoch: no process dies and no connection is reset, packets just stop. Host
-    0's workers do not hang: each fails within the process-group timeout with a CommunicationError naming the
-    collective and the ranks it waited for; torchrun restarts them at one host (W=2), and they finish with every
-    sample once per epoch."""
+    0's workers do not hang (elastic_job's limit): each fails when the process-group timeout runs out, with a
+    CommunicationError naming the collective and host 1's ranks, 2 and 3; torchrun restarts them at one host
+    (W=2), and they finish with every sample once per epoch."""
     with Hosts(2) as hosts:
-        cut = {}
 
         def partition(hosts, logs):
             wait_for_step(logs, 25)
-            cut["at"] = time.time()
             hosts[1].unplug()
 
         codes, output, logs = elastic_job(tmp_path, hosts, partition)
     assert codes == [0], output[-4000:]
     failures = re.findall(r"CommunicationError: rank (\d): (.*)", output)
     assert {rank for rank, _ in failures} == {"0", "1"}, output[-4000:]
-    for _, message in failures:
-        assert "waited for ranks" in message and "timeout 20 s" in message, message
+    for _, message in failures:  # the other host's ranks are named; the wait was the timeout, not another error
+        assert f"(timeout {TIMEOUT} s); waited for ranks 2, 3," in message, message
+        assert float(re.search(r"failed after (\d+\.\d) s", message).group(1)) >= 0.9 * TIMEOUT, message
     log = records(logs)
-    restarted = min(r["time"] for r in log if r["attempt"] > min(attempts(log)))
-    assert restarted - cut["at"] <= TIMEOUT + 60, restarted - cut["at"]  # the timeout, a rendezvous, a start-up
     resumed = resumed_steps(output)
     counted = counted_steps(records(logs), resumed)
+    report_restart(log, "a silent partition")
     assert {c["world"] for c in counted.values()} == {4, 2}
     assert_every_sample_once(counted)
