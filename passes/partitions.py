@@ -38,3 +38,20 @@ def partition_of(sizes: list[int], partitions: int) -> list[int]:
         out.append(min(max(balanced, low), high))
         start += size
     return out
+
+
+def module_fragments(params: list[tuple[str, int]], fragments: int) -> dict[str, int]:
+    """Each parameter's fragment (Streaming DiLoCo): whole modules (the parameters whose names share all but the
+    last part), consecutive in model order and balanced by size (:func:`partition_of`); a ``ConfigurationError``
+    when there are fewer modules than fragments."""
+    modules: dict[str, int] = {}
+    for name, size in params:
+        owner = name.rpartition(".")[0]
+        modules[owner] = modules.get(owner, 0) + size
+    if fragments > len(modules):
+        raise ConfigurationError(
+            f"fragments={fragments}, but the model's trainable parameters sit in {len(modules)} modules, and a "
+            f"fragment holds whole modules; use at most {len(modules)}."
+        )
+    part = dict(zip(modules, partition_of(list(modules.values()), fragments)))
+    return {name: part[name.rpartition(".")[0]] for name, _ in params}

@@ -11,6 +11,7 @@ from .allgather_grads import AllGatherGrads
 from .allreduce_grads import AllReduceGrads
 from .broadcast_params import BroadcastParams
 from .clip_grad_norm import ClipGradNorm
+from .diloco_outer_step import DiLoCoOuterStep
 from .dim_reduce import DimReduce
 from .flatten_update import FlattenUpdate
 from .foreach_update import ForeachUpdate
@@ -41,6 +42,7 @@ PASSES: dict[str, type[Pass]] = {
         AllGatherGrads,
         ShardOptimizer,
         LocalSGDAverage,
+        DiLoCoOuterStep,
         PartialAverage,
         LossScale,
         ClipGradNorm,

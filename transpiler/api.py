@@ -33,6 +33,7 @@ from transpiler.runtime.trajectory import TRAJECTORY_OPTIONS, TrajectoryWriter
 from transpiler.strategies.modes import build_strategy
 from transpiler.trace.environment import AutocastState
 from transpiler.trace.optimizers import as_optimizer
+from transpiler.trace.outer import trace_outer_update
 from transpiler.trace.tracer import LossFn, trace_step
 
 from .errors import ConfigurationError
@@ -57,6 +58,7 @@ def transpile(
     compile: bool = False,
     cuda_graph: bool = False,
     keep_freed_memory: bool = True,
+    outer_optimizer: torch.optim.Optimizer | None = None,
     **options: Any,
 ) -> DistributedStep:
     """Trace one training step and rewrite it into this rank's distributed program.
@@ -82,6 +84,9 @@ def transpile(
     glibc keep the memory a step frees for the next step, sized by what the step holds at once, as the CUDA caching
     allocator does, instead of faulting it in again every step (process-wide; ``transpiler/runtime/host_memory.py``,
     the choice is in ``step.program.decisions``).
+    ``outer_optimizer`` (``mode="diloco"`` only) is DiLoCo's outer optimizer, any ``torch.optim.Optimizer`` built
+    over the same parameters; by default ``SGD(lr=0.7, momentum=0.9, nesterov=True)``, the paper's
+    (docs/strategies/diloco.md).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -98,6 +103,7 @@ def transpile(
         raise ConfigurationError("trajectory_every only applies with save_trajectory=DIR; give both or neither.")
     strategy = build_strategy(mode, options)
     strategy.check(optimizer)
+    outer = outer_for(strategy.outer, outer_optimizer, optimizer, mode)
     placement = resolve_placement(world_size, rank, as_timeout(timeout))
     if cuda_graph:
         cuda_graph_module.check_capturable_setup(model, optimizer, placement)
@@ -117,6 +123,9 @@ def transpile(
     def build(batch: tuple, autocast: AutocastState) -> Built:
         check_frozen_whole(model, whole)
         traced, state, plan = trace_step(model, optimizer, loss_fn, batch, autocast, shards=shards, whole_shapes=whole)
+        outer_plan = None
+        if outer is not None:
+            traced.outer_update, outer_plan = trace_outer_update(outer, state)
         if placement.live and placement.world_size > 1 and wants_cost_model:
             key = batch_key(batch)
             if key not in measured:
@@ -139,7 +148,8 @@ def transpile(
             schedule=schedule.settings(),
             timeout_s=placement.timeout.total_seconds(),
             **describe_model(model, whole),
-            optimizer=describe_optimizer(optimizer),
+            optimizer=describe_optimizer(optimizer)
+            | ({f"outer {k}": v for k, v in describe_optimizer(outer).items()} if outer is not None else {}),
             batch=tuple(str(t.dtype).removeprefix("torch.") for t in batch),
             communication={v: communication_plan(p.graph) for v, p in programs.items()},
             groups={name: ranks for ranks, name in subgroups.items()}
@@ -147,7 +157,8 @@ def transpile(
             sources={name: digest for p in programs.values() for name, digest in p.sources.items()},
             compiled=compile,
         )
-        return Built(programs, state, plan, setup, runners_for(programs, compile=compile, cuda_graph=cuda_graph))
+        runners = runners_for(programs, compile=compile, cuda_graph=cuda_graph)
+        return Built(programs, state, plan, setup, runners, outer=outer_plan)
 
     step = DistributedStep(
         model,
@@ -160,10 +171,38 @@ def transpile(
         max_cached_programs=max_cached_programs,
         observers=observers,
         replicated=strategy.replicated,
+        outer_optimizer=outer,
     )
     if example_inputs is not None:
         step.prepare(tuple(example_inputs))
     return step
+
+
+def outer_for(
+    wanted: bool, given: torch.optim.Optimizer | None, inner: torch.optim.Optimizer, mode: str
+) -> torch.optim.Optimizer | None:
+    """The outer optimizer of a mode that has one (DiLoCo's; the paper's Nesterov SGD when none is given), checked
+    to be over the inner optimizer's parameters; an error for one given to another mode."""
+    if not wanted:
+        if given is not None:
+            raise ConfigurationError(
+                f"outer_optimizer only applies to mode 'diloco'; mode '{mode}' has no outer step. Drop it, or use "
+                "mode='diloco'."
+            )
+        return None
+    params = [p for group in inner.param_groups for p in group["params"]]
+    if given is None:
+        return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+    if not isinstance(given, torch.optim.Optimizer):
+        raise ConfigurationError(f"outer_optimizer must be a torch.optim.Optimizer, got {type(given).__name__}.")
+    outer_params = [p for group in given.param_groups for p in group["params"]]
+    if {id(p) for p in outer_params} != {id(p) for p in params}:
+        raise ConfigurationError(
+            "outer_optimizer must be built over the same parameters as the inner optimizer (DiLoCo's outer step "
+            f"updates the global copy of each one): it holds {len(outer_params)} tensors, the inner optimizer "
+            f"{len(params)}, and they differ. Build it with model.parameters(), as the inner one."
+        )
+    return given
 
 
 def check_frozen_whole(model: torch.nn.Module, whole: dict[str, tuple[int, ...]]) -> None:

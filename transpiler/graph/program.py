@@ -63,6 +63,17 @@ class FlatBuffer:
     device: str
 
 
+@dataclass(frozen=True)
+class OuterUpdate:
+    """An outer optimizer's update, traced on its own (DiLoCo's outer step), for a pass to inline into a step
+    program. Inputs: ``param`` (the weights it updates), ``grad`` (what it reads as their gradients), ``state``
+    (``<param>.<key>``) and ``scalar`` (its per-step slots); outputs: the new ``param`` and ``state``."""
+
+    graph_module: fx.GraphModule
+    inputs: tuple[Port, ...]
+    outputs: tuple[Port, ...]
+
+
 @dataclass
 class StepProgram:
     """A rank's training-step graph and the context the pipeline keeps beside it."""
@@ -86,6 +97,7 @@ class StepProgram:
     param_groups: dict[str, int] = field(default_factory=dict)  # trainable param -> its optimizer param group
     flat_buffers: list[FlatBuffer] = field(default_factory=list)  # flat inputs the runtime binds (flatten-update)
     op_counts: list[tuple[str, OpCounts]] = field(default_factory=list)  # per stage: the ops its graph dispatches
+    outer_update: OuterUpdate | None = None  # the outer optimizer's update, traced for a pass to inline (DiLoCo)
 
     @property
     def graph(self) -> fx.Graph:
@@ -125,4 +137,5 @@ class StepProgram:
             dict(self.param_groups),
             list(self.flat_buffers),
             list(self.op_counts),
+            self.outer_update,
         )

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from passes.accumulate_grads import PREFIX as ACCUMULATOR  # zeros after every update: made again
+from passes.diloco_outer_step import GLOBAL, OUTER
 from passes.loss_scale import SCALE, TRACKER
 from passes.shard_params import ShardParams
 from transpiler.errors import CheckpointError, ConfigurationError, RetraceWarning
@@ -66,6 +67,7 @@ class Built:
     setup: Setup | None = None  # what the ranks compare before this program first runs
     runners: dict[str, Callable] = field(default_factory=dict)  # variant -> what runs it (compiled, captured)
     scalar_banks: dict[str, ScalarBank] = field(default_factory=dict)  # variant -> its per-step scalar tensors
+    outer: OptimizerPlan | None = None  # the outer optimizer's plan (DiLoCo): feeds the ``outer/`` ports
     params: dict[str, torch.nn.Parameter] = field(init=False)  # name maps, made once, read every step
     frozen: dict[str, torch.nn.Parameter] = field(init=False)
     buffers: dict[str, torch.Tensor] = field(init=False)
@@ -155,8 +157,10 @@ def batch_key(batch: tuple) -> tuple:
     return tuple((tuple(t.shape), t.dtype, t.device.type) for t in batch)
 
 
-def structure_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
-    """What a traced program assumes about the model and optimizer besides the batch.
+def structure_key(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, outer: torch.optim.Optimizer | None = None
+) -> tuple:
+    """What a traced program assumes about the model and the optimizers besides the batch.
 
     Computed before every step, so in one walk over the modules (each module's
     mode, its own parameters with ``requires_grad``, its own buffers).
@@ -167,8 +171,9 @@ def structure_key(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> t
         parts.extend((id(p), p is not None and p.requires_grad) for p in m._parameters.values())
         parts.extend(id(b) for b in m._buffers.values())
     parts.extend(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups)
-    if type(optimizer) not in TWINS:  # the generic path's first step creates the state, the second reads it
-        parts.append(tuple(bool(optimizer.state.get(p)) for g in optimizer.param_groups for p in g["params"]))
+    for opt in (optimizer, outer) if outer is not None else (optimizer,):
+        if type(opt) not in TWINS:  # the generic path's first step creates the state, the second reads it
+            parts.append(tuple(bool(opt.state.get(p)) for g in opt.param_groups for p in g["params"]))
     return tuple(parts)
 
 
@@ -188,9 +193,11 @@ class DistributedStep:
         max_cached_programs: int = 8,
         observers: list[Callable[[torch.nn.Module, str], None]] | None = None,
         replicated: bool = False,
+        outer_optimizer: torch.optim.Optimizer | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
+        self.outer_optimizer = outer_optimizer  # DiLoCo's: steps θ_global at each sync
         self.loss_fn = loss_fn
         self.placement = placement
         self.schedule = schedule if schedule is not None else EveryStep()
@@ -254,7 +261,7 @@ class DistributedStep:
         check_batch(batch, loss_fn=self.loss_fn)
         self._check_batch_types(batch)
         autocast = AutocastState.current() if autocast is None else autocast
-        key = (batch_key(batch), structure_key(self.model, self.optimizer), autocast)
+        key = (batch_key(batch), structure_key(self.model, self.optimizer, self.outer_optimizer), autocast)
         built = self._built.get(key)
         if built is None:
             built = self._trace(key, batch, autocast)
@@ -386,6 +393,17 @@ class DistributedStep:
 
     @staticmethod
     def _state_inputs(program: StepProgram, built: Built) -> dict[str, torch.Tensor]:
+        """The optimizers' state by port name: the inner optimizer's (:meth:`_inner_state`), and the outer one's
+        under ``outer/`` where the program reads it."""
+        tensors = DistributedStep._inner_state(program, built)
+        if built.outer is not None and any(p.kind == "state" and p.name.startswith(OUTER) for p in program.inputs):
+            for i, name in enumerate(built.state.names):
+                for key, t in zip(built.outer.state_keys(i), built.outer.state_tensors(i)):
+                    tensors[f"{OUTER}{name}.{key}"] = t
+        return tensors
+
+    @staticmethod
+    def _inner_state(program: StepProgram, built: Built) -> dict[str, torch.Tensor]:
         """The optimizer state by port name. Under a sharded mode (``program.shards``) a state tensor still
         shaped as its parameter is cut to this rank's slice, and a stored one is replaced by its slice for good
         (so the whole tensor is freed): ``optimizer.state`` then holds 1-D slices, a 0-d ``step`` whole."""
@@ -402,16 +420,24 @@ class DistributedStep:
 
     @staticmethod
     def _scalars(program: StepProgram, built: Built, variant: str) -> dict:
-        """This step's scalar inputs: floats for the generic path, the twins' persistent tensors filled in place."""
+        """This step's scalar inputs, each from its optimizer's plan (``outer/`` ports from the outer one's):
+        floats for the generic path, the twins' persistent tensors filled in place."""
         names = [port.name for port in program.inputs if port.kind == "scalar"]
-        values = built.plan.scalar_inputs(names)
-        if not built.plan.scalars_as_tensors:
-            return values
-        bank = built.scalar_banks.get(variant)
-        if bank is None:
-            device = next(iter(built.params.values())).device if built.params else torch.device("cpu")
-            bank = built.scalar_banks[variant] = ScalarBank(names, device)
-        return bank.fill(values)
+        out: dict = {}
+        for prefix, plan in (("", built.plan), (OUTER, built.outer)):
+            mine = [n for n in names if n.startswith(OUTER) == bool(prefix)]
+            if not mine:
+                continue
+            values = {prefix + k: v for k, v in plan.scalar_inputs([n.removeprefix(prefix) for n in mine]).items()}
+            if not plan.scalars_as_tensors:
+                out.update(values)
+                continue
+            bank = built.scalar_banks.get(prefix + variant)
+            if bank is None:
+                device = next(iter(built.params.values())).device if built.params else torch.device("cpu")
+                bank = built.scalar_banks[prefix + variant] = ScalarBank(mine, device)
+            out.update(bank.fill(values))
+        return out
 
     def _write_back(self, program: StepProgram, built: Built, outputs: tuple) -> dict[str, float]:
         plan = built.plan
@@ -425,6 +451,9 @@ class DistributedStep:
             elif port.kind == "buffer":
                 if value is not built.buffers[port.name]:
                     built.buffers[port.name].data = value
+            elif port.kind == "state" and port.name.startswith(OUTER):
+                name, key = port.name.removeprefix(OUTER).rsplit(".", 1)
+                built.outer.write_back(built.positions[name], {key: value})
             elif port.kind == "state":
                 name, key = port.name.rsplit(".", 1)
                 new_states.setdefault(built.positions[name], {})[key] = value
@@ -439,6 +468,8 @@ class DistributedStep:
                 values = {key: value for key, value in values.items() if key in held}
             plan.write_back(position, values)
         self.optimizer._opt_called = True  # what LR schedulers check to see that the optimizer stepped
+        if built.outer is not None:
+            self.outer_optimizer._opt_called = True
         return metrics
 
     def _require_live(self) -> None:
@@ -521,11 +552,44 @@ class DistributedStep:
                     built.params[name].data = data
             self._hold_slices(program, built, keep=before)  # the same slice tensors: no new capture
 
+    def global_parameters(self) -> dict[str, torch.Tensor]:
+        """DiLoCo's global weights θ_global by parameter name, as the last sync left them (before the first, the
+        parameters themselves); the tensors the step holds, not copies. Other modes have none: an error."""
+        if self.outer_optimizer is None:
+            raise ConfigurationError(
+                f"mode {self.mode_specs} keeps no global weights apart from the model's parameters; only "
+                "'diloco' and 'streaming_diloco' do."
+            )
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        held = {name.removeprefix(GLOBAL): t for name, t in self.extra.items() if name.startswith(GLOBAL)}
+        params = self.model.named_parameters()
+        return {n: held.get(n, p.detach()) for n, p in params if names[id(p)] == n and p.requires_grad}
+
+    @contextlib.contextmanager
+    def global_weights(self) -> Iterator[torch.nn.Module]:
+        """Inside the block the model holds DiLoCo's global weights θ_global (what the paper evaluates): evaluate
+        it, or save ``model.state_dict()``. On leaving, each replica's own weights come back; an edit made inside
+        is not kept. Yields the model. No communication: every rank holds θ_global."""
+        self._refuse_inside_gathered("step.global_weights()")
+        global_ = self.global_parameters()
+        params = dict(self.model.named_parameters())
+        before = {n: params[n].data for n in global_}
+        self._gathering = True
+        try:
+            with torch.no_grad():
+                for n, t in global_.items():
+                    params[n].data = t.clone()
+            yield self.model
+        finally:
+            self._gathering = False
+            for n, data in before.items():
+                params[n].data = data
+
     def _refuse_inside_gathered(self, what: str) -> None:
         if self._gathering:
             raise ConfigurationError(
-                f"{what} inside `with step.gathered():`, where the parameters are whole for the block: leave the "
-                "block first (it keeps this rank's slice of any edit made inside)."
+                f"{what} inside `with step.gathered():` or `with step.global_weights():`, where the parameters are "
+                "lent to the block: leave the block first."
             )
 
     def memory_report(self) -> MemoryReport:
@@ -560,6 +624,7 @@ class DistributedStep:
             "world size": self.placement.world_size,
             "schedule": self.schedule.settings(),
             "optimizer": type(self.optimizer).__qualname__,
+            **({"outer optimizer": type(self.outer_optimizer).__qualname__} if self.outer_optimizer else {}),
         }
 
     def state_dict(self) -> dict:
@@ -567,12 +632,16 @@ class DistributedStep:
 
         A copy because ``optimizer.state_dict()`` shares its per-parameter dicts
         with the live optimizer, which every step updates. The LR scheduler is
-        not included: save ``scheduler.state_dict()`` beside it.
+        not included: save ``scheduler.state_dict()`` beside it. Under DiLoCo the
+        outer optimizer's state is the entry ``"outer_optimizer"``, and the global
+        weights are in the transpiler's ``extra`` state (``global.<param>``).
         """
+        outer = {"outer_optimizer": self.outer_optimizer.state_dict()} if self.outer_optimizer is not None else {}
         return copy.deepcopy(
             {
                 "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
+                **outer,
                 "transpiler": {
                     "format": CHECKPOINT_FORMAT,
                     "setup": self.checkpoint_setup(),
@@ -696,16 +765,18 @@ class DistributedStep:
                 "step.prepare(batch)) before step.load_state_dict(). step.load_checkpoint() needs neither."
             )
         self._held_whole()  # zero3: the model holds its slices, as the checkpoint does
-        self._check_checkpoint(saved, state_dict["model"], state_dict["optimizer"])
+        self._check_checkpoint(saved, state_dict["model"], state_dict["optimizer"], state_dict)
         self.model.load_state_dict(state_dict["model"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.outer_optimizer is not None:
+            self.outer_optimizer.load_state_dict(state_dict["outer_optimizer"])
         self.schedule.load_state_dict(saved.get("schedule", {}))
         self.extra = {k: v.clone() for k, v in saved.get("extra", {}).items()}
         if self._last is not None:
             self._init_extra(self._last)  # an unknown entry fails now, not at the next step
         self._started = True
 
-    def _check_checkpoint(self, saved: dict, model_state: dict, optimizer_state: dict) -> None:
+    def _check_checkpoint(self, saved: dict, model_state: dict, optimizer_state: dict, whole_state: dict) -> None:
         if saved.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(
                 f"checkpoint format {saved.get('format')!r}, this version reads {CHECKPOINT_FORMAT}; load its "
@@ -728,6 +799,8 @@ class DistributedStep:
         ]
         if shapes:
             problems.append("model shapes differ (checkpoint vs this model): " + ", ".join(shapes[:4]))
+        if self.outer_optimizer is not None and "outer_optimizer" not in whole_state:
+            problems.append("it holds no outer optimizer state ('outer_optimizer'), which this DiLoCo step keeps")
         groups = optimizer_state.get("param_groups", [])
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.optimizer.param_groups]:
             problems.append("the optimizer's param groups hold other numbers of parameters")

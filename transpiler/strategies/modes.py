@@ -13,6 +13,7 @@ from passes.adasum import AdaSum, AdaSumGeometry
 from passes.allgather_grads import AllGatherGrads
 from passes.allreduce_grads import AllReduceGrads
 from passes.broadcast_params import BroadcastParams
+from passes.diloco_outer_step import DiLoCoOuterStep
 from passes.dim_reduce import DimReduce
 from passes.flatten_update import FlattenUpdate
 from passes.foreach_update import ForeachUpdate
@@ -43,7 +44,7 @@ from .composition import (
     check_combination,
     compose,
 )
-from .schedules import LocalSGDSchedule, RoundRobinSchedule
+from .schedules import DiLoCoSchedule, LocalSGDSchedule, RoundRobinSchedule
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,18 @@ def _plain_local_sgd(k_steps, begin_step, average_state, bucket_cap_mb, first_bu
 
 def _adaptive_local_sgd(init_k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb, compress) -> Recipe:
     return _local_sgd(True, init_k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb, compress)
+
+
+def _diloco(sync_every: int, bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:
+    """H inner steps of the user's optimizer per replica, then the sync (``diloco-outer-step``) after the last."""
+    outer = DiLoCoOuterStep(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
+    return Recipe(
+        {"inner": [], "sync": [outer]},
+        _prefix(),
+        tail=[ScheduleCollectives(), ReinplaceOptimizer()],
+        schedule=lambda: DiLoCoSchedule(sync_every),
+        outer=True,
+    )
 
 
 def _adasum(target: str) -> Callable[..., Recipe]:
@@ -317,6 +330,17 @@ MODES: dict[str, Mode] = {
             "LocalSGD whose k follows Paddle's rule sqrt(lr_0*loss/(lr*loss_0)*init_k), clipped to [1, 16]",
             _adaptive_local_sgd,
             {"init_k_steps": OptionSpec(int, 1, minimum=1, help="k at the start, then adapted"), **LOCAL_SGD_OPTIONS},
+        ),
+        Mode(
+            "diloco",
+            "DiLoCo: H local steps of the inner optimizer, then an outer optimizer on the averaged pseudo-gradients",
+            _diloco,
+            {
+                "sync_every": OptionSpec(int, 100, minimum=1, help="inner steps per outer round (H)"),
+                **BUCKET_OPTIONS,
+                **ACCUMULATION,
+                **CLIPPING,
+            },
         ),
         Mode(
             "adasum",

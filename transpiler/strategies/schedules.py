@@ -259,3 +259,30 @@ class RoundRobinSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         load_counters(self, state, self.COUNTERS)
+
+
+@dataclass
+class DiLoCoSchedule:
+    """DiLoCo: step ``t`` (from 1) runs ``"sync"`` when ``t`` is a multiple of ``sync_every`` (H), else ``"inner"``:
+    H inner steps per outer round, the last of them followed by the sync."""
+
+    sync_every: int
+    step: int = 0
+
+    variants = ("inner", "sync")
+    COUNTERS = ("step",)
+
+    def variant(self) -> str:
+        return "sync" if (self.step + 1) % self.sync_every == 0 else "inner"
+
+    def observe(self, variant: str, metrics: dict[str, float], lr: float) -> None:
+        self.step += 1
+
+    def settings(self) -> dict:
+        return {"sync_every": self.sync_every}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        load_counters(self, state, self.COUNTERS)

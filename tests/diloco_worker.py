@@ -1,0 +1,172 @@
+"""One rank of the DiLoCo runs (launched by tests/test_diloco.py), every rank on its own data.
+
+1. ``reference``: ``diloco`` (H=3, AdamW inner, the paper's Nesterov SGD outer) for 3 outer rounds, against an
+   eager loop of the paper's Algorithm 1 that this rank runs for *every* replica (each replica's data is made
+   here from the seed): H AdamW steps per replica, ``Δ_i = θ_global - θ_i``, the mean ``(Δ_0 + ... + Δ_{W-1}) / W``
+   summed in rank order, ``torch.optim.SGD(nesterov=True)`` on θ_global, every replica restarting from it and
+   keeping its AdamW state. No collective runs in the reference.
+2. ``identity``: an outer SGD with lr 1 and no momentum against ``local_sgd`` with k=H (begin_step=0).
+3. ``resume``: ``step.state_dict()`` mid-round, loaded into a fresh model, optimizers and step, continues as
+   the run that never stopped.
+4. ``global_view``: ``step.global_weights()`` lends θ_global to the model and gives the replica's weights back.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.distributed import run_rank  # noqa: E402
+from tests.models import MLP, make_batch  # noqa: E402
+from transpiler import transpile  # noqa: E402
+
+PER_RANK = 8
+H = 3
+ROUNDS = 3
+LOSS = torch.nn.CrossEntropyLoss()
+
+
+def data(world: int, steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per step, every replica's batch (replica r's is shard r of the step's global batch)."""
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(steps):
+        x, y = make_batch("mlp", PER_RANK * world, gen)
+        out.append([(x[r * PER_RANK : (r + 1) * PER_RANK], y[r * PER_RANK : (r + 1) * PER_RANK]) for r in range(world)])
+    return out
+
+
+def inner_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+class PaperDiLoCo:
+    """Algorithm 1 of Douillard et al. (2023), eager, for all ``world`` replicas in this process."""
+
+    def __init__(self, model: torch.nn.Module, world: int, outer_lr: float = 0.7, momentum: float = 0.9):
+        self.replicas = [copy.deepcopy(model) for _ in range(world)]
+        self.inner = [inner_optimizer(m.parameters()) for m in self.replicas]
+        self.theta = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        self.outer = torch.optim.SGD(self.theta, lr=outer_lr, momentum=momentum, nesterov=momentum > 0)
+        self.t = 0
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for model, opt, (x, y) in zip(self.replicas, self.inner, batches):
+            opt.zero_grad()
+            LOSS(model(x), y).backward()
+            opt.step()
+        self.t += 1
+        if self.t % H:
+            return
+        for i, theta in enumerate(self.theta):
+            deltas = [theta.detach() - list(m.parameters())[i].detach() for m in self.replicas]
+            total = deltas[0]
+            for d in deltas[1:]:
+                total = total + d
+            theta.grad = total * (1.0 / len(deltas))
+        self.outer.step()
+        with torch.no_grad():
+            for model in self.replicas:
+                for p, theta in zip(model.parameters(), self.theta):
+                    p.copy_(theta)
+
+
+def reference(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = MLP()
+    paper = PaperDiLoCo(model, world)
+    step = transpile(model, inner_optimizer(model.parameters()), mode="diloco", loss_fn=LOSS, sync_every=H)
+    record = {"variants": [], "replica": [], "paper": [], "global": [], "paper_global": []}
+    for batches in data(world, H * ROUNDS):
+        step(*batches[rank])
+        paper.step(batches)
+        record["variants"].append(step.last_variant)
+        record["replica"].append(params_of(model))
+        record["paper"].append(params_of(paper.replicas[rank]))
+        record["global"].append({n: t.clone() for n, t in step.global_parameters().items()})
+        record["paper_global"].append({n: t.detach().clone() for n, t in zip(record["paper"][-1], paper.theta)})
+    record["collectives"] = {v: collectives(p) for v, p in step.programs.items()}
+    return record
+
+
+def collectives(program) -> int:
+    return sum(1 for n in program.graph.nodes if "collective" in n.meta)
+
+
+def identity(rank: int, world: int) -> dict:
+    """Outer SGD(lr=1, no momentum) makes θ_global - mean(θ_global - θ_i) = mean(θ_i): LocalSGD's average."""
+    torch.manual_seed(0)
+    base = MLP()
+    runs = {}
+    for mode in ("diloco", "local_sgd"):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if mode == "diloco":
+            outer = torch.optim.SGD(model.parameters(), lr=1.0)
+            step = transpile(model, opt, mode=mode, loss_fn=LOSS, sync_every=H, outer_optimizer=outer)
+        else:
+            step = transpile(model, opt, mode=mode, loss_fn=LOSS, k_steps=H, begin_step=0)
+        runs[mode] = []
+        for batches in data(world, H * ROUNDS):
+            step(*batches[rank])
+            runs[mode].append((step.last_variant, params_of(model)))
+    return runs
+
+
+def resume(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    steps = data(world, 2 * H + 2)
+    runs: dict = {}
+    saved: dict = {}
+    for how in ("straight", "resumed"):
+        model = MLP()
+        step = transpile(model, inner_optimizer(model.parameters()), mode="diloco", loss_fn=LOSS, sync_every=H)
+        if how == "resumed":
+            step.load_state_dict(saved)
+        runs[how] = []
+        for t, batches in enumerate(steps):
+            if how == "resumed" and t < H + 1:
+                continue
+            step(*batches[rank])
+            runs[how].append(params_of(model) | {f"global.{n}": v.clone() for n, v in step.global_parameters().items()})
+            if how == "straight" and t == H:  # one inner step into the second round
+                saved = step.state_dict()
+                torch.manual_seed(1)  # the resumed model starts from other weights: the load must set them all
+        runs[how + "_outer"] = {
+            k: v.clone() for k, v in step.outer_optimizer.state[next(iter(model.parameters()))].items()
+        }
+    runs["saved_keys"] = sorted(saved)
+    return runs
+
+
+def global_view(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = MLP()
+    step = transpile(model, inner_optimizer(model.parameters()), mode="diloco", loss_fn=LOSS, sync_every=H)
+    for batches in data(world, H + 1):  # one inner step past the sync: replica and global weights differ
+        step(*batches[rank])
+    replica = params_of(model)
+    global_ = {n: t.clone() for n, t in step.global_parameters().items()}
+    with step.global_weights() as lent:
+        inside = params_of(lent)
+    return {"replica": replica, "global": global_, "inside": inside, "after": params_of(model)}
+
+
+def checks(rank: int, world: int) -> dict:
+    out = {"reference": reference(rank, world)}
+    if world == 2:
+        out |= {"identity": identity(rank, world), "resume": resume(rank, world)}
+        out["global_view"] = global_view(rank, world)
+    return out
+
+
+if __name__ == "__main__":
+    run_rank(checks)
