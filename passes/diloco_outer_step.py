@@ -9,7 +9,7 @@ parameter, as LocalSGD's snapshot); the Δs sum all-reduced in dtype/size bucket
 and scalar ports prefixed ``outer/`` (the runtime feeds them from the outer optimizer); its result the new
 ``θ_global`` and, by default, the parameter every replica continues from. The inner optimizer's state is left as
 the inner update wrote it. With ``fragments=P`` and ``fragment=f`` only fragment ``f``'s parameters sync
-(Streaming DiLoCo's fragments, :func:`fragment_of`), and with ``alpha`` the parameter becomes
+(Streaming DiLoCo's fragments, :func:`fragments_of`), and with ``alpha`` the parameter becomes
 ``alpha * θ_i + (1 - alpha) * θ_global'`` (Streaming DiLoCo's mixing; 0, the default, is plain DiLoCo).
 The outer update reads only the averaged Δ: every node it takes as a gradient is tagged
 ``meta["averaged_delta_of"]``, which the verifier ``check_outer_reads_averaged`` checks.
@@ -23,18 +23,23 @@ import torch
 import torch.fx as fx
 
 from transpiler.errors import ConfigurationError
+from transpiler.graph.collectives import IN_FLIGHT
 from transpiler.graph.edit import Cursor, refresh_value
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import Port, StepProgram
 
-from .bucketing import bucket_cap_option, caps_in_bytes, first_bucket_option, reduce_in_buckets
-from .gradient_flow import add_input, add_state, before_output
+from . import pseudo_exchange
+from .bucketing import bucket_cap_option, caps_in_bytes, first_bucket_option, reduce_in_buckets, unflatten
+from .gradient_flow import add_input, add_outputs, add_state, before_output, output_values, set_output_values
 from .partitions import module_fragments
+from .pseudo_exchange import EXCHANGES, carried_like
 
 aten = torch.ops.aten
 OUTER = "outer/"  # the prefix of the outer optimizer's state and scalar ports
 GLOBAL = "global."  # the prefix of θ_global's extra state
+PHASES = ("whole", "start", "finish")
+COMM = {"role": "communication"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,8 @@ class DiLoCoOuterStep(Pass):
     fragments: int = option(1, minimum=1, help="split the parameters into this many fragments (streaming)")
     fragment: int = option(0, minimum=0, help="the fragment this program syncs (0 .. fragments-1)")
     alpha: float = option(0.0, minimum=0, maximum=1, help="keep alpha * local + (1 - alpha) * global (streaming)")
+    phase: str = option("whole", choices=PHASES, help="whole sync; or start the exchange, or finish it (a later step)")
+    exchange: str = option("float32", choices=EXCHANGES, help="wire format of the pseudo-gradients (summed in float32)")
     bucket_cap_mb: float = bucket_cap_option()
     first_bucket_mb: float = first_bucket_option()
 
@@ -55,47 +62,93 @@ class DiLoCoOuterStep(Pass):
             )
         if self.fragment >= self.fragments:
             raise ConfigurationError(f"fragment={self.fragment} of fragments={self.fragments}: count from 0.")
-        if any(p.kind == "extra" and p.name.startswith(GLOBAL) for p in program.inputs):
+        if any(p.kind == "extra" and p.name.startswith((GLOBAL, IN_FLIGHT)) for p in program.inputs):
             return False
-        output = program.graph.output_node()
-        values = list(output.args[0])
-        ports = list(program.outputs)
-        where = {port.name: i for i, port in enumerate(ports) if port.kind == "param"}
-        names = [name for name in where if fragment_of(program, name, self.fragments) == self.fragment]
-        scale = 1.0 / program.world_size
-        globals_, items = {}, []
-        for name in names:
-            node = values[where[name]]
-            globals_[name] = add_state(program, f"{GLOBAL}{name}", node, ("copy_param", name))
-            delta = Cursor(program.graph, node).emit(
-                aten.sub.Tensor, (globals_[name], node), role="communication", pseudo_gradient_of=name
+        values = output_values(program)
+        where = {port.name: i for i, port in enumerate(program.outputs) if port.kind == "param"}
+        parts = fragments_of(program, self.fragments)
+        names = [name for name in where if parts[name] == self.fragment]
+        locals_ = {name: values[where[name]] for name in names}
+        globals_ = {name: add_state(program, f"{GLOBAL}{name}", locals_[name], ("copy_param", name)) for name in names}
+        streaming = self.fragments > 1 or self.phase != "whole" or self.exchange != "float32"
+        if not streaming:
+            sums = self._bucketed_sums(program, globals_, locals_)
+        else:
+            sums = self._fragment_sums(program, globals_, locals_)
+            if sums is None:  # the exchange is in flight: a later step finishes it
+                return True
+        means = {
+            name: Cursor(program.graph, total).emit(
+                aten.mul.Tensor, (total, 1.0 / program.world_size), role="communication", averaged_delta_of=name
             )
-            items.append((name, delta))
-        reduced = reduce_in_buckets(
-            program, items, *caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb), tag="pseudo-gradients"
-        )
-        means = {}
-        for name, total in zip(names, reduced):
-            means[name] = Cursor(program.graph, total).emit(
-                aten.mul.Tensor, (total, scale), role="communication", averaged_delta_of=name
-            )
+            for name, total in sums.items()
+        }
         new_global, new_state = self._inline_outer(program, globals_, means)
-        extra_values, extra_ports = [], []
         cursor = before_output(program)
+        extra_values, extra_ports = [], []
         for name in names:
             theta = new_global[name]
-            if self.alpha:
-                local = values[where[name]]
-                theta = cursor.emit(aten.lerp.Scalar, (theta, local, self.alpha), role="optimizer", outer=True)
+            if self.alpha:  # α·θ_local + (1 - α)·θ_global, θ_local as it is now (τ inner steps after the start)
+                kept = cursor.emit(aten.mul.Tensor, (values[where[name]], self.alpha), role="optimizer")
+                taken = cursor.emit(aten.mul.Tensor, (theta, 1.0 - self.alpha), role="optimizer")
+                theta = cursor.emit(aten.add.Tensor, (kept, taken), role="optimizer")
             values[where[name]] = theta
             extra_values.append(cursor.emit(aten.clone.default, (new_global[name],), role="optimizer", outer=True))
             extra_ports.append(Port("extra", f"{GLOBAL}{name}"))
-        for port, value in new_state.items():
-            extra_values.append(value)
-            extra_ports.append(port)
-        output.args = (tuple(values + extra_values),)
-        program.outputs = ports + extra_ports
+        set_output_values(program, values)
+        add_outputs(program, extra_values + list(new_state.values()), extra_ports + list(new_state))
         return True
+
+    def _bucketed_sums(
+        self, program: StepProgram, globals_: dict[str, fx.Node], locals_: dict[str, fx.Node]
+    ) -> dict[str, fx.Node]:
+        """DiLoCo: each Δ sum all-reduced in dtype/size buckets, waited in this program."""
+        items = [
+            (name, Cursor(program.graph, node).emit(aten.sub.Tensor, (globals_[name], node), role="communication"))
+            for name, node in locals_.items()
+        ]
+        caps = caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb)
+        reduced = reduce_in_buckets(program, items, *caps, tag="pseudo-gradients")
+        return dict(zip(locals_, reduced))
+
+    def _fragment_sums(
+        self, program: StepProgram, globals_: dict[str, fx.Node], locals_: dict[str, fx.Node]
+    ) -> dict[str, fx.Node] | None:
+        """Streaming: the fragment's Δs in one float32 buffer, one exchange (``pseudo_exchange``). ``start``
+        issues it and carries it out unwaited as ``inflight.<fragment>``; ``finish`` reads that and returns the
+        sums; ``whole`` does both here."""
+        bad = [n for n, node in locals_.items() if node.meta["val"].dtype != torch.float32]
+        if bad:
+            raise ConfigurationError(
+                f"streaming DiLoCo exchanges float32 pseudo-gradients; parameters {bad[:3]} are not float32."
+            )
+        length = sum(node.meta["val"].numel() for node in locals_.values())
+        wire_length, wire_dtype = carried_like(length, program.world_size, self.exchange)
+        carried_name = f"{IN_FLIGHT}{self.fragment}"
+        info = {
+            "kind": "pseudo-gradients",
+            "fragment": self.fragment,
+            "exchange": self.exchange,
+            "pseudo-gradients": tuple(locals_),
+            "bytes": wire_length * wire_dtype.itemsize,
+        }
+        init = ("zeros", f"{wire_length}:{str(wire_dtype).removeprefix('torch.')}")  # a resumed run's: never read
+        if self.phase == "finish":
+            carried = add_state(program, carried_name, _fake(program, torch.empty(wire_length, dtype=wire_dtype)), init)
+        else:
+            cursor = before_output(program)
+            deltas = [cursor.emit(aten.sub.Tensor, (globals_[n], node), **COMM) for n, node in locals_.items()]
+            pieces = [cursor.emit(aten.reshape.default, (delta, [-1]), **COMM) for delta in deltas]
+            flat = cursor.emit(aten.cat.default, (pieces,), **COMM)
+            carried = pseudo_exchange.start(program, cursor, flat, self.exchange, info)
+            if self.phase == "start":
+                program.extra_init[carried_name] = init
+                add_outputs(program, [carried], [Port("extra", carried_name)])
+                return None
+        cursor = before_output(program)
+        total = pseudo_exchange.finish(program, cursor, carried, length, self.exchange, info)
+        views = unflatten(cursor, total, list(locals_.values()), COMM)
+        return {name: views[node] for name, node in locals_.items()}
 
     @staticmethod
     def _inline_outer(
@@ -139,28 +192,29 @@ class DiLoCoOuterStep(Pass):
         return new_global, new_state
 
 
-def fragment_of(program: StepProgram, name: str, fragments: int) -> int:
-    """The fragment of a trainable parameter: the model's parameters cut into ``fragments`` runs of whole
+def fragments_of(program: StepProgram, fragments: int) -> dict[str, int]:
+    """The fragment of each trainable parameter: the model's parameters cut into ``fragments`` runs of whole
     modules, balanced by size (``partitions.module_fragments``), the same on every rank."""
-    if fragments == 1:
-        return 0
     sizes = [
         (n.meta["port"].name, n.meta["val"].numel())
         for n in program.graph.nodes
         if n.op == "placeholder" and n.meta.get("port", Port("", "")).kind == "param"
     ]
-    return module_fragments(sizes, fragments)[name]
+    return {name: 0 for name, _ in sizes} if fragments == 1 else module_fragments(sizes, fragments)
+
+
+def _fake(program: StepProgram, like: torch.Tensor) -> torch.Tensor:
+    """A fake tensor of the program's fake mode shaped as ``like``."""
+    mode = next(n.meta["val"].fake_mode for n in program.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
+    with mode:
+        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
 
 
 def _in_mode(program: StepProgram, node: fx.Node) -> torch.Tensor | None:
     """The outer trace's fake value of ``node`` made again in the program's fake mode (None for the generic
     path's lr, a float the runtime feeds)."""
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return None
-    mode = next(n.meta["val"].fake_mode for n in program.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
-    with mode:
-        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+    return _fake(program, val) if isinstance(val, torch.Tensor) else None
 
 
 def _param_of(port: Port) -> str:

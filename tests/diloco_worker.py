@@ -79,6 +79,91 @@ class PaperDiLoCo:
                     p.copy_(theta)
 
 
+class PaperStreaming(PaperDiLoCo):
+    """Streaming DiLoCo (Douillard et al., 2025), eager, for all replicas: fragment ``p`` (names in
+    ``fragments[p]``) records every replica's ``Δ = θ_global - θ_local`` at the steps ``t ≡ (p+1)·H//P (mod H)``;
+    ``delay`` inner steps later its mean goes through the outer SGD (only that fragment's θ_global have a
+    gradient), and every replica's fragment becomes ``α·θ_local + (1-α)·θ_global``."""
+
+    def __init__(self, model, world, fragments: list[list[str]], sync_every: int, delay: int, alpha: float):
+        super().__init__(model, world)
+        self.names = [n for n, _ in model.named_parameters()]
+        self.fragments, self.sync_every, self.delay, self.alpha = fragments, sync_every, delay, alpha
+        self.offsets = [(p + 1) * sync_every // len(fragments) for p in range(len(fragments))]
+        self.pending: dict[int, dict[str, list[torch.Tensor]]] = {}
+
+    def step(self, batches) -> None:
+        for model, opt, (x, y) in zip(self.replicas, self.inner, batches):
+            opt.zero_grad()
+            LOSS(model(x), y).backward()
+            opt.step()
+        self.t += 1
+        for p, offset in enumerate(self.offsets):
+            if self.t >= offset and (self.t - offset) % self.sync_every == 0:
+                self.pending[p] = {
+                    n: [self.theta_of(n) - self.local(m, n) for m in self.replicas] for n in self.fragments[p]
+                }
+                if not self.delay:
+                    self.apply(p)
+            started = self.t - self.delay
+            if self.delay and started >= offset and (started - offset) % self.sync_every == 0:
+                self.apply(p)
+
+    def theta_of(self, name: str) -> torch.Tensor:
+        return self.theta[self.names.index(name)].detach().clone()
+
+    @staticmethod
+    def local(model, name: str) -> torch.Tensor:
+        return dict(model.named_parameters())[name].detach().clone()
+
+    def apply(self, p: int) -> None:
+        deltas = self.pending.pop(p)
+        for theta in self.theta:
+            theta.grad = None
+        for name, per_replica in deltas.items():
+            total = per_replica[0]
+            for d in per_replica[1:]:
+                total = total + d
+            self.theta[self.names.index(name)].grad = total * (1.0 / len(per_replica))
+        self.outer.step()
+        with torch.no_grad():
+            for model in self.replicas:
+                params = dict(model.named_parameters())
+                for name in deltas:
+                    theta = self.theta[self.names.index(name)]
+                    params[name].copy_(self.alpha * params[name] + (1 - self.alpha) * theta)
+
+
+MLP_FRAGMENTS = [  # MLP's modules by size 672 | 1056, 165: two runs of whole modules, balanced
+    ["net.0.weight", "net.0.bias"],
+    ["net.2.weight", "net.2.bias", "net.4.weight", "net.4.bias"],
+]
+STREAM = {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
+
+
+def streaming(rank: int, world: int, alpha: float = 0.5) -> dict:
+    torch.manual_seed(0)
+    model = MLP()
+    paper = PaperStreaming(model, world, MLP_FRAGMENTS, 4, 1, alpha)
+    options = STREAM | {"fragment_update_alpha": alpha}
+    step = transpile(model, inner_optimizer(model.parameters()), mode="streaming_diloco", loss_fn=LOSS, **options)
+    record = {"variants": [], "replica": [], "paper": [], "global": [], "paper_global": []}
+    for batches in data(world, 4 * ROUNDS):
+        step(*batches[rank])
+        paper.step(batches)
+        record["variants"].append(step.last_variant)
+        record["replica"].append(params_of(model))
+        record["paper"].append(params_of(paper.replicas[rank]))
+        record["global"].append({n: t.clone() for n, t in step.global_parameters().items()})
+        record["paper_global"].append({n: t.detach().clone() for n, t in zip(record["paper"][-1], paper.theta)})
+    record["collectives"] = {v: collectives(p) for v, p in step.programs.items()}
+    record["messages"] = {
+        v: [n.meta["collective"]["bytes"] for n in p.graph.nodes if "collective" in n.meta]
+        for v, p in step.programs.items()
+    }
+    return record
+
+
 def reference(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = MLP()
@@ -161,7 +246,7 @@ def global_view(rank: int, world: int) -> dict:
 
 
 def checks(rank: int, world: int) -> dict:
-    out = {"reference": reference(rank, world)}
+    out = {"reference": reference(rank, world), "streaming": streaming(rank, world)}
     if world == 2:
         out |= {"identity": identity(rank, world), "resume": resume(rank, world)}
         out["global_view"] = global_view(rank, world)

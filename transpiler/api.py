@@ -179,20 +179,24 @@ def transpile(
 
 
 def outer_for(
-    wanted: bool, given: torch.optim.Optimizer | None, inner: torch.optim.Optimizer, mode: str
+    check: Callable[[torch.optim.Optimizer], None] | None,
+    given: torch.optim.Optimizer | None,
+    inner: torch.optim.Optimizer,
+    mode: str,
 ) -> torch.optim.Optimizer | None:
     """The outer optimizer of a mode that has one (DiLoCo's; the paper's Nesterov SGD when none is given), checked
     to be over the inner optimizer's parameters; an error for one given to another mode."""
-    if not wanted:
+    if check is None:
         if given is not None:
             raise ConfigurationError(
-                f"outer_optimizer only applies to mode 'diloco'; mode '{mode}' has no outer step. Drop it, or use "
-                "mode='diloco'."
+                f"outer_optimizer only applies to modes 'diloco' and 'streaming_diloco'; mode '{mode}' has no outer "
+                "step. Drop it, or use one of those."
             )
         return None
     params = [p for group in inner.param_groups for p in group["params"]]
     if given is None:
         return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+    check(given)
     if not isinstance(given, torch.optim.Optimizer):
         raise ConfigurationError(f"outer_optimizer must be a torch.optim.Optimizer, got {type(given).__name__}.")
     outer_params = [p for group in given.param_groups for p in group["params"]]

@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     which = dump.add_mutually_exclusive_group()
     which.add_argument("--before", action="store_true", help="show the traced graph, before any pass")
     which.add_argument("--diff", action="store_true", help="unified diff of the traced and rewritten code")
-    dump.add_argument("--variant", help="for modes with several programs (local_sgd: local, sync)")
+    dump.add_argument("--variant", help="for modes with several programs (local_sgd: local, sync; diloco: inner, sync)")
     dump.add_argument("--print-between-passes", action="store_true", help="print the code after every pass (stderr)")
     dump.add_argument(
         "--op-counts",

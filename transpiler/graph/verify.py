@@ -14,7 +14,7 @@ import torch.fx as fx
 from transpiler.errors import VerificationError
 
 from .bucket_layout import check_bucket_views
-from .collectives import CommOp, collective_sequence, communication_plan, is_collective, is_wait
+from .collectives import IN_FLIGHT, CommOp, collective_sequence, communication_plan, is_collective, is_wait
 from .program import ROLES, StepProgram
 
 
@@ -27,8 +27,9 @@ def check_roles(program: StepProgram, final: bool) -> None:
 
 def check_collectives_waited(program: StepProgram, final: bool) -> None:
     """Each collective is waited exactly once, and only its wait reads it."""
+    carried = _carried_out(program)
     for node in program.graph.nodes:
-        if not is_collective(node):
+        if not is_collective(node) or node in carried:
             continue
         waits = [u for u in node.users if is_wait(u)]
         others = [u.name for u in node.users if not is_wait(u)]
@@ -37,6 +38,19 @@ def check_collectives_waited(program: StepProgram, final: bool) -> None:
                 f"collective '{node.name}' must be read by exactly one wait_tensor and nothing else; "
                 f"it has {len(waits)} waits and other users {others}."
             )
+
+
+def _carried_out(program: StepProgram) -> set[fx.Node]:
+    """Collectives carried unwaited to a later program: output as an ``extra`` port named ``inflight.*`` and read
+    by nothing else."""
+    output = program.graph.output_node()
+    found = set()
+    for port, value in zip(program.outputs, output.args[0]):
+        if port.kind == "extra" and port.name.startswith(IN_FLIGHT) and is_collective(value):
+            if list(value.users) != [output]:
+                raise VerificationError(f"collective '{value.name}' is carried to a later step and read here too.")
+            found.add(value)
+    return found
 
 
 def check_gradient_reductions(program: StepProgram, final: bool) -> None:

@@ -38,6 +38,7 @@ from passes.diloco_outer_step import GLOBAL, OUTER
 from passes.loss_scale import SCALE, TRACKER
 from passes.shard_params import ShardParams
 from transpiler.errors import CheckpointError, ConfigurationError, RetraceWarning
+from transpiler.graph.collectives import IN_FLIGHT, WAIT
 from transpiler.graph.memory import peak_transient_bytes
 from transpiler.graph.program import StepProgram
 from transpiler.strategies.schedules import EveryStep
@@ -637,6 +638,7 @@ class DistributedStep:
         weights are in the transpiler's ``extra`` state (``global.<param>``).
         """
         outer = {"outer_optimizer": self.outer_optimizer.state_dict()} if self.outer_optimizer is not None else {}
+        self._land_in_flight()
         return copy.deepcopy(
             {
                 "model": self.model.state_dict(),
@@ -650,6 +652,13 @@ class DistributedStep:
                 },
             }
         )
+
+    def _land_in_flight(self) -> None:
+        """Wait for the collectives a program left in flight for a later one (``inflight.*``, Streaming DiLoCo's
+        exchange): a checkpoint then holds their results, and the later program's wait finds nothing to wait
+        for."""
+        for name in [k for k in self.extra if k.startswith(IN_FLIGHT)]:
+            self.extra[name] = WAIT(self.extra[name])
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Write this step's state to the folder ``path`` with ``torch.distributed.checkpoint``; every rank calls

@@ -42,7 +42,8 @@ class Strategy:
     groups: Callable[[int], list[tuple[int, ...]]] = lambda world: []  # rank subsets to create as process groups
     check: Callable[[torch.optim.Optimizer], None] = lambda optimizer: None  # at transpile(): optimizer, files
     replicated: bool = False  # after every update all ranks hold the same model and optimizer (or its slices)
-    outer: bool = False  # the mode applies an outer optimizer (DiLoCo), which transpile() traces beside the step
+    # set: the mode applies an outer optimizer (DiLoCo), which transpile() traces beside the step; this checks it
+    outer: Callable[[torch.optim.Optimizer], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class Recipe:
     # set: an accumulation micro-step runs the body too and accumulates its reduced gradients (this rank's
     # slices, ZeRO-2/3), then these passes in place of the tail; unset: micro-steps accumulate raw gradients
     micro_tail: list[Pass] | None = None
-    outer: bool = False  # see Strategy
+    outer: Callable[[torch.optim.Optimizer], None] | None = None  # see Strategy
 
 
 _scale = field_options(LossScale)

@@ -44,7 +44,7 @@ from .composition import (
     check_combination,
     compose,
 )
-from .schedules import DiLoCoSchedule, LocalSGDSchedule, RoundRobinSchedule
+from .schedules import DiLoCoSchedule, LocalSGDSchedule, RoundRobinSchedule, StreamingDiLoCoSchedule
 
 
 @dataclass(frozen=True)
@@ -151,8 +151,41 @@ def _diloco(sync_every: int, bucket_cap_mb: float, first_bucket_mb: float) -> Re
         _prefix(),
         tail=[ScheduleCollectives(), ReinplaceOptimizer()],
         schedule=lambda: DiLoCoSchedule(sync_every),
-        outer=True,
+        outer=lambda optimizer: None,
     )
+
+
+def _streaming_diloco(
+    sync_every: int, fragments: int, fragment_sync_delay: int, fragment_update_alpha: float, exchange_dtype: str
+) -> Recipe:
+    """DiLoCo with the parameters cut into fragments that sync in turn, each exchange overlapping
+    ``fragment_sync_delay`` inner steps (``StreamingDiLoCoSchedule``), in ``exchange_dtype`` on the wire."""
+    schedule = StreamingDiLoCoSchedule(sync_every, fragments, fragment_sync_delay)  # checks the options now
+    common = {"fragments": fragments, "alpha": fragment_update_alpha, "exchange": exchange_dtype}
+    body: dict[str, list[Pass]] = {"inner": []}
+    for p in range(fragments):
+        phase = "start" if fragment_sync_delay else "whole"
+        body[f"sync{p}"] = [DiLoCoOuterStep(fragment=p, phase=phase, **common)]
+        if fragment_sync_delay:
+            body[f"apply{p}"] = [DiLoCoOuterStep(fragment=p, phase="finish", **common)]
+    return Recipe(
+        body,
+        _prefix(),
+        tail=[ScheduleCollectives(), ReinplaceOptimizer()],
+        schedule=lambda: StreamingDiLoCoSchedule(schedule.sync_every, schedule.fragments, schedule.delay),
+        outer=_outer_sgd,
+    )
+
+
+def _outer_sgd(outer: torch.optim.Optimizer) -> None:
+    """Streaming DiLoCo steps each fragment's parameters at its own step: an outer optimizer that keeps one step
+    count per param group (Adam's bias correction) would see counts that disagree."""
+    if type(outer) is not torch.optim.SGD:
+        raise ConfigurationError(
+            f"mode 'streaming_diloco' updates one fragment's global weights at a time, so its outer optimizer must "
+            f"keep no step count per param group; {type(outer).__name__} does. Use torch.optim.SGD (the paper's "
+            "outer optimizer is SGD with Nesterov momentum), or mode 'diloco'."
+        )
 
 
 def _adasum(target: str) -> Callable[..., Recipe]:
@@ -338,6 +371,24 @@ MODES: dict[str, Mode] = {
             {
                 "sync_every": OptionSpec(int, 100, minimum=1, help="inner steps per outer round (H)"),
                 **BUCKET_OPTIONS,
+                **ACCUMULATION,
+                **CLIPPING,
+            },
+        ),
+        Mode(
+            "streaming_diloco",
+            "Streaming DiLoCo: fragments sync in turn, each exchange overlapping inner steps, low-precision wire",
+            _streaming_diloco,
+            {
+                "sync_every": OptionSpec(int, 100, minimum=1, help="inner steps between two syncs of a fragment (H)"),
+                "fragments": OptionSpec(int, 4, minimum=1, help="fragments of whole modules, balanced by size (P)"),
+                "fragment_sync_delay": OptionSpec(
+                    int, 0, minimum=0, help="inner steps between starting a fragment's exchange and applying it (τ)"
+                ),
+                "fragment_update_alpha": OptionSpec(
+                    float, 0.0, minimum=0, maximum=1, help="keep alpha * local + (1 - alpha) * global at a sync"
+                ),
+                "exchange_dtype": field_options(DiLoCoOuterStep)["exchange"],
                 **ACCUMULATION,
                 **CLIPPING,
             },

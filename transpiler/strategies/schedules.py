@@ -12,7 +12,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from transpiler.errors import CheckpointError
+from transpiler.errors import CheckpointError, ConfigurationError
 
 
 @dataclass
@@ -280,6 +280,71 @@ class DiLoCoSchedule:
 
     def settings(self) -> dict:
         return {"sync_every": self.sync_every}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        load_counters(self, state, self.COUNTERS)
+
+
+@dataclass
+class StreamingDiLoCoSchedule:
+    """Streaming DiLoCo: fragment ``p`` starts its exchange at the steps ``t`` (from 1) with
+    ``t ≡ o_p (mod H)``, ``o_p = (p + 1) * H // P``, so the fragments sync in turn, each once per ``H`` steps, the
+    last at multiples of ``H``. Variant ``sync<p>`` starts it (with ``delay`` 0 it also finishes it), and
+    ``apply<p>`` finishes it ``delay`` (τ) steps later, after that step's inner update; every other step is
+    ``"inner"``. ``delay`` must be below the smallest gap between two starts, so at most one fragment is in flight
+    at any step and no step both starts and finishes one."""
+
+    sync_every: int
+    fragments: int
+    delay: int = 0
+    step: int = 0
+
+    COUNTERS = ("step",)
+
+    def __post_init__(self) -> None:
+        if self.fragments > self.sync_every:
+            raise ConfigurationError(
+                f"fragments={self.fragments} cannot each sync once in sync_every={self.sync_every} steps at "
+                "different steps; use at most sync_every fragments."
+            )
+        gap = min(b - a for a, b in zip(self.offsets, [*self.offsets[1:], self.offsets[0] + self.sync_every]))
+        if self.delay >= gap:
+            raise ConfigurationError(
+                f"fragment_sync_delay={self.delay}: fragments start their exchanges {gap} step(s) apart at the "
+                f"closest (sync_every={self.sync_every}, fragments={self.fragments}), and an exchange must finish "
+                f"before the next starts (one in flight at a time); use a delay below {gap}."
+            )
+
+    @property
+    def offsets(self) -> list[int]:
+        return [(p + 1) * self.sync_every // self.fragments for p in range(self.fragments)]
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        applies = tuple(f"apply{p}" for p in range(self.fragments)) if self.delay else ()
+        return ("inner", *(f"sync{p}" for p in range(self.fragments)), *applies)
+
+    def variant(self) -> str:
+        return self.at(self.step + 1)
+
+    def at(self, t: int) -> str:
+        """The variant of step ``t`` (from 1)."""
+        for p, offset in enumerate(self.offsets):
+            if t >= offset and (t - offset) % self.sync_every == 0:
+                return f"sync{p}"
+            started = t - self.delay
+            if self.delay and started >= offset and (started - offset) % self.sync_every == 0:
+                return f"apply{p}"
+        return "inner"
+
+    def observe(self, variant: str, metrics: dict[str, float], lr: float) -> None:
+        self.step += 1
+
+    def settings(self) -> dict:
+        return {"sync_every": self.sync_every, "fragments": self.fragments, "fragment_sync_delay": self.delay}
 
     def state_dict(self) -> dict:
         return {"step": self.step}
