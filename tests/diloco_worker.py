@@ -164,6 +164,36 @@ def streaming(rank: int, world: int, alpha: float = 0.5) -> dict:
     return record
 
 
+def quantised(rank: int, world: int, exchange: str) -> dict:
+    """One fragment (P=1), H=2, τ=0, plain SGD inside and outer SGD(lr=1): after the sync every replica holds
+    ``θ_global - (sum of Δ over ranks, as exchanged) / W``. Returns that and every replica's Δ, computed eagerly
+    here for all replicas, for the test's numpy reference of the exchange."""
+    torch.manual_seed(0)
+    model = MLP()
+    replicas = [copy.deepcopy(model) for _ in range(world)]
+    inner = [torch.optim.SGD(m.parameters(), lr=0.1) for m in replicas]
+    start = params_of(model)
+    step = transpile(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        mode="streaming_diloco",
+        loss_fn=LOSS,
+        sync_every=2,
+        fragments=1,
+        exchange_dtype=exchange,
+        outer_optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+    )
+    for batches in data(world, 2):
+        step(*batches[rank])
+        for m, opt, (x, y) in zip(replicas, inner, batches):
+            opt.zero_grad()
+            LOSS(m(x), y).backward()
+            opt.step()
+    deltas = [torch.cat([(start[n] - p.detach()).reshape(-1) for n, p in m.named_parameters()]) for m in replicas]
+    bytes_sent = [n.meta["collective"]["bytes"] for n in step.programs["sync0"].graph.nodes if "collective" in n.meta]
+    return {"start": start, "after": params_of(model), "deltas": deltas, "wire_bytes": bytes_sent}
+
+
 def reference(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = MLP()
@@ -206,23 +236,48 @@ def identity(rank: int, world: int) -> dict:
     return runs
 
 
-def resume(rank: int, world: int) -> dict:
+def alpha_one(rank: int, world: int) -> dict:
+    """α=1 keeps the local weights at every sync: each replica trains as if alone (its eager AdamW run)."""
     torch.manual_seed(0)
-    steps = data(world, 2 * H + 2)
+    model = MLP()
+    alone = copy.deepcopy(model)
+    alone_opt = inner_optimizer(alone.parameters())
+    options = STREAM | {"fragment_update_alpha": 1.0}
+    step = transpile(model, inner_optimizer(model.parameters()), mode="streaming_diloco", loss_fn=LOSS, **options)
+    record = []
+    for batches in data(world, 4 * ROUNDS):
+        step(*batches[rank])
+        x, y = batches[rank]
+        alone_opt.zero_grad()
+        LOSS(alone(x), y).backward()
+        alone_opt.step()
+        record.append((step.last_variant, params_of(model), params_of(alone)))
+    return {
+        "steps": record,
+        "global_moved": any(not torch.equal(step.global_parameters()[n], p) for n, p in record[0][1].items()),
+    }
+
+
+def resume(rank: int, world: int, mode: str, save_after: int) -> dict:
+    """``save_after`` steps, ``step.state_dict()``, then a fresh model, optimizers and step load it and go on."""
+    torch.manual_seed(0)
+    options = {"sync_every": H} if mode == "diloco" else STREAM
+    steps = data(world, 3 * 4)
     runs: dict = {}
     saved: dict = {}
     for how in ("straight", "resumed"):
         model = MLP()
-        step = transpile(model, inner_optimizer(model.parameters()), mode="diloco", loss_fn=LOSS, sync_every=H)
+        step = transpile(model, inner_optimizer(model.parameters()), mode=mode, loss_fn=LOSS, **options)
         if how == "resumed":
             step.load_state_dict(saved)
         runs[how] = []
-        for t, batches in enumerate(steps):
-            if how == "resumed" and t < H + 1:
+        for t, batches in enumerate(steps, start=1):
+            if how == "resumed" and t <= save_after:
                 continue
             step(*batches[rank])
             runs[how].append(params_of(model) | {f"global.{n}": v.clone() for n, v in step.global_parameters().items()})
-            if how == "straight" and t == H:  # one inner step into the second round
+            if how == "straight" and t == save_after:
+                runs["saved_after"] = step.last_variant
                 saved = step.state_dict()
                 torch.manual_seed(1)  # the resumed model starts from other weights: the load must set them all
         runs[how + "_outer"] = {
@@ -247,8 +302,11 @@ def global_view(rank: int, world: int) -> dict:
 
 def checks(rank: int, world: int) -> dict:
     out = {"reference": reference(rank, world), "streaming": streaming(rank, world)}
+    out["quantised"] = {x: quantised(rank, world, x) for x in ("bfloat16", "float8_e4m3fn", "int4")}
     if world == 2:
-        out |= {"identity": identity(rank, world), "resume": resume(rank, world)}
+        out |= {"identity": identity(rank, world), "alpha_one": alpha_one(rank, world)}
+        out["resume"] = resume(rank, world, "diloco", H + 1)  # one inner step into the second round
+        out["resume_in_flight"] = resume(rank, world, "streaming_diloco", 2)  # fragment 0's exchange in flight
         out["global_view"] = global_view(rank, world)
     return out
 

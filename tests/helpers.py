@@ -119,3 +119,34 @@ def adasum_tree(vectors: list[list[np.ndarray]]) -> list[np.ndarray]:
     while len(level) > 1:
         level = [[combine(a, b) for a, b in zip(level[i], level[i + 1])] for i in range(0, len(level), 2)]
     return level[0]
+
+
+def quantised_sum(vectors: list[np.ndarray], exchange: str, block: int = 64) -> np.ndarray:
+    """The float32 sum of every rank's vector as docs/strategies/diloco.md states the low-precision exchange:
+    each padded to ``W`` chunks of whole ``block``s, each rank's chunk rounded to the wire format, the chunks summed
+    in float32 in rank order, the sum rounded to the wire format again. Written from that statement in numpy
+    (torch only for the bfloat16 and float8 casts, which define those formats' rounding)."""
+    world, length = len(vectors), vectors[0].size
+    unit = world * block
+    padded = -(-length // unit) * unit
+    rows = [np.pad(v.astype(np.float32), (0, padded - length)) for v in vectors]
+    total = np.zeros(padded, dtype=np.float32)
+    for row in rows:
+        total = total + _round_trip(row, exchange, block)
+    return _round_trip(total, exchange, block)[:length]
+
+
+def _round_trip(x: np.ndarray, exchange: str, block: int) -> np.ndarray:
+    """``x`` (float32) as the receiver decodes it."""
+    if exchange == "bfloat16":
+        return torch.from_numpy(x).to(torch.bfloat16).to(torch.float32).numpy()
+    top = {"float8_e4m3fn": np.float32(448.0), "int4": np.float32(7.0)}[exchange]
+    blocks = x.reshape(-1, block)
+    scale = np.abs(blocks).max(axis=1, keepdims=True) / top
+    scale[scale == 0] = np.float32(1.0)
+    scaled = (blocks / scale).astype(np.float32)
+    if exchange == "int4":
+        codes = np.clip(np.rint(scaled), -7, 7).astype(np.float32)
+    else:
+        codes = torch.from_numpy(scaled).to(torch.float8_e4m3fn).to(torch.float32).numpy()
+    return (codes * scale).astype(np.float32).reshape(-1)

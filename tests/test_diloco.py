@@ -1,6 +1,8 @@
-"""DiLoCo on real processes (gloo over loopback), world sizes 2 and 4, every rank on its own data.
+"""DiLoCo and Streaming DiLoCo on real processes (gloo over loopback), world sizes 2 and 4, every rank on its own
+data.
 
-The reference is the paper's Algorithm 1 run eagerly in each rank for all replicas (tests/diloco_worker.py).
+The references are the papers' algorithms run eagerly in each rank for all replicas (tests/diloco_worker.py),
+and a numpy statement of the low-precision exchange (tests/helpers.py ``quantised_sum``).
 At W=2 the step matches it bitwise: ``Δ_0 + Δ_1`` is the same sum in either order, and everything else is the
 same arithmetic on one CPU (checked on this project's AVX-512 EPYC and under ``ATEN_CPU_CAPABILITY=default``).
 At W=4 gloo's ring sums the four pseudo-gradients in another order than the reference's left to right, so the
@@ -13,8 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.diloco_worker import ROUNDS, H
+from tests.diloco_worker import MLP_FRAGMENTS, ROUNDS, H
 from tests.distributed import ROOT, launch
+from tests.helpers import quantised_sum
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
@@ -25,6 +28,9 @@ def runs(request, tmp_path_factory):
     return world, [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
 
+W2 = pytest.mark.parametrize("runs", [2], indirect=True, ids=["world2"])  # checks run at W=2 only
+
+
 def same(a: dict, b: dict, world: int) -> None:
     for name in a:
         if world == 2:
@@ -33,18 +39,27 @@ def same(a: dict, b: dict, world: int) -> None:
             torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
 
 
-def test_every_replica_follows_the_papers_algorithm_step_by_step(runs):
+STREAMING_VARIANTS = ["inner", "sync0", "apply0", "sync1"] + ["apply1", "sync0", "apply0", "sync1"] * 2
+
+
+@pytest.mark.parametrize("mode", ["reference", "streaming"])
+def test_every_replica_follows_the_papers_algorithm_step_by_step(runs, mode):
+    """diloco (H=3) and streaming_diloco (P=2, H=4, τ=1, α=0.5, float32 exchange), 3 outer rounds."""
     world, ranks = runs
     for rank, record in enumerate(ranks):
-        run = record["reference"]
-        assert run["variants"] == (["inner"] * (H - 1) + ["sync"]) * ROUNDS
-        for t in range(H * ROUNDS):
+        run = record[mode]
+        if mode == "reference":
+            assert run["variants"] == (["inner"] * (H - 1) + ["sync"]) * ROUNDS
+        else:
+            assert run["variants"] == STREAMING_VARIANTS
+        for t in range(len(run["variants"])):
             same(run["replica"][t], run["paper"][t], world)
             same(run["global"][t], run["paper_global"][t], world)
         if rank:  # between syncs the replicas drift apart on their own data, and meet again at each sync
-            first = ranks[0]["reference"]["replica"]
-            assert any(not torch.equal(first[H - 2][n], run["replica"][H - 2][n]) for n in first[0])
-            for t in range(H - 1, H * ROUNDS, H):
+            first = ranks[0][mode]["replica"]
+            assert any(not torch.equal(first[0][n], run["replica"][0][n]) for n in first[0])
+            synced = [t for t, v in enumerate(run["variants"]) if v == "sync"] if mode == "reference" else []
+            for t in synced:
                 assert all(torch.equal(first[t][n], run["replica"][t][n]) for n in first[t])
 
 
@@ -53,7 +68,44 @@ def test_one_bucketed_all_reduce_per_sync_and_none_between(runs):
     assert ranks[0]["reference"]["collectives"] == {"inner": 0, "sync": 1}
 
 
-W2 = pytest.mark.parametrize("runs", [2], indirect=True, ids=["world2"])  # checks run at W=2 only
+def test_streaming_sends_one_fragment_per_sync_and_waits_for_it_a_step_later(runs):
+    """Each sync<p> issues fragment p's one message and leaves it in flight; apply<p> issues nothing."""
+    _, ranks = runs
+    run = ranks[0]["streaming"]
+    assert run["collectives"] == {"inner": 0, "sync0": 1, "apply0": 0, "sync1": 1, "apply1": 0}
+    sizes = {n: t.numel() for n, t in run["replica"][0].items()}
+    for p, names in enumerate(MLP_FRAGMENTS):
+        assert run["messages"][f"sync{p}"] == [4 * sum(sizes[n] for n in names)]
+    assert sum(len(names) for names in MLP_FRAGMENTS) == len(sizes)
+
+
+@pytest.mark.parametrize("exchange", ["bfloat16", "float8_e4m3fn", "int4"])
+def test_low_precision_exchange_sums_in_float32_as_documented(runs, exchange):
+    """After one sync with outer SGD(lr=1), θ = θ_global - sum/W, the sum as the numpy statement of the encoding
+    computes it from every replica's Δ: bitwise at W=2 and W=4 (both sum in rank order in float32)."""
+    world, ranks = runs
+    for record in ranks:
+        run = record["quantised"][exchange]
+        total = quantised_sum([d.numpy() for d in run["deltas"]], exchange)
+        start = torch.cat([t.reshape(-1) for t in run["start"].values()])
+        expected = start - torch.from_numpy(total) * (1.0 / world)
+        assert torch.equal(torch.cat([t.reshape(-1) for t in run["after"].values()]), expected)
+        exact = torch.stack(run["deltas"]).double().mean(0).float()
+        assert not torch.equal(torch.from_numpy(total) * (1.0 / world), exact), "the exchange must round"
+    bits = {"bfloat16": 16, "float8_e4m3fn": 8.5, "int4": 4.5}[exchange]
+    padded = -(-run["deltas"][0].numel() // (64 * world)) * 64 * world
+    assert run["wire_bytes"] == [padded * bits / 8] * 2  # the all-to-all, then the all-gather of the sums
+
+
+@W2
+def test_alpha_one_leaves_the_local_weights_untouched(runs):
+    _, ranks = runs
+    for record in ranks:
+        run = record["alpha_one"]
+        assert {v for v, _, _ in run["steps"]} >= {"sync0", "apply0", "sync1", "apply1"}
+        for _, ours, alone in run["steps"]:
+            assert all(torch.equal(ours[n], alone[n]) for n in ours)
+        assert run["global_moved"]
 
 
 @W2
