@@ -146,7 +146,7 @@ class DiLoCoOuterStep(Pass):
                 add_outputs(program, [carried], [Port("extra", carried_name)])
                 return None
         cursor = before_output(program)
-        total = pseudo_exchange.finish(program, cursor, carried, length, self.exchange, info)
+        total = pseudo_exchange.finish(program, cursor, carried, length, self.exchange, info | {"finishes": True})
         views = unflatten(cursor, total, list(locals_.values()), COMM)
         return {name: views[node] for name, node in locals_.items()}
 

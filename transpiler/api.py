@@ -19,6 +19,7 @@ from transpiler.graph.verify import (
     DEFAULT_VERIFIERS,
     check_communication,
     check_cross_rank,
+    check_fragments,
     check_output_shapes,
     check_shards,
 )
@@ -31,6 +32,7 @@ from transpiler.runtime.handshake import Setup, describe_model, describe_optimiz
 from transpiler.runtime.process_group import Placement, as_timeout, resolve_placement, subgroup_names
 from transpiler.runtime.trajectory import TRAJECTORY_OPTIONS, TrajectoryWriter
 from transpiler.strategies.modes import build_strategy
+from transpiler.strategies.schedules import ACCUMULATE
 from transpiler.trace.environment import AutocastState
 from transpiler.trace.optimizers import as_optimizer
 from transpiler.trace.outer import trace_outer_update
@@ -135,6 +137,9 @@ def transpile(
             variant: rewrite(traced, passes, placement, verify=verify, on_pass=on_pass, subgroups=subgroups)
             for variant, passes in strategy.variants.items()
         }
+        if outer is not None and verify:
+            every = schedule.settings()["sync_every"]
+            check_fragments(programs, updates_of(strategy.schedule(), 3 * every), every)
         if keep_freed_memory and host_memory.runs_on_cpu(programs.values()):
             kept = host_memory.keep_freed_memory(programs.values())
             for program in programs.values():
@@ -207,6 +212,17 @@ def outer_for(
             f"{len(params)}, and they differ. Build it with model.parameters(), as the inner one."
         )
     return given
+
+
+def updates_of(schedule: Any, count: int) -> list[str]:
+    """The variants a fresh schedule runs at its first ``count`` updates (accumulation micro-steps left out)."""
+    out: list[str] = []
+    while len(out) < count:
+        variant = schedule.variant()
+        schedule.observe(variant, {}, 0.0)
+        if variant != ACCUMULATE:
+            out.append(variant)
+    return out
 
 
 def check_frozen_whole(model: torch.nn.Module, whole: dict[str, tuple[int, ...]]) -> None:

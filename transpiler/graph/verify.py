@@ -121,7 +121,84 @@ def _reductions_to_optimizer(grad: fx.Node) -> set[int]:
     return found
 
 
-DEFAULT_VERIFIERS = [check_roles, check_collectives_waited, check_gradient_reductions, check_bucket_views]
+def check_outer_reads_averaged(program: StepProgram, final: bool) -> None:
+    """An outer update (nodes tagged ``meta["outer"]``, DiLoCo's) reads only itself, its own inputs (θ_global, its
+    state and scalars) and averaged pseudo-gradients (``meta["averaged_delta_of"]``), each of which is computed
+    after waiting for a collective: never a rank's own Δ, a gradient or the local weights."""
+    for node in program.graph.nodes:
+        if not node.meta.get("outer"):
+            continue
+        for source in node.all_input_nodes:
+            if source.meta.get("outer") or source.op == "placeholder" and _outer_input(source):
+                continue
+            if "averaged_delta_of" not in source.meta:
+                raise VerificationError(
+                    f"outer update node '{node.name}' reads '{source.name}', which is not an averaged "
+                    "pseudo-gradient, θ_global or the outer optimizer's own state."
+                )
+            if not any(is_wait(n) for n in _ancestors(source)):
+                raise VerificationError(
+                    f"'{source.name}' is tagged as the averaged pseudo-gradient of "
+                    f"'{source.meta['averaged_delta_of']}', but no collective's wait precedes it."
+                )
+
+
+def _outer_input(node: fx.Node) -> bool:
+    port = node.meta.get("port")
+    return port is not None and (port.kind == "extra" and port.name.startswith("global.") or "outer/" in port.name)
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return seen
+
+
+def check_fragments(programs: dict[str, StepProgram], variants: list[str], sync_every: int) -> None:
+    """DiLoCo's fragments: the parameters the programs start sending Δ for (``meta["collective"]["pseudo-gradients"]``)
+    cover every trainable parameter once over all fragments, and in ``variants`` (the schedule's first steps,
+    from step 1) every sending program runs once in every ``sync_every`` steps after its first."""
+    sent: dict[str, list[str]] = {}
+    for variant, program in programs.items():
+        for node in program.graph.nodes:
+            info = node.meta.get("collective", {})
+            names = info.get("pseudo-gradients")
+            if names and not info.get("finishes"):  # the all-gather that finishes a low-precision exchange
+                sent.setdefault(variant, []).extend(names)
+    if not sent:
+        return
+    any_program = next(iter(programs.values()))
+    params = [p.name for p in any_program.inputs if p.kind == "param"]
+    owners: dict[str, list[str]] = {}
+    for variant, names in sent.items():
+        for name in dict.fromkeys(names):
+            owners.setdefault(name, []).append(variant)
+    wrong = {n: owners.get(n, []) for n in params if len(owners.get(n, [])) != 1}
+    if wrong:
+        raise VerificationError(
+            "every parameter must sync in exactly one fragment; "
+            + ", ".join(f"'{n}' in {v or 'none'}" for n, v in list(wrong.items())[:4])
+        )
+    for variant in sent:
+        steps = [t for t, v in enumerate(variants, start=1) if v == variant]
+        if not steps or any(b - a != sync_every for a, b in zip(steps, steps[1:])):
+            raise VerificationError(
+                f"fragment program '{variant}' runs at steps {steps[:6]}, not once every {sync_every} steps."
+            )
+
+
+DEFAULT_VERIFIERS = [
+    check_roles,
+    check_collectives_waited,
+    check_gradient_reductions,
+    check_bucket_views,
+    check_outer_reads_averaged,
+]
 
 
 def check_cross_rank(programs: list[StepProgram]) -> None:

@@ -324,8 +324,8 @@ class StreamingDiLoCoSchedule:
 
     @property
     def variants(self) -> tuple[str, ...]:
-        applies = tuple(f"apply{p}" for p in range(self.fragments)) if self.delay else ()
-        return ("inner", *(f"sync{p}" for p in range(self.fragments)), *applies)
+        per = [(f"sync{p}", f"apply{p}") if self.delay else (f"sync{p}",) for p in range(self.fragments)]
+        return ("inner", *(v for pair in per for v in pair))
 
     def variant(self) -> str:
         return self.at(self.step + 1)

@@ -1,0 +1,291 @@
+"""DiLoCo in one process: world size 1 against eager PyTorch written out here, the schedule and fragments as
+properties, the verifiers, the static programs of a world of 2, and the errors.
+
+At world size 1 the mean pseudo-gradient is the replica's own Δ, so ``diloco`` must be exactly the eager loop:
+H inner steps, then ``torch.optim`` outer step on θ_global with ``grad = θ_global - θ``, then θ = θ_global.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from passes.partitions import module_fragments
+from tests.models import MLP, TiedLM, make_batch
+from transpiler import ConfigurationError, VerificationError, transpile
+from transpiler.cli import main as cli_main
+from transpiler.graph.verify import check_fragments, check_outer_reads_averaged
+from transpiler.strategies.schedules import StreamingDiLoCoSchedule
+
+LOSS = nn.CrossEntropyLoss()
+H = 3
+FACTORY = str(Path(__file__).with_name("models.py")) + ":tiny_factory"
+
+
+def data(n: int, size: int = 8, seed: int = 1, name: str = "mlp") -> list:
+    gen = torch.Generator().manual_seed(seed)
+    return [make_batch(name, size, gen) for _ in range(n)]
+
+
+class EagerDiLoCo:
+    """One replica of the paper's loop, eager: ``inner_step`` on each batch, the outer step every ``H``."""
+
+    def __init__(self, model: nn.Module, inner, outer_factory, accumulate: int = 1, clip: float = 0.0):
+        self.model, self.inner = model, inner
+        self.theta = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        self.outer = outer_factory(self.theta)
+        self.accumulate, self.clip, self.calls = accumulate, clip, 0
+
+    def __call__(self, x, y, autocast: torch.dtype | None = None) -> None:
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = LOSS(self.model(x), y)
+        (loss / self.accumulate).backward()
+        self.calls += 1
+        if self.calls % self.accumulate:
+            return
+        if self.clip:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.inner.step()
+        self.inner.zero_grad()
+        if (self.calls // self.accumulate) % H:
+            return
+        for theta, p in zip(self.theta, self.model.parameters()):
+            theta.grad = theta.detach() - p.detach()
+        self.outer.step()
+        with torch.no_grad():
+            for theta, p in zip(self.theta, self.model.parameters()):
+                p.copy_(theta)
+
+
+def nesterov(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def assert_same(model_a: nn.Module, model_b: nn.Module) -> None:
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), f"{name}: {(a - b).abs().max().item():.3g}"
+
+
+@pytest.mark.bitwise
+@pytest.mark.parametrize(
+    "case",
+    ["adamw", "accumulation_and_clipping", "autocast", "generic_outer"],
+)
+def test_world1_is_the_eager_loop(case):
+    """Bitwise, 4 outer rounds. ``generic_outer``: an outer RMSprop (no twin: its own step() traced) whose state
+    is created at the first sync, so the sync program is traced again once; ``autocast``: bfloat16 forward."""
+    torch.manual_seed(0)
+    model = MLP()
+    twin = copy.deepcopy(model)
+    outer_factory = nesterov
+    options: dict = {}
+    kwargs: dict = {}
+    autocast = None
+    if case == "accumulation_and_clipping":
+        options = {"accumulate_steps": 2, "max_grad_norm": 0.05}
+    if case == "generic_outer":
+
+        def outer_factory(params):
+            return torch.optim.RMSprop(params, lr=0.01)
+
+        kwargs["outer_optimizer"] = outer_factory(model.parameters())
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    step = transpile(model, inner, "diloco", LOSS, sync_every=H, **options, **kwargs)
+    eager = EagerDiLoCo(
+        twin,
+        torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.01),
+        outer_factory,
+        accumulate=options.get("accumulate_steps", 1),
+        clip=options.get("max_grad_norm", 0.0),
+    )
+    if case == "autocast":
+        autocast = torch.bfloat16
+    rounds = 4 * H * options.get("accumulate_steps", 1)
+    for x, y in data(rounds):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is not None):
+            step(x, y)
+        eager(x, y, autocast)
+        assert_same(model, twin)
+    for theta, (name, held) in zip(eager.theta, step.global_parameters().items()):
+        assert torch.equal(theta.detach(), held), name
+    if case == "generic_outer":
+        assert step.traces == 2, "traced again once, after the first sync created RMSprop's state"
+        assert set(step.outer_optimizer.state[next(model.parameters())]) == {"step", "square_avg"}
+
+
+@given(
+    sync_every=st.integers(1, 40),
+    fragments=st.integers(1, 8),
+    delay=st.integers(0, 6),
+    steps=st.integers(1, 120),
+)
+def test_streaming_schedule_staggers_fragments(sync_every, fragments, delay, steps):
+    """Each fragment starts once in every H steps; a start is finished exactly τ steps later; at most one
+    fragment is in flight at any step; a schedule the options cannot keep is refused up front."""
+    try:
+        schedule = StreamingDiLoCoSchedule(sync_every, fragments, delay)
+    except ConfigurationError:
+        offsets = sorted({(p + 1) * sync_every // fragments for p in range(fragments)})
+        gaps = [b - a for a, b in zip(offsets, [*offsets[1:], offsets[0] + sync_every])]
+        assert fragments > sync_every or delay >= min(gaps)
+        return
+    variants = [schedule.at(t) for t in range(1, steps + 1)]
+    in_flight: dict[int, int] = {}
+    for t, v in enumerate(variants, start=1):
+        if v.startswith("sync"):
+            p = int(v[4:])
+            if delay:
+                assert not in_flight, f"step {t}: fragment {p} starts with {in_flight} in flight"
+                in_flight[p] = t
+        elif v.startswith("apply"):
+            p = int(v[5:])
+            assert in_flight.pop(p) == t - delay
+    for p in range(fragments):
+        starts = [t for t, v in enumerate(variants, start=1) if v == f"sync{p}"]
+        assert all(b - a == sync_every for a, b in zip(starts, starts[1:]))
+        assert starts == [t for t in range((p + 1) * sync_every // fragments, steps + 1, sync_every)]
+
+
+@given(sizes=st.lists(st.integers(1, 500), min_size=1, max_size=12), per=st.integers(1, 3), fragments=st.integers(1, 6))
+def test_fragments_are_whole_modules_in_order_and_balanced(sizes, per, fragments):
+    """Every parameter in exactly one fragment; a module's parameters together; fragments consecutive, none
+    empty; none larger than its fair share plus one module."""
+    params = [(f"m{i}.p{j}", s) for i, s in enumerate(sizes) for j in range(per)]
+    if fragments > len(sizes):
+        with pytest.raises(ConfigurationError, match="whole modules"):
+            module_fragments(params, fragments)
+        return
+    parts = module_fragments(params, fragments)
+    assert list(parts) == [n for n, _ in params]
+    order = list(parts.values())
+    assert order == sorted(order) and set(order) == set(range(fragments))
+    for i in range(len(sizes)):
+        assert len({parts[f"m{i}.p{j}"] for j in range(per)}) == 1
+    total = sum(s for _, s in params)
+    for p in range(fragments):
+        held = sum(s for n, s in params if parts[n] == p)
+        assert held <= total / fragments + max(sizes) * per
+
+
+def static(mode: str = "streaming_diloco", world: int = 2, **options):
+    torch.manual_seed(0)
+    model = MLP()
+    batch = data(1)[0]
+    return transpile(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        mode,
+        LOSS,
+        example_inputs=batch,
+        world_size=world,
+        rank=0,
+        **options,
+    )
+
+
+def test_static_programs_of_a_world_and_their_variants():
+    step = static(sync_every=4, fragments=2, fragment_sync_delay=1, exchange_dtype="int4")
+    assert list(step.programs) == ["inner", "sync0", "apply0", "sync1", "apply1"] == list(step.schedule.variants)
+    kinds = {
+        v: [n.target._schema.name.split("::")[-1] for n in p.graph.nodes if "collective" in n.meta]
+        for v, p in step.programs.items()
+    }
+    assert kinds == {
+        "inner": [],
+        "sync0": ["all_to_all_single"],
+        "sync1": ["all_to_all_single"],
+        "apply0": ["all_gather_into_tensor"],
+        "apply1": ["all_gather_into_tensor"],
+    }
+    carried = [p for p in step.programs["sync0"].outputs if p.kind == "extra" and p.name.startswith("inflight.")]
+    assert [p.name for p in carried] == ["inflight.0"]
+
+
+def test_the_verifier_refuses_an_outer_update_reading_a_local_delta():
+    step = static("diloco", sync_every=H)
+    program = step.programs["sync"].clone()
+    averaged = next(n for n in program.graph.nodes if "averaged_delta_of" in n.meta)
+    raw = averaged.args[0]  # the sum before the mean...
+    while raw.op != "placeholder" and "collective" not in raw.meta:
+        raw = raw.args[0]
+    delta = raw.args[0] if "collective" in raw.meta else raw  # ...and the rank's own Δ before the all-reduce
+    reader = next(u for u in averaged.users if u.meta.get("outer"))
+    check_outer_reads_averaged(program, True)
+    reader.replace_input_with(averaged, delta)
+    with pytest.raises(VerificationError, match="not an averaged pseudo-gradient"):
+        check_outer_reads_averaged(program, True)
+
+
+def test_the_fragment_check_sees_a_parameter_synced_twice_or_a_fragment_skipped():
+    step = static(sync_every=4, fragments=2)
+    programs = dict(step.programs)
+    check_fragments(programs, [StreamingDiLoCoSchedule(4, 2).at(t) for t in range(1, 13)], 4)
+    with pytest.raises(VerificationError, match="runs at steps"):
+        check_fragments(programs, ["sync0", "sync1"] * 6, 4)
+    programs["sync1"] = programs["sync0"]  # fragment 1's parameters never sync, fragment 0's twice
+    with pytest.raises(VerificationError, match="exactly one fragment"):
+        check_fragments(programs, [StreamingDiLoCoSchedule(4, 2).at(t) for t in range(1, 13)], 4)
+
+
+def test_cli_dumps_every_variant(capsys):
+    options = ["-O", "sync_every=4", "-O", "fragments=2", "-O", "fragment_sync_delay=1"]
+    for variant in ("inner", "sync0", "apply1"):
+        argv = ["dump", FACTORY, "--mode", "streaming_diloco", *options, "--variant", variant]
+        assert cli_main(argv) == 0
+        out = capsys.readouterr().out
+        assert ("wait_tensor" in out) == (variant == "apply1")
+        assert ("all_reduce" in out) == (variant == "sync0")
+
+
+@pytest.mark.parametrize(
+    ("mode", "options", "outer", "match"),
+    [
+        ("fused_allreduce", {}, "sgd", "only applies to modes 'diloco' and 'streaming_diloco'"),
+        ("diloco", {}, "other_params", "same parameters as the inner optimizer"),
+        ("streaming_diloco", {}, "adam", "keep no step count per param group"),
+        ("streaming_diloco", {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 2}, None, "delay below 2"),
+        ("streaming_diloco", {"sync_every": 2, "fragments": 3}, None, "at most sync_every fragments"),
+        ("diloco", {"loss_scale": "dynamic"}, None, "'loss_scale' works with"),
+        ("streaming_diloco", {"exchange_dtype": "int3"}, None, "exchange_dtype"),
+    ],
+)
+def test_clear_errors(mode, options, outer, match):
+    model = MLP()
+    outers = {
+        "sgd": lambda: torch.optim.SGD(model.parameters(), lr=0.7),
+        "adam": lambda: torch.optim.Adam(model.parameters(), lr=0.1),
+        "other_params": lambda: torch.optim.SGD(list(model.parameters())[:2], lr=0.7),
+    }
+    kwargs = {"outer_optimizer": outers[outer]()} if outer else {}
+    with pytest.raises(ConfigurationError, match=match):
+        transpile(model, torch.optim.AdamW(model.parameters()), mode, LOSS, **options, **kwargs)
+
+
+def test_more_fragments_than_modules_is_refused_when_traced():
+    model = TiedLM()
+    with pytest.raises(ConfigurationError, match="use at most 2"):
+        transpile(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            "streaming_diloco",
+            LOSS,
+            example_inputs=data(1, name="tied")[0],
+            sync_every=8,
+            fragments=3,
+        )
+
+
+def test_global_weights_before_any_step_are_the_parameters_and_other_modes_have_none():
+    model = MLP()
+    step = transpile(model, torch.optim.AdamW(model.parameters()), "diloco", LOSS, sync_every=H)
+    held = step.global_parameters()
+    assert all(torch.equal(held[n], p) for n, p in model.named_parameters())
+    plain = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), "fused_allreduce", LOSS)
+    with pytest.raises(ConfigurationError, match="no global weights"):
+        plain.global_parameters()
