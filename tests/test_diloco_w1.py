@@ -34,13 +34,16 @@ def data(n: int, size: int = 8, seed: int = 1, name: str = "mlp") -> list:
 
 
 class EagerDiLoCo:
-    """One replica of the paper's loop, eager: ``inner_step`` on each batch, the outer step every ``H``."""
+    """One replica of the paper's loop, eager: ``inner_step`` on each batch, every ``H`` updates Δ = θ - θ_local;
+    ``delay`` updates later the outer step on Δ and the local weights become ``α·θ_local + (1-α)·θ`` (Streaming
+    DiLoCo with one fragment; ``delay=0, alpha=0`` is DiLoCo)."""
 
-    def __init__(self, model: nn.Module, inner, outer_factory, accumulate: int = 1, clip: float = 0.0):
+    def __init__(self, model, inner, outer_factory, accumulate=1, clip=0.0, delay=0, alpha=0.0):
         self.model, self.inner = model, inner
         self.theta = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
         self.outer = outer_factory(self.theta)
-        self.accumulate, self.clip, self.calls = accumulate, clip, 0
+        self.accumulate, self.clip, self.delay, self.alpha = accumulate, clip, delay, alpha
+        self.calls, self.deltas, self.started = 0, None, None
 
     def __call__(self, x, y, autocast: torch.dtype | None = None) -> None:
         with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
@@ -53,14 +56,18 @@ class EagerDiLoCo:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.inner.step()
         self.inner.zero_grad()
-        if (self.calls // self.accumulate) % H:
-            return
-        for theta, p in zip(self.theta, self.model.parameters()):
-            theta.grad = theta.detach() - p.detach()
-        self.outer.step()
-        with torch.no_grad():
-            for theta, p in zip(self.theta, self.model.parameters()):
-                p.copy_(theta)
+        update = self.calls // self.accumulate
+        if update % H == 0:
+            self.deltas = [theta.detach() - p.detach() for theta, p in zip(self.theta, self.model.parameters())]
+            self.started = update
+        if self.deltas is not None and update == self.started + self.delay:
+            for theta, delta in zip(self.theta, self.deltas):
+                theta.grad = delta
+            self.outer.step()
+            with torch.no_grad():
+                for theta, p in zip(self.theta, self.model.parameters()):
+                    p.copy_(self.alpha * p + (1 - self.alpha) * theta if self.alpha else theta)
+            self.deltas = None
 
 
 def nesterov(params) -> torch.optim.Optimizer:
@@ -75,7 +82,7 @@ def assert_same(model_a: nn.Module, model_b: nn.Module) -> None:
 @pytest.mark.bitwise
 @pytest.mark.parametrize(
     "case",
-    ["adamw", "accumulation_and_clipping", "autocast", "generic_outer"],
+    ["adamw", "accumulation_and_clipping", "autocast", "generic_outer", "streaming_accumulation"],
 )
 def test_world1_is_the_eager_loop(case):
     """Bitwise, 4 outer rounds. ``generic_outer``: an outer RMSprop (no twin: its own step() traced) whose state
@@ -87,8 +94,12 @@ def test_world1_is_the_eager_loop(case):
     options: dict = {}
     kwargs: dict = {}
     autocast = None
+    mode = "diloco"
     if case == "accumulation_and_clipping":
         options = {"accumulate_steps": 2, "max_grad_norm": 0.05}
+    if case == "streaming_accumulation":  # one fragment, exchange applied one update later, mixed half and half
+        mode = "streaming_diloco"
+        options = {"accumulate_steps": 2, "fragments": 1, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
     if case == "generic_outer":
 
         def outer_factory(params):
@@ -96,13 +107,15 @@ def test_world1_is_the_eager_loop(case):
 
         kwargs["outer_optimizer"] = outer_factory(model.parameters())
     inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
-    step = transpile(model, inner, "diloco", LOSS, sync_every=H, **options, **kwargs)
+    step = transpile(model, inner, mode, LOSS, sync_every=H, **options, **kwargs)
     eager = EagerDiLoCo(
         twin,
         torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.01),
         outer_factory,
         accumulate=options.get("accumulate_steps", 1),
         clip=options.get("max_grad_norm", 0.0),
+        delay=options.get("fragment_sync_delay", 0),
+        alpha=options.get("fragment_update_alpha", 0.0),
     )
     if case == "autocast":
         autocast = torch.bfloat16

@@ -1,0 +1,208 @@
+"""Does DiLoCo train? A character-level GPT on Python's own documentation, at W=4 over gloo, every strategy for the
+same number of tokens: DDP, ``local_sgd`` with k=H, ``diloco`` with H = 10, 50 and 100, and ``streaming_diloco``
+with a 4-bit exchange (docs/strategies/diloco.md).
+
+    python bench/diloco.py [--steps 600] [--world 4]
+
+The corpus is ``pydoc_data.topics`` (the text of ``help()``, about 465k characters, shipped with CPython): no
+download. The last tenth is held out. Each rank draws its own windows of the first nine tenths. Every run starts
+from the same weights, with AdamW inside (lr 1e-3, weight decay 0.1); the DiLoCo runs take the paper's outer
+Nesterov SGD (lr 0.7, momentum 0.9). The loss reported is the held-out loss of the weights the paper evaluates:
+the global weights for DiLoCo (``step.global_weights()``), the model for the others, after the last step.
+
+Bytes are what one rank sends, counted from each program's collectives: a ring all-reduce of B bytes sends
+``2 (W-1)/W B``, an all-to-all or an all-gather of a B-byte buffer ``(W-1)/W B``; DDP all-reduces every gradient
+every step. The peak message is the largest buffer one collective carries. Step time is the median over the run's
+steps, the slower rank's, syncs included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.models import NarrowGPT  # noqa: E402
+from bench.two_ranks import write_section  # noqa: E402
+from transpiler import transpile  # noqa: E402
+
+DOC = ROOT / "docs" / "strategies" / "diloco.md"
+BEGIN, END = "<!-- diloco:begin -->", "<!-- diloco:end -->"
+SEQ, PER_RANK, EVAL_BATCHES = 64, 8, 16
+STREAMING = {"sync_every": 50, "fragments": 4, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
+RUNS = {  # label -> (mode, options)
+    "DDP": ("ddp", {}),
+    "local_sgd k=50": ("local_sgd", {"k_steps": 50, "begin_step": 0}),
+    "diloco H=10": ("diloco", {"sync_every": 10}),
+    "diloco H=50": ("diloco", {"sync_every": 50}),
+    "diloco H=100": ("diloco", {"sync_every": 100}),
+    "streaming P=4 int4 H=50": ("streaming_diloco", {**STREAMING, "exchange_dtype": "int4"}),
+}
+SENT = {"all_reduce": 2.0, "all_reduce_": 2.0, "all_to_all_single": 1.0, "all_gather_into_tensor": 1.0}
+
+
+def corpus() -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The documentation text as character ids: training and held-out parts, and the vocabulary size."""
+    from pydoc_data.topics import topics
+
+    text = "\n".join(topics[k] for k in sorted(topics))
+    chars = sorted(set(text))
+    ids = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    cut = len(ids) * 9 // 10
+    return ids[:cut], ids[cut:], len(chars)
+
+
+def windows(ids: torch.Tensor, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.randint(0, len(ids) - SEQ - 1, (n,), generator=gen)
+    rows = torch.stack([ids[s : s + SEQ + 1] for s in starts.tolist()])
+    return rows[:, :-1].contiguous(), rows[:, 1:].reshape(-1).contiguous()
+
+
+def model_for(vocab: int) -> nn.Module:
+    torch.manual_seed(0)
+    return NarrowGPT(blocks=4, dim=192, heads=4, vocab=vocab, seq=SEQ)
+
+
+def sent_bytes(program, world: int) -> tuple[float, int]:
+    """What one rank sends in one run of ``program``, and its largest message."""
+    total, peak = 0.0, 0
+    for node in program.graph.nodes:
+        info = node.meta.get("collective")
+        if info is None:
+            continue
+        op = node.target._schema.name.split("::")[-1]
+        total += SENT[op] * (world - 1) / world * info["bytes"]
+        peak = max(peak, info["bytes"])
+    return total, peak
+
+
+def held_out_loss(model: nn.Module, held: torch.Tensor) -> float:
+    gen = torch.Generator().manual_seed(1234)
+    losses = []
+    with torch.no_grad():
+        for _ in range(EVAL_BATCHES):
+            x, y = windows(held, PER_RANK, gen)
+            losses.append(float(nn.functional.cross_entropy(model(x), y)))
+    return sum(losses) / len(losses)
+
+
+def run(label: str, steps: int, train: torch.Tensor, held: torch.Tensor, vocab: int) -> dict:
+    mode, options = RUNS[label]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = model_for(vocab)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    params = sum(p.numel() for p in model.parameters())
+    if mode == "ddp":
+        ddp = nn.parallel.DistributedDataParallel(model)
+
+        def step(x, y):
+            inner.zero_grad()
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            loss.backward()
+            inner.step()
+            return loss
+
+    else:
+        step = transpile(model, inner, mode=mode, loss_fn=nn.CrossEntropyLoss(), **options)
+    gen = torch.Generator().manual_seed(100 + rank)
+    times, sent, peak, losses = [], 0.0, 0, []
+    for _ in range(steps):
+        x, y = windows(train, PER_RANK, gen)
+        start = time.perf_counter()
+        losses.append(float(step(x, y)))
+        times.append(time.perf_counter() - start)
+        if mode == "ddp":
+            sent += 2 * (world - 1) / world * 4 * params
+            peak = max(peak, 4 * params)  # at most: DDP's buckets are 25 MiB, the model is smaller
+        else:
+            s, p = sent_bytes(step.programs[step.last_variant], world)
+            sent, peak = sent + s, max(peak, p)
+    if mode in ("diloco", "streaming_diloco"):
+        with step.global_weights() as evaluated:
+            loss = held_out_loss(evaluated, held)
+    else:
+        loss = held_out_loss(model, held)
+    slowest = torch.tensor([statistics.median(times)])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {
+        "label": label,
+        "held_out_loss": loss,
+        "train_loss_last50": sum(losses[-50:]) / len(losses[-50:]),
+        "bytes_sent": sent,
+        "peak_message": peak,
+        "step_ms": 1000 * float(slowest),
+        "params": params,
+    }
+
+
+def worker(out: str, steps: int) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    torch.set_num_threads(1)
+    train, held, vocab = corpus()
+    results = []
+    for label in RUNS:
+        results.append(run(label, steps, train, held, vocab))
+        if dist.get_rank() == 0:
+            print(json.dumps(results[-1]), flush=True)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def table(results: list[dict], steps: int, world: int) -> str:
+    ddp = next(r for r in results if r["label"] == "DDP")
+    tokens = steps * world * PER_RANK * SEQ
+    lines = [
+        f"W={world} ranks over gloo on {platform.processor() or platform.machine()} ({os.cpu_count()} cores), "
+        f"{steps} steps of {PER_RANK}x{SEQ} characters per rank ({tokens:,} tokens in all), "
+        f"GPT of {ddp['params']:,} parameters.",
+        "",
+        "| run | held-out loss | vs DDP | bytes sent per rank | vs DDP | peak message | step (median) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['label']} | {r['held_out_loss']:.4f} | {100 * (r['held_out_loss'] / ddp['held_out_loss'] - 1):+.1f}% "
+            f"| {r['bytes_sent'] / 2**20:,.1f} MiB | 1/{ddp['bytes_sent'] / max(r['bytes_sent'], 1):,.0f} "
+            f"| {r['peak_message'] / 2**10:,.0f} KiB | {r['step_ms']:.0f} ms |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.world)]
+        cmd += ["--master-port", "29561", __file__, "--worker", str(out), "--steps", str(args.steps)]
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)), cwd=ROOT)
+        results = json.loads(out.read_text())
+    text = table(results, args.steps, args.world)
+    print(text)
+    write_section(DOC, BEGIN, END, text)
+
+
+if __name__ == "__main__":
+    main()
