@@ -176,8 +176,9 @@ def table(results: list[dict], steps: int, world: int) -> str:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
+        gap = 100 * (r["held_out_loss"] / ddp["held_out_loss"] - 1)
         lines.append(
-            f"| {r['label']} | {r['held_out_loss']:.4f} | {100 * (r['held_out_loss'] / ddp['held_out_loss'] - 1):+.1f}% "
+            f"| {r['label']} | {r['held_out_loss']:.4f} | {gap:+.1f}% "
             f"| {r['bytes_sent'] / 2**20:,.1f} MiB | 1/{ddp['bytes_sent'] / max(r['bytes_sent'], 1):,.0f} "
             f"| {r['peak_message'] / 2**10:,.0f} KiB | {r['step_ms']:.0f} ms |"
         )

@@ -51,18 +51,25 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 class PaperDiLoCo:
     """Algorithm 1 of Douillard et al. (2023), eager, for all ``world`` replicas in this process."""
 
-    def __init__(self, model: torch.nn.Module, world: int, outer_lr: float = 0.7, momentum: float = 0.9):
-        self.replicas = [copy.deepcopy(model) for _ in range(world)]
+    def __init__(self, model: torch.nn.Module, replicas: int, outer_lr: float = 0.7, momentum: float = 0.9):
+        self.replicas = [copy.deepcopy(model) for _ in range(replicas)]
         self.inner = [inner_optimizer(m.parameters()) for m in self.replicas]
         self.theta = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
         self.outer = torch.optim.SGD(self.theta, lr=outer_lr, momentum=momentum, nesterov=momentum > 0)
         self.t = 0
 
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for model, opt, (x, y) in zip(self.replicas, self.inner, batches):
+    def inner_steps(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Each replica's inner step on the batches of its ranks (W / replicas consecutive ones): the gradient
+        of each rank's loss times 1/R, summed in rank order (data parallel inside the replica)."""
+        size = len(batches) // len(self.replicas)
+        for k, (model, opt) in enumerate(zip(self.replicas, self.inner)):
             opt.zero_grad()
-            LOSS(model(x), y).backward()
+            for x, y in batches[k * size : (k + 1) * size]:
+                (LOSS(model(x), y) * (1.0 / size)).backward()
             opt.step()
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.inner_steps(batches)
         self.t += 1
         if self.t % H:
             return
@@ -85,18 +92,15 @@ class PaperStreaming(PaperDiLoCo):
     ``delay`` inner steps later its mean goes through the outer SGD (only that fragment's θ_global have a
     gradient), and every replica's fragment becomes ``α·θ_local + (1-α)·θ_global``."""
 
-    def __init__(self, model, world, fragments: list[list[str]], sync_every: int, delay: int, alpha: float):
-        super().__init__(model, world)
+    def __init__(self, model, replicas, fragments: list[list[str]], sync_every: int, delay: int, alpha: float):
+        super().__init__(model, replicas)
         self.names = [n for n, _ in model.named_parameters()]
         self.fragments, self.sync_every, self.delay, self.alpha = fragments, sync_every, delay, alpha
         self.offsets = [(p + 1) * sync_every // len(fragments) for p in range(len(fragments))]
         self.pending: dict[int, dict[str, list[torch.Tensor]]] = {}
 
     def step(self, batches) -> None:
-        for model, opt, (x, y) in zip(self.replicas, self.inner, batches):
-            opt.zero_grad()
-            LOSS(model(x), y).backward()
-            opt.step()
+        self.inner_steps(batches)
         self.t += 1
         for p, offset in enumerate(self.offsets):
             if self.t >= offset and (self.t - offset) % self.sync_every == 0:
@@ -141,11 +145,11 @@ MLP_FRAGMENTS = [  # MLP's modules by size 672 | 1056, 165: two runs of whole mo
 STREAM = {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
 
 
-def streaming(rank: int, world: int, alpha: float = 0.5) -> dict:
+def streaming(rank: int, world: int, replica_size: int = 1) -> dict:
     torch.manual_seed(0)
     model = MLP()
-    paper = PaperStreaming(model, world, MLP_FRAGMENTS, 4, 1, alpha)
-    options = STREAM | {"fragment_update_alpha": alpha}
+    paper = PaperStreaming(model, world // replica_size, MLP_FRAGMENTS, 4, 1, 0.5)
+    options = STREAM | {"replica_size": replica_size}
     step = transpile(model, inner_optimizer(model.parameters()), mode="streaming_diloco", loss_fn=LOSS, **options)
     record = {"variants": [], "replica": [], "paper": [], "global": [], "paper_global": []}
     for batches in data(world, 4 * ROUNDS):
@@ -153,7 +157,7 @@ def streaming(rank: int, world: int, alpha: float = 0.5) -> dict:
         paper.step(batches)
         record["variants"].append(step.last_variant)
         record["replica"].append(params_of(model))
-        record["paper"].append(params_of(paper.replicas[rank]))
+        record["paper"].append(params_of(paper.replicas[rank // replica_size]))
         record["global"].append({n: t.clone() for n, t in step.global_parameters().items()})
         record["paper_global"].append({n: t.detach().clone() for n, t in zip(record["paper"][-1], paper.theta)})
     record["collectives"] = {v: collectives(p) for v, p in step.programs.items()}
@@ -194,18 +198,19 @@ def quantised(rank: int, world: int, exchange: str) -> dict:
     return {"start": start, "after": params_of(model), "deltas": deltas, "wire_bytes": bytes_sent}
 
 
-def reference(rank: int, world: int) -> dict:
+def reference(rank: int, world: int, replica_size: int = 1) -> dict:
     torch.manual_seed(0)
     model = MLP()
-    paper = PaperDiLoCo(model, world)
-    step = transpile(model, inner_optimizer(model.parameters()), mode="diloco", loss_fn=LOSS, sync_every=H)
+    paper = PaperDiLoCo(model, world // replica_size)
+    options = {"sync_every": H, "replica_size": replica_size}
+    step = transpile(model, inner_optimizer(model.parameters()), mode="diloco", loss_fn=LOSS, **options)
     record = {"variants": [], "replica": [], "paper": [], "global": [], "paper_global": []}
     for batches in data(world, H * ROUNDS):
         step(*batches[rank])
         paper.step(batches)
         record["variants"].append(step.last_variant)
         record["replica"].append(params_of(model))
-        record["paper"].append(params_of(paper.replicas[rank]))
+        record["paper"].append(params_of(paper.replicas[rank // replica_size]))
         record["global"].append({n: t.clone() for n, t in step.global_parameters().items()})
         record["paper_global"].append({n: t.detach().clone() for n, t in zip(record["paper"][-1], paper.theta)})
     record["collectives"] = {v: collectives(p) for v, p in step.programs.items()}
@@ -303,6 +308,8 @@ def global_view(rank: int, world: int) -> dict:
 def checks(rank: int, world: int) -> dict:
     out = {"reference": reference(rank, world), "streaming": streaming(rank, world)}
     out["quantised"] = {x: quantised(rank, world, x) for x in ("bfloat16", "float8_e4m3fn", "int4")}
+    if world == 4:  # two replicas of two ranks: data parallel inside each, DiLoCo across
+        out |= {"reference_2d": reference(rank, world, 2), "streaming_2d": streaming(rank, world, 2)}
     if world == 2:
         out |= {"identity": identity(rank, world), "alpha_one": alpha_one(rank, world)}
         out["resume"] = resume(rank, world, "diloco", H + 1)  # one inner step into the second round

@@ -29,11 +29,12 @@ def runs(request, tmp_path_factory):
 
 
 W2 = pytest.mark.parametrize("runs", [2], indirect=True, ids=["world2"])  # checks run at W=2 only
+W4 = pytest.mark.parametrize("runs", [4], indirect=True, ids=["world4"])
 
 
-def same(a: dict, b: dict, world: int) -> None:
+def same(a: dict, b: dict, exact: bool) -> None:
     for name in a:
-        if world == 2:
+        if exact:
             assert torch.equal(a[name], b[name]), f"{name}: {(a[name] - b[name]).abs().max().item():.3g}"
         else:
             torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0)
@@ -42,25 +43,43 @@ def same(a: dict, b: dict, world: int) -> None:
 STREAMING_VARIANTS = ["inner", "sync0", "apply0", "sync1"] + ["apply1", "sync0", "apply0", "sync1"] * 2
 
 
+def follows_the_paper(ranks: list[dict], mode: str, exact: bool) -> None:
+    """Every rank's record of ``mode``: the schedule, and at every step its replica and θ_global against the
+    reference's, bitwise where ``exact``, else within 1e-6."""
+    for record in ranks:
+        run = record[mode]
+        expected = (["inner"] * (H - 1) + ["sync"]) * ROUNDS if mode.startswith("reference") else STREAMING_VARIANTS
+        assert run["variants"] == expected
+        for t in range(len(run["variants"])):
+            same(run["replica"][t], run["paper"][t], exact)
+            same(run["global"][t], run["paper_global"][t], exact)
+
+
 @pytest.mark.parametrize("mode", ["reference", "streaming"])
 def test_every_replica_follows_the_papers_algorithm_step_by_step(runs, mode):
     """diloco (H=3) and streaming_diloco (P=2, H=4, τ=1, α=0.5, float32 exchange), 3 outer rounds."""
     world, ranks = runs
-    for rank, record in enumerate(ranks):
+    follows_the_paper(ranks, mode, exact=world == 2)
+    first = ranks[0][mode]["replica"]
+    for record in ranks[1:]:  # between syncs the replicas drift apart on their own data, and meet at each sync
         run = record[mode]
-        if mode == "reference":
-            assert run["variants"] == (["inner"] * (H - 1) + ["sync"]) * ROUNDS
-        else:
-            assert run["variants"] == STREAMING_VARIANTS
-        for t in range(len(run["variants"])):
-            same(run["replica"][t], run["paper"][t], world)
-            same(run["global"][t], run["paper_global"][t], world)
-        if rank:  # between syncs the replicas drift apart on their own data, and meet again at each sync
-            first = ranks[0][mode]["replica"]
-            assert any(not torch.equal(first[0][n], run["replica"][0][n]) for n in first[0])
-            synced = [t for t, v in enumerate(run["variants"]) if v == "sync"] if mode == "reference" else []
-            for t in synced:
-                assert all(torch.equal(first[t][n], run["replica"][t][n]) for n in first[t])
+        assert any(not torch.equal(first[0][n], run["replica"][0][n]) for n in first[0])
+        synced = [t for t, v in enumerate(run["variants"]) if v == "sync"]
+        for t in synced:
+            assert all(torch.equal(first[t][n], run["replica"][t][n]) for n in first[t])
+
+
+@W4
+@pytest.mark.parametrize("mode", ["reference_2d", "streaming_2d"])
+def test_two_replicas_of_two_ranks_follow_the_paper(runs, mode):
+    """``replica_size=2`` at W=4: data parallel inside each replica (AdamW on the sum of its two ranks' gradients
+    of loss/2), DiLoCo across the two. Bitwise: every sum has two terms. The ranks of a replica agree always."""
+    _, ranks = runs
+    follows_the_paper(ranks, mode, exact=True)
+    for rank in range(4):
+        ours, partner = ranks[rank][mode]["replica"], ranks[rank ^ 1][mode]["replica"]
+        assert all(torch.equal(partner[t][n], ours[t][n]) for t in range(len(ours)) for n in ours[t])
+    assert not torch.equal(ranks[0][mode]["replica"][0]["net.0.weight"], ranks[2][mode]["replica"][0]["net.0.weight"])
 
 
 def test_one_bucketed_all_reduce_per_sync_and_none_between(runs):

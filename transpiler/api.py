@@ -14,7 +14,7 @@ from transpiler.graph.collectives import communication_plan
 from transpiler.graph.cost_model import CostModel
 from transpiler.graph.options import parse_options
 from transpiler.graph.pipeline import Pipeline
-from transpiler.graph.program import StepProgram
+from transpiler.graph.program import Axis, StepProgram
 from transpiler.graph.verify import (
     DEFAULT_VERIFIERS,
     check_communication,
@@ -134,7 +134,9 @@ def transpile(
                 measured[key] = cost_probe.measure(model, loss_fn, batch, placement.group_name)
             traced.cost_model = measured[key]
         programs = {
-            variant: rewrite(traced, passes, placement, verify=verify, on_pass=on_pass, subgroups=subgroups)
+            variant: rewrite(
+                traced, passes, placement, verify=verify, on_pass=on_pass, subgroups=subgroups, axes=strategy.axes
+            )
             for variant, passes in strategy.variants.items()
         }
         if outer is not None and verify:
@@ -255,13 +257,19 @@ def rewrite(
     verify: bool = True,
     on_pass=None,
     subgroups: dict[tuple[int, ...], str] | None = None,
+    axes: Callable[[int, int], dict[str, tuple[int, ...]]] = lambda world, rank: {},
 ) -> StepProgram:
-    """Run the pipeline on a copy of ``traced`` for ``placement``'s rank, checking all ranks agree."""
+    """Run the pipeline on a copy of ``traced`` for ``placement``'s rank, checking all ranks agree. ``axes`` gives
+    a 2-D layout's groups of each rank (``program.axes``)."""
 
     def for_rank(r: int, callback=None) -> StepProgram:
         program = traced.clone(rank=r)
         program.world_size, program.group_name = placement.world_size, placement.group_name
         program.subgroups = dict(subgroups or {})
+        program.axes = {
+            name: Axis(len(ranks), ranks.index(r), program.subgroups[ranks])
+            for name, ranks in axes(placement.world_size, r).items()
+        }
         Pipeline(passes, list(DEFAULT_VERIFIERS), verify=verify, on_pass=callback).run(program)
         return program
 

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from transpiler.errors import ConfigurationError, PipelineSpecError, TranspilerError, VerificationError
 
-from .options import field_options, parse_options
+from .options import field_options, option, parse_options
 from .program import StepProgram
 
 
@@ -29,6 +29,10 @@ class Pass:
     summary: ClassVar[str] = ""
     reduces_gradients: ClassVar[bool] = False  # after it, every gradient must be reduced exactly once
     shards_state: ClassVar[bool] = False  # it cuts the optimizer state into this rank's slices (program.shards)
+    axis: str = option(
+        "world",
+        help="the ranks it works across: 'world' (all), or an axis of a 2-D layout ('replica', 'across')",
+    )
 
     def run(self, program: StepProgram) -> bool:
         raise NotImplementedError
@@ -115,7 +119,8 @@ class Pipeline:
         for i, p in enumerate(self.passes):
             start = time.perf_counter()
             try:
-                modified = bool(p.run(program))
+                with program.on_axis(p.axis):
+                    modified = bool(p.run(program))
             except TranspilerError:
                 raise
             except Exception as exc:

@@ -7,10 +7,14 @@ across ranks and run.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch.fx as fx
+
+from transpiler.errors import ConfigurationError
 
 from .cost_model import CostModel
 from .op_counts import OpCounts, op_counts
@@ -64,6 +68,17 @@ class FlatBuffer:
 
 
 @dataclass(frozen=True)
+class Axis:
+    """One dimension of a 2-D layout of the ranks (DiLoCo across replicas of data-parallel ranks, as HSDP): how
+    many ranks it spans, this rank's place among them, and their process group. A pass whose ``axis`` option
+    names it sees these as the program's ``world_size``, ``rank`` and ``group_name`` while it runs."""
+
+    world_size: int
+    rank: int
+    group_name: str
+
+
+@dataclass(frozen=True)
 class OuterUpdate:
     """An outer optimizer's update, traced on its own (DiLoCo's outer step), for a pass to inline into a step
     program. Inputs: ``param`` (the weights it updates), ``grad`` (what it reads as their gradients), ``state``
@@ -98,6 +113,7 @@ class StepProgram:
     flat_buffers: list[FlatBuffer] = field(default_factory=list)  # flat inputs the runtime binds (flatten-update)
     op_counts: list[tuple[str, OpCounts]] = field(default_factory=list)  # per stage: the ops its graph dispatches
     outer_update: OuterUpdate | None = None  # the outer optimizer's update, traced for a pass to inline (DiLoCo)
+    axes: dict[str, Axis] = field(default_factory=dict)  # a 2-D layout's dimensions, by name (none: one dimension)
 
     @property
     def graph(self) -> fx.Graph:
@@ -110,6 +126,26 @@ class StepProgram:
         """Keep the code after a stage, and the ops it dispatches, so 'the graph after pass X' is a lookup."""
         self.history.append((label, self.graph_module.code))
         self.op_counts.append((label, op_counts(self.graph)))
+
+    @contextlib.contextmanager
+    def on_axis(self, name: str) -> Iterator[None]:
+        """Inside, the program's world size, rank and group are those of its axis ``name`` ("world": as they
+        are)."""
+        if name == "world":
+            yield
+            return
+        axis = self.axes.get(name)
+        if axis is None:
+            raise ConfigurationError(
+                f"a pass works across the ranks of axis '{name}', and this program has "
+                f"{', '.join(self.axes) or 'no axes'}: a 2-D layout (replica_size=...) declares them."
+            )
+        saved = (self.world_size, self.rank, self.group_name)
+        self.world_size, self.rank, self.group_name = axis.world_size, axis.rank, axis.group_name
+        try:
+            yield
+        finally:
+            self.world_size, self.rank, self.group_name = saved
 
     def clone(self, *, rank: int | None = None) -> StepProgram:
         """A deep copy whose graph can be rewritten without touching this one."""
@@ -138,4 +174,5 @@ class StepProgram:
             list(self.flat_buffers),
             list(self.op_counts),
             self.outer_update,
+            dict(self.axes),
         )

@@ -44,6 +44,8 @@ class Strategy:
     replicated: bool = False  # after every update all ranks hold the same model and optimizer (or its slices)
     # set: the mode applies an outer optimizer (DiLoCo), which transpile() traces beside the step; this checks it
     outer: Callable[[torch.optim.Optimizer], None] | None = None
+    # a 2-D layout: (world size, rank) -> each axis's ranks that this rank shares it with (groups() holds them all)
+    axes: Callable[[int, int], dict[str, tuple[int, ...]]] = lambda world, rank: {}
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class Recipe:
     # slices, ZeRO-2/3), then these passes in place of the tail; unset: micro-steps accumulate raw gradients
     micro_tail: list[Pass] | None = None
     outer: Callable[[torch.optim.Optimizer], None] | None = None  # see Strategy
+    axes: Callable[[int, int], dict[str, tuple[int, ...]]] = lambda world, rank: {}  # see Strategy
 
 
 _scale = field_options(LossScale)
@@ -165,7 +168,7 @@ def compose(recipe: Recipe, values: dict[str, Any]) -> Strategy:
         if groups:
             _freeze_check(optimizer)
 
-    return Strategy(variants, schedule, recipe.groups, check, recipe.replicated, recipe.outer)
+    return Strategy(variants, schedule, recipe.groups, check, recipe.replicated, recipe.outer, recipe.axes)
 
 
 def _fields(p: Pass) -> dict[str, Any]:

@@ -143,38 +143,92 @@ def _adaptive_local_sgd(init_k_steps, begin_step, average_state, bucket_cap_mb, 
     return _local_sgd(True, init_k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb, compress)
 
 
-def _diloco(sync_every: int, bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:
-    """H inner steps of the user's optimizer per replica, then the sync (``diloco-outer-step``) after the last."""
-    outer = DiLoCoOuterStep(bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
-    return Recipe(
-        {"inner": [], "sync": [outer]},
-        _prefix(),
-        tail=[ScheduleCollectives(), ReinplaceOptimizer()],
-        schedule=lambda: DiLoCoSchedule(sync_every),
-        outer=lambda optimizer: None,
-    )
+def _diloco(sync_every: int, replica_size: int, bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:
+    """H inner steps of the user's optimizer per replica, then the sync (``diloco-outer-step``) after the last.
+    With ``replica_size=R`` a replica is R consecutive ranks that train it with data parallel every step
+    (``fused_allreduce`` across axis ``replica``), and DiLoCo runs across the replicas (axis ``across``)."""
+    caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb}
+    outer = DiLoCoOuterStep(**caps, axis="across" if replica_size > 1 else "world")
+    return _replicas(replica_size, {"inner": [], "sync": [outer]}, caps, DiLoCoSchedule(sync_every), lambda o: None)
 
 
 def _streaming_diloco(
-    sync_every: int, fragments: int, fragment_sync_delay: int, fragment_update_alpha: float, exchange_dtype: str
+    sync_every: int,
+    fragments: int,
+    fragment_sync_delay: int,
+    fragment_update_alpha: float,
+    exchange_dtype: str,
+    replica_size: int,
 ) -> Recipe:
     """DiLoCo with the parameters cut into fragments that sync in turn, each exchange overlapping
     ``fragment_sync_delay`` inner steps (``StreamingDiLoCoSchedule``), in ``exchange_dtype`` on the wire."""
     schedule = StreamingDiLoCoSchedule(sync_every, fragments, fragment_sync_delay)  # checks the options now
-    common = {"fragments": fragments, "alpha": fragment_update_alpha, "exchange": exchange_dtype}
+    common = {
+        "fragments": fragments,
+        "alpha": fragment_update_alpha,
+        "exchange": exchange_dtype,
+        "axis": "across" if replica_size > 1 else "world",
+    }
     body: dict[str, list[Pass]] = {"inner": []}
     for p in range(fragments):
         phase = "start" if fragment_sync_delay else "whole"
         body[f"sync{p}"] = [DiLoCoOuterStep(fragment=p, phase=phase, **common)]
         if fragment_sync_delay:
             body[f"apply{p}"] = [DiLoCoOuterStep(fragment=p, phase="finish", **common)]
+    return _replicas(replica_size, body, {}, schedule, _outer_sgd)
+
+
+def _replicas(
+    size: int, body: dict[str, list[Pass]], caps: dict, schedule: Any, outer: Callable[[torch.optim.Optimizer], None]
+) -> Recipe:
+    """A DiLoCo recipe: each variant's ``body``, after data parallel inside replicas of ``size`` ranks (none when
+    each rank is its own replica); ``schedule`` is copied fresh for every step that asks."""
+    seed: list[Pass] = []
+    if size > 1:
+        seed = [ScaleLossGrad(axis="replica")]
+        body = {v: [FuseAllReduce(axis="replica", **caps), *passes] for v, passes in body.items()}
     return Recipe(
         body,
         _prefix(),
+        seed,
         tail=[ScheduleCollectives(), ReinplaceOptimizer()],
-        schedule=lambda: StreamingDiLoCoSchedule(schedule.sync_every, schedule.fragments, schedule.delay),
-        outer=_outer_sgd,
+        schedule=lambda: dataclasses.replace(schedule),
+        groups=lambda world: ReplicaLayout(world, size).groups(),
+        axes=lambda world, rank: ReplicaLayout(world, size).axes(rank),
+        outer=outer,
     )
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """``world`` ranks as replicas of ``size`` consecutive ranks (a host, say): axis ``replica`` is a rank's
+    replica, axis ``across`` the ranks that hold the same place in every replica. Size 1: no axes."""
+
+    world: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.world % self.size:
+            raise ConfigurationError(
+                f"replica_size={self.size} does not divide the world size {self.world}: every replica needs "
+                "the same number of ranks."
+            )
+
+    def axes(self, rank: int) -> dict[str, tuple[int, ...]]:
+        if self.size == 1:
+            return {}
+        start, place = rank - rank % self.size, rank % self.size
+        return {
+            "replica": tuple(range(start, start + self.size)),
+            "across": tuple(range(place, self.world, self.size)),
+        }
+
+    def groups(self) -> list[tuple[int, ...]]:
+        """Every replica's group, then every ``across`` group, in one order for every rank."""
+        if self.size == 1:
+            return []
+        replicas = [tuple(range(s, s + self.size)) for s in range(0, self.world, self.size)]
+        return replicas + [tuple(range(place, self.world, self.size)) for place in range(self.size)]
 
 
 def _outer_sgd(outer: torch.optim.Optimizer) -> None:
@@ -334,6 +388,9 @@ LOCAL_SGD_OPTIONS = {
     **ACCUMULATION,
 }
 LOCAL_SIZE = {"local_size": field_options(AdaSum)["local_size"]}
+REPLICA_SIZE = {
+    "replica_size": OptionSpec(int, 1, minimum=1, help="ranks per replica, data parallel inside it (HSDP's layout)")
+}
 GRADIENT_WRAPPERS = {**ACCUMULATION, **LOSS_SCALING, **CLIPPING, **FREEZE}
 
 MODES: dict[str, Mode] = {
@@ -370,6 +427,7 @@ MODES: dict[str, Mode] = {
             _diloco,
             {
                 "sync_every": OptionSpec(int, 100, minimum=1, help="inner steps per outer round (H)"),
+                **REPLICA_SIZE,
                 **BUCKET_OPTIONS,
                 **ACCUMULATION,
                 **CLIPPING,
@@ -389,6 +447,7 @@ MODES: dict[str, Mode] = {
                     float, 0.0, minimum=0, maximum=1, help="keep alpha * local + (1 - alpha) * global at a sync"
                 ),
                 "exchange_dtype": field_options(DiLoCoOuterStep)["exchange"],
+                **REPLICA_SIZE,
                 **ACCUMULATION,
                 **CLIPPING,
             },
