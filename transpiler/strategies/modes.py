@@ -191,7 +191,7 @@ def _replicas(
         body,
         _prefix(),
         seed,
-        tail=[ScheduleCollectives(), ReinplaceOptimizer()],
+        tail=[ForeachUpdate(), ScheduleCollectives(), ReinplaceOptimizer()],
         schedule=lambda: dataclasses.replace(schedule),
         groups=lambda world: ReplicaLayout(world, size).groups(),
         axes=lambda world, rank: ReplicaLayout(world, size).axes(rank),
