@@ -7,7 +7,9 @@ with a 4-bit exchange (docs/strategies/diloco.md).
 The corpus is ``pydoc_data.topics`` (the text of ``help()``, about 465k characters, shipped with CPython): no
 download. The last tenth is held out. Each rank draws its own windows of the first nine tenths. Every run starts
 from the same weights, with AdamW inside (lr 1e-3, weight decay 0.1); the DiLoCo runs take the paper's outer
-Nesterov SGD (lr 0.7, momentum 0.9). The loss reported is the held-out loss of the weights the paper evaluates:
+Nesterov SGD (lr 0.7, momentum 0.9). With ``--warmup-steps N`` those weights are first trained by DDP for N
+steps, once, as the paper starts DiLoCo from a pretrained model (its runs start at 24k of 88k steps); every run
+then starts from them with a fresh AdamW. The loss reported is the held-out loss of the weights the paper evaluates:
 the global weights for DiLoCo (``step.global_weights()``), the model for the others, after the last step.
 
 Bytes are what one rank sends, counted from each program's collectives: a ring all-reduce of B bytes sends
@@ -42,7 +44,7 @@ from bench.two_ranks import write_section  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 DOC = ROOT / "docs" / "strategies" / "diloco.md"
-BEGIN, END = "<!-- diloco:begin -->", "<!-- diloco:end -->"
+BEGIN, END = "<!-- diloco:begin -->", "<!-- diloco:end -->"  # diloco-cold / diloco-warm in the page
 SEQ, PER_RANK, EVAL_BATCHES = 64, 8, 16
 STREAMING = {"sync_every": 50, "fragments": 4, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
 RUNS = {  # label -> (mode, options)
@@ -101,10 +103,26 @@ def held_out_loss(model: nn.Module, held: torch.Tensor) -> float:
     return sum(losses) / len(losses)
 
 
-def run(label: str, steps: int, train: torch.Tensor, held: torch.Tensor, vocab: int) -> dict:
+def warmed_up(steps: int, train: torch.Tensor, vocab: int) -> dict[str, torch.Tensor]:
+    """The start of every run: the seed's weights, trained by DDP for ``steps`` steps (none: as they are)."""
+    model = model_for(vocab)
+    if steps:
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        gen = torch.Generator().manual_seed(50 + dist.get_rank())
+        for _ in range(steps):
+            x, y = windows(train, PER_RANK, gen)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run(label: str, steps: int, train: torch.Tensor, held: torch.Tensor, vocab: int, start: dict) -> dict:
     mode, options = RUNS[label]
     rank, world = dist.get_rank(), dist.get_world_size()
     model = model_for(vocab)
+    model.load_state_dict(start)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     params = sum(p.numel() for p in model.parameters())
     if mode == "ddp":
@@ -115,17 +133,20 @@ def run(label: str, steps: int, train: torch.Tensor, held: torch.Tensor, vocab: 
             loss = nn.functional.cross_entropy(ddp(x), y)
             loss.backward()
             inner.step()
-            return loss
+            return loss.detach()
 
     else:
         step = transpile(model, inner, mode=mode, loss_fn=nn.CrossEntropyLoss(), **options)
     gen = torch.Generator().manual_seed(100 + rank)
     times, sent, peak, losses = [], 0.0, 0, []
+    by_variant: dict[str, list[float]] = {}
     for _ in range(steps):
         x, y = windows(train, PER_RANK, gen)
         start = time.perf_counter()
         losses.append(float(step(x, y)))
         times.append(time.perf_counter() - start)
+        variant = "step" if mode == "ddp" else step.last_variant.rstrip("0123456789")
+        by_variant.setdefault(variant, []).append(times[-1])
         if mode == "ddp":
             sent += 2 * (world - 1) / world * 4 * params
             peak = max(peak, 4 * params)  # at most: DDP's buckets are 25 MiB, the model is smaller
@@ -137,7 +158,7 @@ def run(label: str, steps: int, train: torch.Tensor, held: torch.Tensor, vocab: 
             loss = held_out_loss(evaluated, held)
     else:
         loss = held_out_loss(model, held)
-    slowest = torch.tensor([statistics.median(times)])
+    slowest = torch.tensor([statistics.median(times)] + [statistics.median(by_variant[v]) for v in sorted(by_variant)])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return {
         "label": label,
@@ -145,18 +166,20 @@ def run(label: str, steps: int, train: torch.Tensor, held: torch.Tensor, vocab: 
         "train_loss_last50": sum(losses[-50:]) / len(losses[-50:]),
         "bytes_sent": sent,
         "peak_message": peak,
-        "step_ms": 1000 * float(slowest),
+        "step_ms": 1000 * float(slowest[0]),
+        "variant_ms": {v: 1000 * float(t) for v, t in zip(sorted(by_variant), slowest[1:])},
         "params": params,
     }
 
 
-def worker(out: str, steps: int) -> None:
+def worker(out: str, steps: int, warmup: int, labels: list[str]) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     torch.set_num_threads(1)
     train, held, vocab = corpus()
+    start = warmed_up(warmup, train, vocab)
     results = []
-    for label in RUNS:
-        results.append(run(label, steps, train, held, vocab))
+    for label in labels:
+        results.append(run(label, steps, train, held, vocab, start) | {"warmup": warmup})
         if dist.get_rank() == 0:
             print(json.dumps(results[-1]), flush=True)
     if dist.get_rank() == 0:
@@ -167,9 +190,11 @@ def worker(out: str, steps: int) -> None:
 def table(results: list[dict], steps: int, world: int) -> str:
     ddp = next(r for r in results if r["label"] == "DDP")
     tokens = steps * world * PER_RANK * SEQ
+    warmup = results[0].get("warmup", 0)
+    start = f"after {warmup} DDP steps shared by all runs" if warmup else "from the same random weights"
     lines = [
         f"W={world} ranks over gloo on {platform.processor() or platform.machine()} ({os.cpu_count()} cores), "
-        f"{steps} steps of {PER_RANK}x{SEQ} characters per rank ({tokens:,} tokens in all), "
+        f"{steps} steps of {PER_RANK}x{SEQ} characters per rank ({tokens:,} tokens in all) {start}, "
         f"GPT of {ddp['params']:,} parameters.",
         "",
         "| run | held-out loss | vs DDP | bytes sent per rank | vs DDP | peak message | step (median) |",
@@ -182,27 +207,50 @@ def table(results: list[dict], steps: int, world: int) -> str:
             f"| {r['bytes_sent'] / 2**20:,.1f} MiB | 1/{ddp['bytes_sent'] / max(r['bytes_sent'], 1):,.0f} "
             f"| {r['peak_message'] / 2**10:,.0f} KiB | {r['step_ms']:.0f} ms |"
         )
+    lines += [
+        "",
+        "Median step time by program (slower rank), syncs apart from inner steps:",
+        "",
+        "| run | " + " | ".join(VARIANT_NAMES.values()) + " |",
+        "|---|" + "---:|" * len(VARIANT_NAMES),
+    ]
+    for r in results:
+        cells = [f"{r['variant_ms'][v]:.0f} ms" if v in r["variant_ms"] else "–" for v in VARIANT_NAMES]
+        lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+VARIANT_NAMES = {  # program (its fragment number dropped) -> column
+    "step": "step (DDP)",
+    "local": "local (LocalSGD)",
+    "inner": "inner",
+    "sync": "sync (streaming: starts an exchange)",
+    "apply": "apply (streaming: waits, outer step)",
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--warmup-steps", type=int, default=0, help="DDP steps before every run, shared")
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="which runs (DDP first)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.steps)
+        worker(args.worker, args.steps, args.warmup_steps, args.runs)
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.world)]
         cmd += ["--master-port", "29561", __file__, "--worker", str(out), "--steps", str(args.steps)]
+        cmd += ["--warmup-steps", str(args.warmup_steps), "--runs", *args.runs]
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)), cwd=ROOT)
         results = json.loads(out.read_text())
     text = table(results, args.steps, args.world)
     print(text)
-    write_section(DOC, BEGIN, END, text)
+    marker = "warm" if args.warmup_steps else "cold"
+    write_section(DOC, BEGIN.replace("diloco:", f"diloco-{marker}:"), END.replace("diloco:", f"diloco-{marker}:"), text)
 
 
 if __name__ == "__main__":

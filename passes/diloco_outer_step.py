@@ -11,6 +11,10 @@ and scalar ports prefixed ``outer/`` (the runtime feeds them from the outer opti
 the inner update wrote it. With ``fragments=P`` and ``fragment=f`` only fragment ``f``'s parameters sync
 (Streaming DiLoCo's fragments, :func:`fragments_of`), and with ``alpha`` the parameter becomes
 ``alpha * θ_i + (1 - alpha) * θ_global'`` (Streaming DiLoCo's mixing; 0, the default, is plain DiLoCo).
+Streaming (more than one fragment, a ``phase`` or an ``exchange`` other than the defaults) sends the fragment's
+Δs as one float32 buffer in the wire format ``exchange`` (``pseudo_exchange.py``); ``phase=start`` issues the
+exchange and outputs it unwaited as the extra state ``inflight.<f>``, ``phase=finish`` (a later step's program)
+reads that, waits, and does the rest, and ``whole`` does both in one program.
 The outer update reads only the averaged Δ: every node it takes as a gradient is tagged
 ``meta["averaged_delta_of"]``, which the verifier ``check_outer_reads_averaged`` checks.
 """

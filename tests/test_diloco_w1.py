@@ -266,6 +266,8 @@ def test_cli_dumps_every_variant(capsys):
         ("streaming_diloco", {"sync_every": 2, "fragments": 3}, None, "at most sync_every fragments"),
         ("diloco", {"loss_scale": "dynamic"}, None, "'loss_scale' works with"),
         ("streaming_diloco", {"exchange_dtype": "int3"}, None, "exchange_dtype"),
+        ("diloco", {"cuda_graph": True}, None, "cuda_graph=True is not built for mode 'diloco'"),
+        ("diloco", {"replica_size": 2}, None, "replica_size=2 does not divide the world size 1"),
     ],
 )
 def test_clear_errors(mode, options, outer, match):
@@ -302,3 +304,29 @@ def test_global_weights_before_any_step_are_the_parameters_and_other_modes_have_
     plain = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), "fused_allreduce", LOSS)
     with pytest.raises(ConfigurationError, match="no global weights"):
         plain.global_parameters()
+
+
+@pytest.mark.parametrize("mode", ["diloco", "streaming_diloco"])
+def test_compiled_programs_follow_the_uncompiled_ones_and_compile_once(mode):
+    """compile=True over 4 outer rounds: each variant compiles once (the exchange carried between two compiled
+    programs included), and the weights stay within 1e-5 of the uncompiled step's (Inductor fuses and rounds
+    otherwise)."""
+    options = {"sync_every": 4}
+    if mode == "streaming_diloco":
+        options |= {"fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5, "exchange_dtype": "int4"}
+    torch.manual_seed(0)
+    base = MLP()
+    models = {flag: copy.deepcopy(base) for flag in (False, True)}
+    steps = {
+        flag: transpile(m, torch.optim.AdamW(m.parameters(), lr=0.01), mode, LOSS, compile=flag, **options)
+        for flag, m in models.items()
+    }
+    torch._dynamo.utils.counters.clear()
+    for x, y in data(16):
+        for step in steps.values():
+            step(x, y)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(steps[True].programs)
+    for (name, a), b in zip(models[True].named_parameters(), models[False].parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+    assert set(steps[True].compile_seconds) == set(steps[True].programs)
+    assert steps[True].traces == 1

@@ -107,6 +107,12 @@ def transpile(
     strategy.check(optimizer)
     outer = outer_for(strategy.outer, outer_optimizer, optimizer, mode)
     placement = resolve_placement(world_size, rank, as_timeout(timeout))
+    if cuda_graph and outer is not None:
+        raise ConfigurationError(
+            f"cuda_graph=True is not built for mode '{mode}': its programs hand an exchange in flight from one to "
+            "the next, and the outer step's writes to the global weights are not checked under capture. Leave "
+            "cuda_graph off (compile=True works)."
+        )
     if cuda_graph:
         cuda_graph_module.check_capturable_setup(model, optimizer, placement)
     observers = []

@@ -555,12 +555,15 @@ class DistributedStep:
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """DiLoCo's global weights θ_global by parameter name, as the last sync left them (before the first, the
-        parameters themselves); the tensors the step holds, not copies. Other modes have none: an error."""
+        parameters themselves); the tensors the step holds, not copies. Other modes have none: an error. Under
+        Streaming DiLoCo an exchange still in flight is waited for here, and applied by its ``apply`` step as
+        usual: θ_global holds it only after that step."""
         if self.outer_optimizer is None:
             raise ConfigurationError(
                 f"mode {self.mode_specs} keeps no global weights apart from the model's parameters; only "
                 "'diloco' and 'streaming_diloco' do."
             )
+        self._land_in_flight()  # the run may end with an exchange in flight: nothing is left unwaited
         names = {id(p): n for n, p in self.model.named_parameters()}
         held = {name.removeprefix(GLOBAL): t for name, t in self.extra.items() if name.startswith(GLOBAL)}
         params = self.model.named_parameters()
