@@ -367,6 +367,12 @@ def _plain_sgd(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def own_options(cls: type[Pass]) -> dict[str, OptionSpec]:
+    """A pass's own options, without those every pass has (``axis``), which a mode sets itself."""
+    common = field_options(Pass)
+    return {name: spec for name, spec in field_options(cls).items() if name not in common}
+
+
 BUCKET_OPTIONS = {name: field_options(LocalSGDAverage)[name] for name in ("bucket_cap_mb", "first_bucket_mb")}
 FUSED_OPTIONS = {  # bucket_cap_mb takes "auto" here
     name: field_options(FuseAllReduce)[name] for name in ("bucket_cap_mb", "first_bucket_mb", "gradient_as_bucket_view")
@@ -474,7 +480,7 @@ MODES: dict[str, Mode] = {
             "dim_reduce",
             "MindSpore Boost DimReduce: averaged gradients, BFGS step in a PCA subspace with line search",
             _dim_reduce,
-            {**field_options(DimReduce), **BUCKET_OPTIONS},
+            {**own_options(DimReduce), **BUCKET_OPTIONS},
         ),
         Mode(
             "zero1",
@@ -492,7 +498,7 @@ MODES: dict[str, Mode] = {
             "zero3",
             "ZeRO-3 (fully sharded): as zero2, and parameters are held as shards, all-gathered where used",
             _zero(3),
-            {**ZERO3_BUCKETS, **ACCUMULATION, **LOSS_SCALING, **CLIPPING, **field_options(ShardParams)},
+            {**ZERO3_BUCKETS, **ACCUMULATION, **LOSS_SCALING, **CLIPPING, **own_options(ShardParams)},
         ),
         Mode(
             "partial_sync",
