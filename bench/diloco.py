@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -46,6 +47,7 @@ from transpiler import transpile  # noqa: E402
 DOC = ROOT / "docs" / "strategies" / "diloco.md"
 BEGIN, END = "<!-- diloco:begin -->", "<!-- diloco:end -->"  # diloco-cold / diloco-warm in the page
 SEQ, PER_RANK, EVAL_BATCHES = 64, 8, 16
+LR, FLOOR = 1e-3, 0.1  # the inner AdamW's lr, and where the cosine schedule ends (a share of LR)
 STREAMING = {"sync_every": 50, "fragments": 4, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
 RUNS = {  # label -> (mode, options)
     "DDP": ("ddp", {}),
@@ -108,7 +110,7 @@ def warmed_up(steps: int, train: torch.Tensor, vocab: int) -> dict[str, torch.Te
     model = model_for(vocab)
     if steps:
         ddp = nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
         gen = torch.Generator().manual_seed(50 + dist.get_rank())
         for _ in range(steps):
             x, y = windows(train, PER_RANK, gen)
@@ -118,12 +120,23 @@ def warmed_up(steps: int, train: torch.Tensor, vocab: int) -> dict[str, torch.Te
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run(label: str, steps: int, train: torch.Tensor, held: torch.Tensor, vocab: int, start: dict) -> dict:
+def lr_factor(schedule: str, t: int, steps: int) -> float:
+    """The inner lr at step ``t`` over ``LR``: constant, or a cosine from 1 down to ``FLOOR`` at the last step
+    (the paper's inner schedule after its warm-up; every run, DDP's included, takes the same)."""
+    if schedule == "constant":
+        return 1.0
+    return FLOOR + (1 - FLOOR) * 0.5 * (1 + math.cos(math.pi * min(t, steps) / steps))
+
+
+def run(
+    label: str, steps: int, train: torch.Tensor, held: torch.Tensor, vocab: int, start: dict, schedule: str
+) -> dict:
     mode, options = RUNS[label]
     rank, world = dist.get_rank(), dist.get_world_size()
     model = model_for(vocab)
     model.load_state_dict(start)
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    decay = torch.optim.lr_scheduler.LambdaLR(inner, lambda t: lr_factor(schedule, t, steps))
     params = sum(p.numel() for p in model.parameters())
     if mode == "ddp":
         ddp = nn.parallel.DistributedDataParallel(model)
@@ -145,6 +158,7 @@ def run(label: str, steps: int, train: torch.Tensor, held: torch.Tensor, vocab: 
         start = time.perf_counter()
         losses.append(float(step(x, y)))
         times.append(time.perf_counter() - start)
+        decay.step()
         variant = "step" if mode == "ddp" else step.last_variant.rstrip("0123456789")
         by_variant.setdefault(variant, []).append(times[-1])
         if mode == "ddp":
@@ -172,14 +186,15 @@ def run(label: str, steps: int, train: torch.Tensor, held: torch.Tensor, vocab: 
     }
 
 
-def worker(out: str, steps: int, warmup: int, labels: list[str]) -> None:
+def worker(out: str, steps: int, warmup: int, labels: list[str], schedule: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     torch.set_num_threads(1)
     train, held, vocab = corpus()
     start = warmed_up(warmup, train, vocab)
     results = []
     for label in labels:
-        results.append(run(label, steps, train, held, vocab, start) | {"warmup": warmup})
+        result = run(label, steps, train, held, vocab, start, schedule)
+        results.append(result | {"warmup": warmup, "schedule": schedule})
         if dist.get_rank() == 0:
             print(json.dumps(results[-1]), flush=True)
     if dist.get_rank() == 0:
@@ -192,9 +207,10 @@ def table(results: list[dict], steps: int, world: int) -> str:
     tokens = steps * world * PER_RANK * SEQ
     warmup = results[0].get("warmup", 0)
     start = f"after {warmup} DDP steps shared by all runs" if warmup else "from the same random weights"
+    lr = "a cosine inner lr" if results[0].get("schedule") == "cosine" else "a constant inner lr"
     lines = [
         f"W={world} ranks over gloo on {platform.processor() or platform.machine()} ({os.cpu_count()} cores), "
-        f"{steps} steps of {PER_RANK}x{SEQ} characters per rank ({tokens:,} tokens in all) {start}, "
+        f"{steps} steps of {PER_RANK}x{SEQ} characters per rank ({tokens:,} tokens in all) {start}, {lr}, "
         f"GPT of {ddp['params']:,} parameters.",
         "",
         "| run | held-out loss | vs DDP | bytes sent per rank | vs DDP | peak message | step (median) |",
@@ -234,17 +250,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--warmup-steps", type=int, default=0, help="DDP steps before every run, shared")
+    parser.add_argument("--schedule", choices=("cosine", "constant"), default="cosine", help="the inner lr")
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="which runs (DDP first)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.warmup_steps, args.runs)
+        worker(args.worker, args.steps, args.warmup_steps, args.runs, args.schedule)
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.world)]
         cmd += ["--master-port", "29561", __file__, "--worker", str(out), "--steps", str(args.steps)]
-        cmd += ["--warmup-steps", str(args.warmup_steps), "--runs", *args.runs]
+        cmd += ["--warmup-steps", str(args.warmup_steps), "--schedule", args.schedule, "--runs", *args.runs]
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)), cwd=ROOT)
         results = json.loads(out.read_text())
     text = table(results, args.steps, args.world)

@@ -145,6 +145,7 @@ class ShardOptimizer(BucketedGradientPass):
             )
             replace_gradient(node, piece)
             program.shards[node.meta["grad_of"]] = (lo, hi)
+        program.shard_axis = self.axis
 
 
 def _scatter_sum(program: StepProgram, cursor: Cursor, flat: fx.Node, shard: int, info: dict, comm: dict) -> fx.Node:

@@ -145,11 +145,11 @@ MLP_FRAGMENTS = [  # MLP's modules by size 672 | 1056, 165: two runs of whole mo
 STREAM = {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
 
 
-def streaming(rank: int, world: int, replica_size: int = 1) -> dict:
+def streaming(rank: int, world: int, replica_size: int = 1, replica_mode: str = "fused_allreduce") -> dict:
     torch.manual_seed(0)
     model = MLP()
     paper = PaperStreaming(model, world // replica_size, MLP_FRAGMENTS, 4, 1, 0.5)
-    options = STREAM | {"replica_size": replica_size}
+    options = STREAM | {"replica_size": replica_size} | inside(replica_mode)
     step = transpile(model, inner_optimizer(model.parameters()), mode="streaming_diloco", loss_fn=LOSS, **options)
     record = {"variants": [], "replica": [], "paper": [], "global": [], "paper_global": []}
     for batches in data(world, 4 * ROUNDS):
@@ -198,12 +198,18 @@ def quantised(rank: int, world: int, exchange: str) -> dict:
     return {"start": start, "after": params_of(model), "deltas": deltas, "wire_bytes": bytes_sent}
 
 
-def reference(rank: int, world: int, replica_size: int = 1) -> dict:
+def inside(replica_mode: str) -> dict:
+    """The option that picks how a replica's ranks share its training (the default left out)."""
+    return {} if replica_mode == "fused_allreduce" else {"replica_mode": replica_mode}
+
+
+def reference(rank: int, world: int, replica_size: int = 1, replica_mode: str = "fused_allreduce") -> dict:
     torch.manual_seed(0)
     model = MLP()
     paper = PaperDiLoCo(model, world // replica_size)
-    options = {"sync_every": H, "replica_size": replica_size}
-    step = transpile(model, inner_optimizer(model.parameters()), mode="diloco", loss_fn=LOSS, **options)
+    options = {"sync_every": H, "replica_size": replica_size} | inside(replica_mode)
+    inner = inner_optimizer(model.parameters())
+    step = transpile(model, inner, mode="diloco", loss_fn=LOSS, **options)
     record = {"variants": [], "replica": [], "paper": [], "global": [], "paper_global": []}
     for batches in data(world, H * ROUNDS):
         step(*batches[rank])
@@ -214,6 +220,7 @@ def reference(rank: int, world: int, replica_size: int = 1) -> dict:
         record["global"].append({n: t.clone() for n, t in step.global_parameters().items()})
         record["paper_global"].append({n: t.detach().clone() for n, t in zip(record["paper"][-1], paper.theta)})
     record["collectives"] = {v: collectives(p) for v, p in step.programs.items()}
+    record["moment_elements"] = sum(s["exp_avg"].numel() for s in inner.state.values())  # ZeRO: this rank's shard
     return record
 
 
@@ -308,8 +315,10 @@ def global_view(rank: int, world: int) -> dict:
 def checks(rank: int, world: int) -> dict:
     out = {"reference": reference(rank, world), "streaming": streaming(rank, world)}
     out["quantised"] = {x: quantised(rank, world, x) for x in ("bfloat16", "float8_e4m3fn", "int4")}
-    if world == 4:  # two replicas of two ranks: data parallel inside each, DiLoCo across
+    if world == 4:  # two replicas of two ranks: data parallel inside each (all-reduce, ZeRO-1, ZeRO-2), DiLoCo across
         out |= {"reference_2d": reference(rank, world, 2), "streaming_2d": streaming(rank, world, 2)}
+        out["reference_2d_zero1"] = reference(rank, world, 2, "zero1")
+        out["streaming_2d_zero2"] = streaming(rank, world, 2, "zero2")
     if world == 2:
         out |= {"identity": identity(rank, world), "alpha_one": alpha_one(rank, world)}
         out["resume"] = resume(rank, world, "diloco", H + 1)  # one inner step into the second round

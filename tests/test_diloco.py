@@ -70,16 +70,22 @@ def test_every_replica_follows_the_papers_algorithm_step_by_step(runs, mode):
 
 
 @W4
-@pytest.mark.parametrize("mode", ["reference_2d", "streaming_2d"])
+@pytest.mark.parametrize("mode", ["reference_2d", "streaming_2d", "reference_2d_zero1", "streaming_2d_zero2"])
 def test_two_replicas_of_two_ranks_follow_the_paper(runs, mode):
     """``replica_size=2`` at W=4: data parallel inside each replica (AdamW on the sum of its two ranks' gradients
-    of loss/2), DiLoCo across the two. Bitwise: every sum has two terms. The ranks of a replica agree always."""
+    of loss/2: all-reduced, or reduce-scattered to ZeRO-1/2 shards of AdamW's state and the updated halves
+    all-gathered), DiLoCo across the two. Bitwise: every sum has two terms, and AdamW is element-wise. The ranks of
+    a replica agree always."""
     _, ranks = runs
     follows_the_paper(ranks, mode, exact=True)
     for rank in range(4):
         ours, partner = ranks[rank][mode]["replica"], ranks[rank ^ 1][mode]["replica"]
         assert all(torch.equal(partner[t][n], ours[t][n]) for t in range(len(ours)) for n in ours[t])
     assert not torch.equal(ranks[0][mode]["replica"][0]["net.0.weight"], ranks[2][mode]["replica"][0]["net.0.weight"])
+    if mode == "reference_2d_zero1":  # each rank of a replica holds half of AdamW's moments, together all of them
+        whole = sum(t.numel() for t in ranks[0][mode]["replica"][0].values())
+        assert ranks[0][mode]["moment_elements"] + ranks[1][mode]["moment_elements"] == whole
+        assert max(ranks[r][mode]["moment_elements"] for r in range(4)) < whole
 
 
 def test_one_bucketed_all_reduce_per_sync_and_none_between(runs):

@@ -20,7 +20,7 @@ from passes.partitions import module_fragments
 from tests.models import MLP, TiedLM, make_batch
 from transpiler import ConfigurationError, VerificationError, transpile
 from transpiler.cli import main as cli_main
-from transpiler.graph.verify import check_fragments, check_outer_reads_averaged
+from transpiler.graph.verify import check_fragments, check_outer_reads_averaged, check_shards
 from transpiler.strategies.schedules import StreamingDiLoCoSchedule
 
 LOSS = nn.CrossEntropyLoss()
@@ -220,6 +220,52 @@ def test_static_programs_of_a_world_and_their_variants():
     assert [p.name for p in carried] == ["inflight.0"]
 
 
+def collectives_by_group(step) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Each variant's collectives as (kind, the ranks of its group), in graph order."""
+    groups = {name: ranks for ranks, name in step.programs["sync"].subgroups.items()}
+    return {
+        v: [(n.meta["collective"]["kind"], groups[n.args[-1]]) for n in p.graph.nodes if "collective" in n.meta]
+        for v, p in step.programs.items()
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_inside_a_replica_shards_within_it_and_syncs_across(stage):
+    """W=4 as two replicas of ranks (0, 1) and (2, 3), seen from rank 0: the gradient buckets reduce-scatter and the
+    updated halves all-gather inside the replica, clipping's partial norms are summed there too, the
+    pseudo-gradients go across (ranks 0 and 2), and rank 0 updates about half of the elements. Under ZeRO-2 an
+    accumulation micro-step reduce-scatters inside the replica; under ZeRO-1 it communicates nothing."""
+    options = {"sync_every": 4, "replica_size": 2, "replica_mode": f"zero{stage}", "max_grad_norm": 1.0}
+    step = static("diloco", world=4, accumulate_steps=2, **options)
+    comms = collectives_by_group(step)
+    inside = [("reduce_scatter", (0, 1)), ("all_reduce", (0, 1)), ("all_gather", (0, 1))]
+    assert comms["inner"] == inside
+    assert comms["sync"] == inside + [("all_reduce", (0, 2))]
+    assert comms["accumulate"] == ([("reduce_scatter", (0, 1))] if stage == 2 else [])
+    shards = step.programs["inner"].shards
+    total = sum(p.numel() for p in MLP().parameters())
+    assert 0.4 * total < sum(hi - lo for lo, hi in shards.values()) < 0.6 * total  # rank 0's half of each bucket
+
+
+def test_the_shard_check_tiles_each_replica_and_sees_a_gap():
+    """The verifier groups ranks by replica: rank 1's and rank 3's halves each follow their replica's rank 0.
+    Dropping one half leaves a gap it reports."""
+    programs = []
+    for rank in range(4):
+        torch.manual_seed(0)
+        model = MLP()
+        options = {"sync_every": 4, "replica_size": 2, "replica_mode": "zero1"}
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        step = transpile(model, opt, "diloco", LOSS, example_inputs=data(1)[0], world_size=4, rank=rank, **options)
+        programs.append(step.programs["inner"])
+    check_shards(programs)
+    broken = programs[1].clone(rank=1)
+    name = next(n for n, (lo, hi) in broken.shards.items() if hi > lo)  # rank 1 ends it: its last elements
+    broken.shards[name] = (broken.shards[name][0], broken.shards[name][1] - 1)
+    with pytest.raises(VerificationError, match=f"'{name}': the ranks update"):
+        check_shards([programs[0], broken, *programs[2:]])
+
+
 def test_the_verifier_refuses_an_outer_update_reading_a_local_delta():
     step = static("diloco", sync_every=H)
     program = step.programs["sync"].clone()
@@ -268,6 +314,8 @@ def test_cli_dumps_every_variant(capsys):
         ("streaming_diloco", {"exchange_dtype": "int3"}, None, "exchange_dtype"),
         ("diloco", {"cuda_graph": True}, None, "cuda_graph=True is not built for mode 'diloco'"),
         ("diloco", {"replica_size": 2}, None, "replica_size=2 does not divide the world size 1"),
+        ("diloco", {"replica_mode": "zero2"}, None, "replica_size=1 makes every rank its own replica"),
+        ("diloco", {"replica_mode": "zero3"}, None, "replica_mode"),
     ],
 )
 def test_clear_errors(mode, options, outer, match):

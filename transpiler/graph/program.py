@@ -114,6 +114,7 @@ class StepProgram:
     op_counts: list[tuple[str, OpCounts]] = field(default_factory=list)  # per stage: the ops its graph dispatches
     outer_update: OuterUpdate | None = None  # the outer optimizer's update, traced for a pass to inline (DiLoCo)
     axes: dict[str, Axis] = field(default_factory=dict)  # a 2-D layout's dimensions, by name (none: one dimension)
+    shard_axis: str = "world"  # the ranks whose ``shards`` tile every parameter (ZeRO inside a DiLoCo replica)
 
     @property
     def graph(self) -> fx.Graph:
@@ -175,4 +176,5 @@ class StepProgram:
             list(self.op_counts),
             self.outer_update,
             dict(self.axes),
+            self.shard_axis,
         )

@@ -222,7 +222,8 @@ def check_cross_rank(programs: list[StepProgram]) -> None:
 
 
 def check_shards(programs: list[StepProgram]) -> None:
-    """Under a sharded optimizer, every element of every parameter is updated by exactly one rank: the ranks'
+    """Under a sharded optimizer, every element of every parameter is updated by exactly one rank of each shard
+    group (the world, or each replica under ZeRO inside DiLoCo's replicas, ``program.shard_axis``): the ranks'
     ``[lo, hi)`` of each parameter tile ``[0, numel)`` in rank order, with no gap and no overlap."""
     if not programs or not any(p.shards for p in programs):
         return
@@ -231,9 +232,20 @@ def check_shards(programs: list[StepProgram]) -> None:
         for n in programs[0].graph.nodes
         if n.op == "placeholder" and n.meta.get("port") is not None and n.meta["port"].kind == "param"
     }
-    for name in sorted(set().union(*(p.shards for p in programs))):
+    groups: dict[str, list[tuple[int, StepProgram]]] = {}
+    for program in programs:
+        axis = program.axes.get(program.shard_axis)
+        key, place = ("world", program.rank) if axis is None else (axis.group_name, axis.rank)
+        groups.setdefault(key, []).append((place, program))
+    for members in groups.values():
+        _check_tiling(sorted(members, key=lambda m: m[0]), sizes)
+
+
+def _check_tiling(members: list[tuple[int, StepProgram]], sizes: dict[str, int]) -> None:
+    """One shard group's ranks, in their order within it, tile every parameter."""
+    for name in sorted(set().union(*(p.shards for _, p in members))):
         end = 0
-        for program in sorted(programs, key=lambda p: p.rank):
+        for _, program in members:
             lo, hi = program.shards.get(name, (end, end))
             if lo != end and hi > lo:
                 raise VerificationError(

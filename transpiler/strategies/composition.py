@@ -63,6 +63,8 @@ class Recipe:
     # set: an accumulation micro-step runs the body too and accumulates its reduced gradients (this rank's
     # slices, ZeRO-2/3), then these passes in place of the tail; unset: micro-steps accumulate raw gradients
     micro_tail: list[Pass] | None = None
+    micro_body: list[Pass] | None = None  # what a sharded recipe's micro-step runs, when not ``body["step"]``
+    gradient_axis: str = "world"  # the ranks that share a gradient: loss scaling and clipping work across them
     outer: Callable[[torch.optim.Optimizer], None] | None = None  # see Strategy
     axes: Callable[[int, int], dict[str, tuple[int, ...]]] = lambda world, rank: {}  # see Strategy
 
@@ -127,7 +129,9 @@ def compose(recipe: Recipe, values: dict[str, Any]) -> Strategy:
     steps = opts["accumulate_steps"]
     groups = opts["freeze_groups"] if opts["freeze_groups"] > 1 else 0
     scaling = _loss_scale(opts)
-    clip = ClipGradNorm(max_norm=opts["max_grad_norm"], norm_type=opts["norm_type"]) if opts["max_grad_norm"] else None
+    clip = None
+    if opts["max_grad_norm"]:
+        clip = ClipGradNorm(max_norm=opts["max_grad_norm"], norm_type=opts["norm_type"], axis=recipe.gradient_axis)
 
     sharded = recipe.micro_tail is not None
 
@@ -139,8 +143,10 @@ def compose(recipe: Recipe, values: dict[str, Any]) -> Strategy:
         passes += recipe.seed
         if steps > 1 and not sharded:
             passes.append(AccumulateGrads(steps=steps, apply=apply))
-        if apply or sharded:
-            passes += recipe.body[variant if apply else "step"]
+        if apply:
+            passes += recipe.body[variant]
+        elif sharded:
+            passes += recipe.body["step"] if recipe.micro_body is None else recipe.micro_body
         if steps > 1 and sharded:
             passes.append(AccumulateGrads(steps=steps, apply=apply, reduced=True))
         if scaling is not None:

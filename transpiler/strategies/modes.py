@@ -143,13 +143,16 @@ def _adaptive_local_sgd(init_k_steps, begin_step, average_state, bucket_cap_mb, 
     return _local_sgd(True, init_k_steps, begin_step, average_state, bucket_cap_mb, first_bucket_mb, compress)
 
 
-def _diloco(sync_every: int, replica_size: int, bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:
+def _diloco(
+    sync_every: int, replica_size: int, replica_mode: str, bucket_cap_mb: float, first_bucket_mb: float
+) -> Recipe:
     """H inner steps of the user's optimizer per replica, then the sync (``diloco-outer-step``) after the last.
     With ``replica_size=R`` a replica is R consecutive ranks that train it with data parallel every step
     (``fused_allreduce`` across axis ``replica``), and DiLoCo runs across the replicas (axis ``across``)."""
     caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb}
     outer = DiLoCoOuterStep(**caps, axis="across" if replica_size > 1 else "world")
-    return _replicas(replica_size, {"inner": [], "sync": [outer]}, caps, DiLoCoSchedule(sync_every), lambda o: None)
+    body = {"inner": [], "sync": [outer]}
+    return _replicas(replica_size, replica_mode, body, caps, DiLoCoSchedule(sync_every), lambda o: None)
 
 
 def _streaming_diloco(
@@ -159,6 +162,7 @@ def _streaming_diloco(
     fragment_update_alpha: float,
     exchange_dtype: str,
     replica_size: int,
+    replica_mode: str,
 ) -> Recipe:
     """DiLoCo with the parameters cut into fragments that sync in turn, each exchange overlapping
     ``fragment_sync_delay`` inner steps (``StreamingDiLoCoSchedule``), in ``exchange_dtype`` on the wire."""
@@ -175,18 +179,42 @@ def _streaming_diloco(
         body[f"sync{p}"] = [DiLoCoOuterStep(fragment=p, phase=phase, **common)]
         if fragment_sync_delay:
             body[f"apply{p}"] = [DiLoCoOuterStep(fragment=p, phase="finish", **common)]
-    return _replicas(replica_size, body, {}, schedule, _outer_sgd)
+    return _replicas(replica_size, replica_mode, body, {}, schedule, _outer_sgd)
 
 
 def _replicas(
-    size: int, body: dict[str, list[Pass]], caps: dict, schedule: Any, outer: Callable[[torch.optim.Optimizer], None]
+    size: int,
+    inside: str,
+    body: dict[str, list[Pass]],
+    caps: dict,
+    schedule: Any,
+    outer: Callable[[torch.optim.Optimizer], None],
 ) -> Recipe:
     """A DiLoCo recipe: each variant's ``body``, after data parallel inside replicas of ``size`` ranks (none when
-    each rank is its own replica); ``schedule`` is copied fresh for every step that asks."""
+    each rank is its own replica), by ``inside``: ``fused_allreduce``, or ZeRO-1/2 over the replica's ranks (the
+    inner optimizer's state sharded, the updated parameters gathered whole before the outer step reads them);
+    ``schedule`` is copied fresh for every step that asks."""
     seed: list[Pass] = []
+    micro_tail: list[Pass] | None = None
+    micro_body: list[Pass] | None = None
+    checks: dict[str, Callable[[torch.optim.Optimizer], None]] = {}
+    if size == 1 and inside != "fused_allreduce":
+        raise ConfigurationError(
+            f"replica_mode='{inside}' shards each replica's optimizer state over its ranks, and replica_size=1 "
+            "makes every rank its own replica: give replica_size=R (R ranks per replica), or drop replica_mode."
+        )
     if size > 1:
         seed = [ScaleLossGrad(axis="replica")]
-        body = {v: [FuseAllReduce(axis="replica", **caps), *passes] for v, passes in body.items()}
+        if inside == "fused_allreduce":
+            inner: list[Pass] = [FuseAllReduce(axis="replica", **caps)]
+        else:
+            stage = int(inside.removeprefix("zero"))
+            shard = ShardOptimizer(axis="replica", keep_gradient_buckets=stage == 1, **caps)
+            inner = [shard, GatherParams(axis="replica")]
+            checks["check"] = _elementwise(f"diloco with replica_mode='{inside}'")
+            if stage == 2:  # micro-steps reduce-scatter into this rank's slices, as zero2's
+                micro_body, micro_tail = [shard], [ScheduleCollectives()]
+        body = {v: [*inner, *passes] for v, passes in body.items()}
     return Recipe(
         body,
         _prefix(),
@@ -194,8 +222,12 @@ def _replicas(
         tail=[ForeachUpdate(), ScheduleCollectives(), ReinplaceOptimizer()],
         schedule=lambda: dataclasses.replace(schedule),
         groups=lambda world: ReplicaLayout(world, size).groups(),
+        micro_tail=micro_tail,
+        micro_body=micro_body,
+        gradient_axis="replica" if size > 1 else "world",
         axes=lambda world, rank: ReplicaLayout(world, size).axes(rank),
         outer=outer,
+        **checks,
     )
 
 
@@ -395,7 +427,13 @@ LOCAL_SGD_OPTIONS = {
 }
 LOCAL_SIZE = {"local_size": field_options(AdaSum)["local_size"]}
 REPLICA_SIZE = {
-    "replica_size": OptionSpec(int, 1, minimum=1, help="ranks per replica, data parallel inside it (HSDP's layout)")
+    "replica_size": OptionSpec(int, 1, minimum=1, help="ranks per replica, data parallel inside it (HSDP's layout)"),
+    "replica_mode": OptionSpec(
+        str,
+        "fused_allreduce",
+        choices=("fused_allreduce", "zero1", "zero2"),
+        help="data parallel inside a replica: gradients all-reduced, or the optimizer state sharded (ZeRO-1/2)",
+    ),
 }
 GRADIENT_WRAPPERS = {**ACCUMULATION, **LOSS_SCALING, **CLIPPING, **FREEZE}
 
