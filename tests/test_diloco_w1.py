@@ -302,6 +302,22 @@ def test_cli_dumps_every_variant(capsys):
         assert ("all_reduce" in out) == (variant == "sync0")
 
 
+def test_cli_schedule_shows_each_exchange_started_and_finished_a_call_later(capsys):
+    options = ["-O", "sync_every=4", "-O", "fragments=2", "-O", "fragment_sync_delay=1", "-O", "exchange_dtype=int4"]
+    assert cli_main(["dump", FACTORY, "--mode", "streaming_diloco", *options, "--schedule", "7"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[1], r[3], r[4].rstrip(" |")) for r in rows] == [  # fragment p starts at calls ≡ (p+1)·H/P (mod H)
+        ("inner", "–", "–"),
+        ("sync0", "inflight.0", "–"),
+        ("apply0", "–", "inflight.0"),
+        ("sync1", "inflight.1", "–"),
+        ("apply1", "–", "inflight.1"),
+        ("sync0", "inflight.0", "–"),
+        ("apply0", "–", "inflight.0"),
+    ]
+    assert rows[1][2].startswith("all_to_all_single") and rows[2][2].startswith("all_gather_into_tensor")
+
+
 @pytest.mark.parametrize(
     ("mode", "options", "outer", "match"),
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import importlib.util
 import sys
@@ -12,6 +13,7 @@ import torch
 
 from passes.registry import PASSES
 from transpiler.graph.basis import compute_basis
+from transpiler.graph.collectives import IN_FLIGHT
 from transpiler.graph.options import key_values
 from transpiler.graph.pipeline import format_value
 from transpiler.graph.program import StepProgram
@@ -93,6 +95,31 @@ def _op_counts_table(program: StepProgram) -> str:
     return "\n".join(lines)
 
 
+def _schedule_table(step, calls: int) -> str:
+    """The program each of the first ``calls`` calls of ``step`` runs (a fresh copy of its schedule), what that
+    program sends, and which exchanges it leaves in flight for a later call or finishes from an earlier one."""
+    schedule = copy.deepcopy(step.schedule)
+    lines = [
+        "| call | program | collectives (bytes per message) | leaves in flight | finishes |",
+        "|---:|---|---|---|---|",
+    ]
+    for call in range(1, calls + 1):
+        variant = schedule.variant()
+        schedule.observe(variant, {}, 0.0)
+        program = step.programs[variant]
+        sent = [
+            f"{n.target._schema.name.split('::')[-1]} {n.meta['collective'].get('bytes', 0):,}"
+            for n in program.graph.nodes
+            if "collective" in n.meta
+        ]
+        starts = [p.name for p in program.outputs if p.kind == "extra" and p.name.startswith(IN_FLIGHT)]
+        ends = [p.name for p in program.inputs if p.kind == "extra" and p.name.startswith(IN_FLIGHT)]
+        lines.append(
+            f"| {call} | {variant} | {', '.join(sent) or '–'} | {', '.join(starts) or '–'} | {', '.join(ends) or '–'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def cmd_dump(args: argparse.Namespace) -> int:
     if args.diff and args.format != "code":
         raise FactoryError(f"--diff prints a unified diff of the code; it cannot be drawn as {args.format}.")
@@ -121,7 +148,9 @@ def cmd_dump(args: argparse.Namespace) -> int:
         print(f"# variant '{variant}' of {', '.join(variants)} (choose with --variant)", file=sys.stderr)
     for name, choice in variants[variant].decisions.items():  # what a pass chose for this model
         print(f"# {name}: {choice}", file=sys.stderr)
-    if args.op_counts:
+    if args.schedule:
+        text = _schedule_table(step, args.schedule)
+    elif args.op_counts:
         text = _op_counts_table(variants[variant])
     else:
         text = _render(variants[variant], args.format, diff=args.diff)
@@ -198,7 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
     which = dump.add_mutually_exclusive_group()
     which.add_argument("--before", action="store_true", help="show the traced graph, before any pass")
     which.add_argument("--diff", action="store_true", help="unified diff of the traced and rewritten code")
-    dump.add_argument("--variant", help="for modes with several programs (local_sgd: local, sync; diloco: inner, sync)")
+    dump.add_argument(
+        "--variant",
+        help="for modes with several programs (local_sgd: local, sync; diloco: inner, sync; streaming_diloco: inner, "
+        "sync<p>, apply<p>)",
+    )
+    dump.add_argument(
+        "--schedule",
+        type=int,
+        metavar="N",
+        help="instead of a graph, the program each of the first N calls runs, what it sends and leaves in flight",
+    )
     dump.add_argument("--print-between-passes", action="store_true", help="print the code after every pass (stderr)")
     dump.add_argument(
         "--op-counts",
