@@ -19,6 +19,8 @@ from tests.diloco_worker import MLP_FRAGMENTS, ROUNDS, H
 from tests.distributed import ROOT, launch
 from tests.helpers import quantised_sum
 
+pytestmark = pytest.mark.bitwise  # .ci/run repeats these under ATen's narrowest kernels
+
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def runs(request, tmp_path_factory):
