@@ -2,14 +2,17 @@
 same number of tokens: DDP, ``local_sgd`` with k=H, ``diloco`` with H = 10, 50 and 100, and ``streaming_diloco``
 with a 4-bit exchange (docs/strategies/diloco.md).
 
-    python bench/diloco.py [--steps 600] [--world 4]
+    python bench/diloco.py [--warmup-steps 600] [--schedule cosine|constant] [--steps 600] [--world 4] [--seed 0]
 
 The corpus is ``pydoc_data.topics`` (the text of ``help()``, about 465k characters, shipped with CPython): no
 download. The last tenth is held out. Each rank draws its own windows of the first nine tenths. Every run starts
 from the same weights, with AdamW inside (lr 1e-3, weight decay 0.1); the DiLoCo runs take the paper's outer
 Nesterov SGD (lr 0.7, momentum 0.9). With ``--warmup-steps N`` those weights are first trained by DDP for N
 steps, once, as the paper starts DiLoCo from a pretrained model (its runs start at 24k of 88k steps); every run
-then starts from them with a fresh AdamW. The loss reported is the held-out loss of the weights the paper evaluates:
+then starts from them with a fresh AdamW. The inner lr follows ``--schedule``: a cosine from 1e-3 down to 1e-4 over
+the run (the default; the paper's inner schedule after its warm-up), or constant; DDP takes the same. The tables
+of seed 0 go into the docs page (``diloco-warm`` with warm-up steps, ``diloco-cold`` without); another ``--seed``
+only prints its table. The loss reported is the held-out loss of the weights the paper evaluates:
 the global weights for DiLoCo (``step.global_weights()``), the model for the others, after the last step.
 
 Bytes are what one rank sends, counted from each program's collectives: a ring all-reduce of B bytes sends
@@ -77,8 +80,8 @@ def windows(ids: torch.Tensor, n: int, gen: torch.Generator) -> tuple[torch.Tens
     return rows[:, :-1].contiguous(), rows[:, 1:].reshape(-1).contiguous()
 
 
-def model_for(vocab: int) -> nn.Module:
-    torch.manual_seed(0)
+def model_for(vocab: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
     return NarrowGPT(blocks=4, dim=192, heads=4, vocab=vocab, seq=SEQ)
 
 
@@ -105,13 +108,13 @@ def held_out_loss(model: nn.Module, held: torch.Tensor) -> float:
     return sum(losses) / len(losses)
 
 
-def warmed_up(steps: int, train: torch.Tensor, vocab: int) -> dict[str, torch.Tensor]:
+def warmed_up(steps: int, train: torch.Tensor, vocab: int, seed: int) -> dict[str, torch.Tensor]:
     """The start of every run: the seed's weights, trained by DDP for ``steps`` steps (none: as they are)."""
-    model = model_for(vocab)
+    model = model_for(vocab, seed)
     if steps:
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-        gen = torch.Generator().manual_seed(50 + dist.get_rank())
+        gen = torch.Generator().manual_seed(50 + 1000 * seed + dist.get_rank())
         for _ in range(steps):
             x, y = windows(train, PER_RANK, gen)
             opt.zero_grad()
@@ -129,11 +132,11 @@ def lr_factor(schedule: str, t: int, steps: int) -> float:
 
 
 def run(
-    label: str, steps: int, train: torch.Tensor, held: torch.Tensor, vocab: int, start: dict, schedule: str
+    label: str, steps: int, train: torch.Tensor, held: torch.Tensor, vocab: int, start: dict, schedule: str, seed: int
 ) -> dict:
     mode, options = RUNS[label]
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = model_for(vocab)
+    model = model_for(vocab, seed)
     model.load_state_dict(start)
     inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     decay = torch.optim.lr_scheduler.LambdaLR(inner, lambda t: lr_factor(schedule, t, steps))
@@ -150,7 +153,7 @@ def run(
 
     else:
         step = transpile(model, inner, mode=mode, loss_fn=nn.CrossEntropyLoss(), **options)
-    gen = torch.Generator().manual_seed(100 + rank)
+    gen = torch.Generator().manual_seed(100 + 1000 * seed + rank)
     times, sent, peak, losses = [], 0.0, 0, []
     by_variant: dict[str, list[float]] = {}
     for _ in range(steps):
@@ -186,15 +189,15 @@ def run(
     }
 
 
-def worker(out: str, steps: int, warmup: int, labels: list[str], schedule: str) -> None:
+def worker(out: str, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     torch.set_num_threads(1)
     train, held, vocab = corpus()
-    start = warmed_up(warmup, train, vocab)
+    start = warmed_up(args.warmup_steps, train, vocab, args.seed)
     results = []
-    for label in labels:
-        result = run(label, steps, train, held, vocab, start, schedule)
-        results.append(result | {"warmup": warmup, "schedule": schedule})
+    for label in args.runs:
+        result = run(label, args.steps, train, held, vocab, start, args.schedule, args.seed)
+        results.append(result | {"warmup": args.warmup_steps, "schedule": args.schedule, "seed": args.seed})
         if dist.get_rank() == 0:
             print(json.dumps(results[-1]), flush=True)
     if dist.get_rank() == 0:
@@ -252,20 +255,24 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=0, help="DDP steps before every run, shared")
     parser.add_argument("--schedule", choices=("cosine", "constant"), default="cosine", help="the inner lr")
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="which runs (DDP first)")
+    parser.add_argument("--seed", type=int, default=0, help="the weights' and the data's seed (0: the docs' tables)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.warmup_steps, args.runs, args.schedule)
+        worker(args.worker, args)
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.world)]
         cmd += ["--master-port", "29561", __file__, "--worker", str(out), "--steps", str(args.steps)]
-        cmd += ["--warmup-steps", str(args.warmup_steps), "--schedule", args.schedule, "--runs", *args.runs]
+        cmd += ["--warmup-steps", str(args.warmup_steps), "--schedule", args.schedule, "--seed", str(args.seed)]
+        cmd += ["--runs", *args.runs]
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)), cwd=ROOT)
         results = json.loads(out.read_text())
     text = table(results, args.steps, args.world)
     print(text)
+    if args.seed:  # another seed's table is printed, not written: the page's tables are seed 0's
+        return
     marker = "warm" if args.warmup_steps else "cold"
     write_section(DOC, BEGIN.replace("diloco:", f"diloco-{marker}:"), END.replace("diloco:", f"diloco-{marker}:"), text)
 

@@ -90,7 +90,8 @@ def parse_args() -> argparse.Namespace:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="mode option, e.g. -O k_steps=4 (local_sgd), -O accumulate_steps=4, -O loss_scale=dynamic, "
+        help="mode option, e.g. -O k_steps=4 (local_sgd), -O sync_every=10 (diloco), -O accumulate_steps=4, "
+        "-O loss_scale=dynamic, "
         "-O max_grad_norm=1, -O compress=fp16, -O sparsify=0.05, -O freeze_groups=3 (with --optimizer sgd), "
         "-O save_trajectory=DIR (any mode), -O pca_path=FILE (dim_reduce)",
     )
@@ -186,7 +187,10 @@ def main() -> None:
             metrics = " ".join(f"{k} {v:.4g}" for k, v in step.last_metrics.items())  # grad_norm, loss_scale...
             progress.update(task, advance=1, loss=total / max(count, 1), metrics=metrics)
     model.eval()
-    with step.gathered(), torch.no_grad():  # zero3 holds slices between steps; every rank enters (a no-op elsewhere)
+    # DiLoCo evaluates the global weights, as the paper does; zero3 holds slices between steps, and every rank
+    # enters step.gathered() (a no-op in the other modes)
+    final_weights = step.global_weights() if step.outer_optimizer is not None else step.gathered()
+    with final_weights, torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
         train_loss = loss_fn(model(x_train), y_train).item()  # the final weights' loss on the whole training set
         if rank == 0 and args.save_model:
