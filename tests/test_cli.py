@@ -170,3 +170,12 @@ def test_the_installed_command_runs_from_a_shell(tmp_path):
     assert diff.lstrip().startswith("--- traced") and "+    all_reduce" in diff
     drawn = dot.read_text()  # zero2 over gloo: the reduce-scatter is an all_to_all (gloo has no reduce_scatter)
     assert drawn.lstrip().startswith("digraph") and "all_to_all_single" in drawn and "all_gather_into_tensor" in drawn
+
+
+def test_schedule_of_a_mode_that_follows_its_loss_is_refused_in_words(capsys):
+    """adaptive_local_sgd picks k from the loss it measures: no table of calls exists before the run."""
+    assert main(["dump", FACTORY, "--mode", "adaptive_local_sgd", "--schedule", "3"]) == 2
+    assert "follows a metric measured while training ('avg_loss')" in capsys.readouterr().err
+    assert main(["dump", FACTORY, "--mode", "local_sgd", "-O", "k_steps=2", "--schedule", "3"]) == 0
+    rows = [line.split(" | ")[1] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == ["sync", "local", "sync"]  # begin_step=1 syncs the first step, then every k=2

@@ -95,7 +95,7 @@ def _op_counts_table(program: StepProgram) -> str:
     return "\n".join(lines)
 
 
-def _schedule_table(step, calls: int) -> str:
+def _schedule_table(step, calls: int, mode: str) -> str:
     """The program each of the first ``calls`` calls of ``step`` runs (a fresh copy of its schedule), what that
     program sends, and which exchanges it leaves in flight for a later call or finishes from an earlier one."""
     schedule = copy.deepcopy(step.schedule)
@@ -105,7 +105,13 @@ def _schedule_table(step, calls: int) -> str:
     ]
     for call in range(1, calls + 1):
         variant = schedule.variant()
-        schedule.observe(variant, {}, 0.0)
+        try:
+            schedule.observe(variant, {}, 0.0)
+        except KeyError as missing:  # adaptive_local_sgd picks its next k from the loss it measures
+            raise FactoryError(
+                f"the schedule of mode '{mode}' follows a metric measured while training ({missing}), "
+                "so no table of calls holds before the run; --schedule prints schedules fixed by the step count."
+            ) from None
         program = step.programs[variant]
         sent = [
             f"{n.target._schema.name.split('::')[-1]} {n.meta['collective'].get('bytes', 0):,}"
@@ -149,7 +155,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     for name, choice in variants[variant].decisions.items():  # what a pass chose for this model
         print(f"# {name}: {choice}", file=sys.stderr)
     if args.schedule:
-        text = _schedule_table(step, args.schedule)
+        text = _schedule_table(step, args.schedule, args.mode)
     elif args.op_counts:
         text = _op_counts_table(variants[variant])
     else:

@@ -148,7 +148,8 @@ def _diloco(
 ) -> Recipe:
     """H inner steps of the user's optimizer per replica, then the sync (``diloco-outer-step``) after the last.
     With ``replica_size=R`` a replica is R consecutive ranks that train it with data parallel every step
-    (``fused_allreduce`` across axis ``replica``), and DiLoCo runs across the replicas (axis ``across``)."""
+    (``replica_mode``: ``fused_allreduce`` or ZeRO-1/2 across axis ``replica``), and DiLoCo runs across the
+    replicas (axis ``across``)."""
     caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb}
     outer = DiLoCoOuterStep(**caps, axis="across" if replica_size > 1 else "world")
     body = {"inner": [], "sync": [outer]}
