@@ -62,7 +62,7 @@ def profile(delay: int, trace: str | None) -> dict:
     start_at = SYNC_EVERY // FRAGMENTS + SYNC_EVERY  # fragment 0's second exchange starts at this step
     for _ in range(start_at - 1):
         step(*next(data))
-    spans, variants = [], []
+    variants = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(delay + 1):
             with torch.profiler.record_function("transpiler step"):
@@ -78,7 +78,7 @@ def profile(delay: int, trace: str | None) -> dict:
     later = sum(max(0, min(end, e) - max(begin, s)) for s, e in spans[1:])  # inside a step after sync0
     last = spans[-1]
     waited = sum(e.time_range.end - e.time_range.start for e in waits if last[0] <= e.time_range.start <= last[1])
-    us = 1e-3  # profiler times are in microseconds
+    us = 1e-3  # profiler times are in microseconds: to milliseconds
     return {
         "delay": delay,
         "variants": variants,
