@@ -5,7 +5,8 @@ settings (each must raise RankMismatchError on every rank, quickly, leaving the
 group usable), then parity against DDP for models that failed before (LSTM,
 GRU, checkpointing with dropout, Embedding max_norm, train/eval switches,
 tiny Hugging Face GPT-2 and Llama), a consistent mid-run freeze, a
-checkpoint restored per rank, and the timeouts of the groups a step uses. ``stall``, ``freeze_one`` and ``die`` each
+checkpoint restored per rank, and the timeouts of the groups a step uses. ``stall``, ``freeze_one``, ``die`` and
+``stall_in_save`` (rank 1 stops between a checkpointer's barrier and its DCP save) each
 break the group on purpose, so each runs in a world of its own with a 3 s
 timeout. Every rank saves what it saw: errors with their messages and how
 long it took to fail, and parameters to compare.
@@ -25,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.distributed import run_rank  # noqa: E402
 from tests.models import MLP, make_batch, make_model  # noqa: E402
-from transpiler import TranspilerError, transpile  # noqa: E402
+from transpiler import Checkpointer, TranspilerError, transpile  # noqa: E402
+from transpiler.runtime.process_group import live_group  # noqa: E402
 
 LOSS = nn.CrossEntropyLoss()
 PER_RANK = 4
@@ -206,6 +208,12 @@ def fault(kind: str, rank: int) -> dict:
         time.sleep(4 * SHORT)
     if rank == 1 and kind == "freeze_one":
         model.net[0].requires_grad_(False)
+    if kind == "stall_in_save":
+        if rank == 1:  # through the checkpointer's first barrier, then silent while rank 0 is in DCP's collectives
+            torch.distributed.barrier(group=live_group(step.placement))
+            time.sleep(4 * SHORT)
+            return {"type": None, "message": "stalled", "seconds": 4 * SHORT}
+        return expect_error(Checkpointer(step, os.path.join(sys.argv[1], "checkpoints"), every=1).save)
     return expect_error(lambda: step(*make_batch("mlp", PER_RANK, gen)))
 
 

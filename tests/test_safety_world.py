@@ -101,3 +101,14 @@ def test_faults_fail_within_the_timeout_naming_what_failed(kind, tmp_path_factor
         assert "waited for ranks 1," in survivor["message"], survivor["message"]  # the stalled or dead peer
     # no bound on how fast: a hang would have ended the world at launch()'s timeout, not in an error; a stalled
     # peer wakes after 4 x the timeout, and had the survivor waited for it the step would have raised nothing
+
+
+def test_a_rank_silent_while_a_checkpoint_is_written_fails_within_the_steps_timeout(tmp_path_factory):
+    """A link cut while DCP writes fails as one cut mid-step: a CommunicationError naming the save and the
+    silent rank, from the step's 3 s group, not a raw gloo error after the default group's 60 s."""
+    survivor = _run("stall_in_save", tmp_path_factory)[0]
+    assert survivor["type"] == "CommunicationError", survivor
+    message = survivor["message"]
+    assert message.startswith("rank 0: saving the checkpoint ") and ".partial-00000000" in message, message
+    assert "(timeout 3 s); waited for ranks 1," in message, message
+    assert survivor["seconds"] < 30, survivor  # the step's group timed out, not the default one (60 s)

@@ -10,6 +10,8 @@ A checkpoint becomes visible by one ``rename`` of its folder, after every rank h
 coordinator its metadata, and rank 0 the position, so a job killed while saving leaves the last complete one
 as the newest. The last ``keep`` are kept. ``resume()`` loads the newest at whatever world size the job now has
 (``step.load_checkpoint`` reshards) and puts the data position back, so that no sample is skipped or repeated.
+Its collectives run on the step's group, within the step's timeout, and a failed one is a CommunicationError
+that names the ranks that went silent, as in a step.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import shutil
 from pathlib import Path
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup
 
 from transpiler.errors import CheckpointError, ConfigurationError
 
 from .data_position import DataPosition
 from .distributed_step import DistributedStep
+from .failures import failures_named
+from .process_group import live_group
 
 COMPLETE = re.compile(r"^step-(\d{8})$")
 POSITION = "position.json"
@@ -64,8 +69,12 @@ class Checkpointer:
         must name the same directory and see rank 0's newest checkpoint there, or every rank raises a
         CheckpointError saying which ranks differ (a host restarted with other arguments, or storage that not
         every host sees), before any rank reads a byte. Returns the folder read (None: a fresh start)."""
+        with failures_named(f"resuming from {self.directory}", self.step.placement):
+            return self._resume(live_group(self.step.placement))
+
+    def _resume(self, group: ProcessGroup | None) -> Path | None:
         newest = self.complete()
-        views = _gathered((str(self.directory.resolve()), newest[-1].name if newest else None))
+        views = _gathered((str(self.directory.resolve()), newest[-1].name if newest else None), group)
         if len({directory for directory, _ in views}) > 1:
             listed = "; ".join(f"rank {r}: {d}" for r, (d, _) in enumerate(views))
             raise CheckpointError(
@@ -76,7 +85,7 @@ class Checkpointer:
         if chosen is None:
             return None
         path = self.directory / chosen
-        unseen = [r for r, sees in enumerate(_gathered(path in newest)) if not sees]
+        unseen = [r for r, sees in enumerate(_gathered(path in newest, group)) if not sees]
         if unseen:
             raise CheckpointError(
                 f"rank 0 resumes from {path}, which ranks {unseen} do not see complete there: the checkpoint "
@@ -104,13 +113,19 @@ class Checkpointer:
 
     def save(self) -> Path:
         """Write a checkpoint of the step now, visible only once complete; drop the oldest beyond ``keep``."""
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        partial = self.directory / f".partial-{self.steps:08d}"
         final = self.directory / f"step-{self.steps:08d}"
+        with failures_named(f"writing the checkpoint {final}", self.step.placement):
+            self._save(final, live_group(self.step.placement))
+        self._due = False
+        return final
+
+    def _save(self, final: Path, group: ProcessGroup | None) -> None:
+        rank = self.step.placement.rank
+        partial = self.directory / f".partial-{self.steps:08d}"
         if rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)  # left by a job killed while saving
-        _barrier()
+        _barrier(group)
         self.step.save_checkpoint(partial)  # returns once DCP's coordinator has written the metadata
         if rank == 0:
             record = {"steps": self.steps}
@@ -121,20 +136,18 @@ class Checkpointer:
             partial.rename(final)
             for old in self.complete()[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
-        _barrier()  # every rank sees the checkpoint before it goes on
-        self._due = False
-        return final
+        _barrier(group)  # every rank sees the checkpoint before it goes on
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _barrier(group: ProcessGroup | None) -> None:
+    if group is not None:
+        dist.barrier(group=group)
 
 
-def _gathered(value: object) -> list:
-    """Every rank's ``value``, in rank order."""
-    if not dist.is_initialized():
+def _gathered(value: object, group: ProcessGroup | None) -> list:
+    """Every rank's ``value``, in rank order (``group`` spans every rank, in order)."""
+    if group is None:
         return [value]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    out: list = [None] * group.size()
+    dist.all_gather_object(out, value, group=group)
     return out

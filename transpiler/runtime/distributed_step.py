@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,12 +47,15 @@ from transpiler.trace.optimizers import TWINS, OptimizerPlan
 from transpiler.trace.tracer import ModelState, check_batch
 
 from . import sharded_params
-from .failures import communication_error, is_communication_failure
+from .failures import failures_named, in_graph
 from .flat_storage import FlatStorage
 from .handshake import Handshake, Setup
 from .memory_report import MemoryReport, StorageCounter, bucket_buffers
-from .process_group import LOCAL_GROUP, Placement, ensure_local_group
+from .process_group import LOCAL_GROUP, Placement, ensure_local_group, live_group
 from .scalar_bank import ScalarBank
+
+if TYPE_CHECKING:
+    from .sharded_checkpoint import Ranks
 
 log = logging.getLogger("transpiler")
 CHECKPOINT_FORMAT = 2
@@ -354,22 +357,8 @@ class DistributedStep:
     def _run(self, gm: torch.fx.GraphModule, inputs: list, label: str, run: Callable | None = None) -> tuple:
         """Run a graph (or ``run``, its compiled form); a failed collective becomes a CommunicationError that
         names it."""
-        start = time.perf_counter()
-        try:
+        with failures_named(in_graph(gm, label), self.placement):
             return (run or gm)(*inputs)
-        except Exception as exc:
-            if self.placement.world_size > 1 and is_communication_failure(exc):
-                raise communication_error(
-                    exc,
-                    gm,
-                    rank=self.placement.rank,
-                    world=self.placement.world_size,
-                    group=self.placement.group_name,
-                    elapsed=time.perf_counter() - start,
-                    timeout=self.placement.timeout,
-                    program=label,
-                ) from exc
-            raise
 
     def _inputs(self, program: StepProgram, built: Built, batch: tuple, variant: str) -> list:
         if program.param_buckets:
@@ -688,18 +677,19 @@ class DistributedStep:
                 "read at another world size cannot split. Save step.state_dict() per rank instead."
             )
         sharded_checkpoint = _checkpoint_module()
-        world, rank = self.placement.world_size, self.placement.rank
-        shards, whole = self._shards() or {}, self._held_whole()
-        state = {
-            "model": sharded_checkpoint.model_state(self.model, whole, shards, rank, world),
-            "optim": sharded_checkpoint.optimizer_state(self.optimizer, self._fqns(), shards, rank, world, whole),
-            "transpiler": {
-                "extra": {k: v for k, v in self.extra.items() if k.startswith(REPLICATED_EXTRA)},
-                "schedule": self.schedule.state_dict(),
-                "setup": {"format": CHECKPOINT_FORMAT, "optimizer": type(self.optimizer).__qualname__},
-            },
-        }
-        sharded_checkpoint.save(state, path)
+        ranks = self._checkpoint_ranks()
+        with failures_named(f"saving the checkpoint {path}", self.placement):
+            shards, whole = self._shards() or {}, self._held_whole()
+            state = {
+                "model": sharded_checkpoint.model_state(self.model, whole, shards, ranks),
+                "optim": sharded_checkpoint.optimizer_state(self.optimizer, self._fqns(), shards, ranks, whole),
+                "transpiler": {
+                    "extra": {k: v for k, v in self.extra.items() if k.startswith(REPLICATED_EXTRA)},
+                    "schedule": self.schedule.state_dict(),
+                    "setup": {"format": CHECKPOINT_FORMAT, "optimizer": type(self.optimizer).__qualname__},
+                },
+            }
+            sharded_checkpoint.save(state, path, ranks)
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Read a :meth:`save_checkpoint` folder, written at any world size and mode that keeps ranks in step,
@@ -707,20 +697,21 @@ class DistributedStep:
         rank reads only its own slices of a sharded optimizer state; before, it reads whole tensors and cuts
         them at the first step."""
         sharded_checkpoint = _checkpoint_module()
-        saved = sharded_checkpoint.read_setup(path)
-        if saved.get("format") != CHECKPOINT_FORMAT or saved.get("optimizer") != type(self.optimizer).__qualname__:
-            raise CheckpointError(
-                f"the checkpoint holds {saved.get('optimizer')} state in format {saved.get('format')}; this step's "
-                f"optimizer is {type(self.optimizer).__qualname__} and it reads format {CHECKPOINT_FORMAT}."
+        ranks = self._checkpoint_ranks()
+        with failures_named(f"loading the checkpoint {path}", self.placement):
+            saved = sharded_checkpoint.read_setup(path, ranks)
+            if saved.get("format") != CHECKPOINT_FORMAT or saved.get("optimizer") != type(self.optimizer).__qualname__:
+                raise CheckpointError(
+                    f"the checkpoint holds {saved.get('optimizer')} state in format {saved.get('format')}; this "
+                    f"step's optimizer is {type(self.optimizer).__qualname__} and it reads format {CHECKPOINT_FORMAT}."
+                )
+            names = self._fqns()
+            shards, whole = self._shards(), self._held_whole()
+            model = sharded_checkpoint.model_state(self.model, whole, shards or {}, ranks)
+            template, slices = sharded_checkpoint.load_template(
+                path, model, self.model, self.optimizer, names, shards, ranks, whole
             )
-        names = self._fqns()
-        shards, whole = self._shards(), self._held_whole()
-        world, rank = self.placement.world_size, self.placement.rank
-        model = sharded_checkpoint.model_state(self.model, whole, shards or {}, rank, world)
-        template, slices = sharded_checkpoint.load_template(
-            path, model, self.model, self.optimizer, names, shards, rank, world, whole
-        )
-        sharded_checkpoint.load(template, path)
+            sharded_checkpoint.load(template, path, ranks)
         order = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
         index = {name: i for i, name in enumerate(order)}
         optim = template["optim"]
@@ -738,6 +729,10 @@ class DistributedStep:
         if self._last is not None:
             self._init_extra(self._last)
         self._started = True
+
+    def _checkpoint_ranks(self) -> Ranks:
+        """Where DCP's collectives run: on the step's group, so the step's timeout bounds a checkpoint too."""
+        return _checkpoint_module().Ranks(self.placement.rank, self.placement.world_size, live_group(self.placement))
 
     def _shards(self) -> dict[str, tuple[int, int]] | None:
         """This rank's ``[lo, hi)`` of each sharded parameter, once the step is built (the same in every

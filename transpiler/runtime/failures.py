@@ -11,6 +11,8 @@ Which peer is at fault the failure itself rarely says (a timed-out receive names
 asks: it reports its failure in torch.distributed's store and waits a few seconds for the other ranks'
 reports. Ranks that fail the same collective report too; a rank that stalled, died or sits behind a cut link
 does not, and the error names it. A rank that cannot reach the store at all is the one cut off, and says so.
+The collectives a step runs outside its graphs (DCP's, a checkpointer's barriers) are named the same way
+(:func:`failures_named`), so a link cut while a checkpoint is written fails like one cut mid-step.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import linecache
 import re
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -26,6 +30,8 @@ import torch.fx as fx
 from transpiler.errors import CommunicationError
 from transpiler.graph.collectives import is_collective, is_wait, signature
 from transpiler.graph.p2p import is_exchange
+
+from .process_group import Placement
 
 _MARKERS = ("gloo", "Timed out", "timed out", "Connection reset", "Connection closed", "NCCL", "c10d", "peer")
 _ASSIGN = re.compile(r"^\s*(\w+)\s*=")
@@ -100,22 +106,34 @@ def who_is_silent(rank: int, world: int, group: str, timeout: timedelta) -> str:
     )
 
 
-def communication_error(
-    exc: BaseException,
-    gm: fx.GraphModule,
-    *,
-    rank: int,
-    world: int,
-    group: str,
-    elapsed: float,
-    timeout: timedelta,
-    program: str,
-) -> CommunicationError:
-    node = failing_node(exc, gm)
+@contextmanager
+def failures_named(what: str | Callable[[BaseException], str], placement: Placement) -> Iterator[None]:
+    """Inside the block, a failed collective (not one already named) becomes a CommunicationError that says
+    ``what`` failed (or ``what(exc)``), after how long, and which of the placement's ranks went silent."""
+    start = time.perf_counter()
+    try:
+        yield
+    except CommunicationError:
+        raise
+    except Exception as exc:
+        if placement.world_size > 1 and is_communication_failure(exc):
+            raise communication_error(
+                exc, what(exc) if callable(what) else what, placement, time.perf_counter() - start
+            ) from exc
+        raise
+
+
+def in_graph(gm: fx.GraphModule, program: str) -> Callable[[BaseException], str]:
+    """``what`` failed in a running graph: the collective on the line that raised, and the program."""
+    return lambda exc: f"{describe(failing_node(exc, gm))} in program '{program}'"
+
+
+def communication_error(exc: BaseException, what: str, placement: Placement, elapsed: float) -> CommunicationError:
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    rank, timeout = placement.rank, placement.timeout
+    silent = who_is_silent(rank, placement.world_size, placement.group_name, timeout)
     return CommunicationError(
-        f"rank {rank}: {describe(node)} in program '{program}' failed after {elapsed:.1f} s "
-        f"(timeout {timeout.total_seconds():g} s); {who_is_silent(rank, world, group, timeout)}. "
+        f"rank {rank}: {what} failed after {elapsed:.1f} s (timeout {timeout.total_seconds():g} s); {silent}. "
         "Another rank stalled, died or runs a different program: check the other ranks' output; set the timeout "
         f"with transpile(..., timeout=seconds) or init_process_group(timeout=...). Torch said: {first[:400]}"
     )

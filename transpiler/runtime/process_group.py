@@ -49,6 +49,14 @@ def group_timeout(group: ProcessGroup) -> timedelta:
     return TORCH_DEFAULT_TIMEOUT
 
 
+def live_group(placement: Placement) -> ProcessGroup | None:
+    """The process group over all ranks that ``placement``'s collectives run on (with its timeout), for the
+    collectives a step runs outside its graphs; None when there is no torch.distributed world to run them in."""
+    if not dist.is_initialized() or placement.group_name in (LOCAL_GROUP, STATIC_GROUP):
+        return None
+    return dist.distributed_c10d._resolve_process_group(placement.group_name)
+
+
 def as_timeout(value: timedelta | float | int | None) -> timedelta | None:
     """``timeout=`` as a timedelta: seconds (a positive number) or a timedelta."""
     if value is None:

@@ -18,12 +18,14 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch._C._distributed_c10d import ProcessGroup
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
@@ -33,6 +35,16 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from transpiler.errors import CheckpointError
 
 Box = tuple[list[int], list[int], int]  # offsets, sizes, flat start
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where a checkpoint's collectives run: this rank, the world size, and the step's group over all ranks
+    (whose timeout bounds them; None: no torch.distributed world)."""
+
+    rank: int
+    world: int
+    group: ProcessGroup | None
 
 
 def flat_boxes(shape: Iterable[int], lo: int, hi: int) -> list[Box]:
@@ -55,19 +67,19 @@ def flat_boxes(shape: Iterable[int], lo: int, hi: int) -> list[Box]:
     return flat_boxes(shape, lo, cut_lo) + flat_boxes(shape, cut_lo, cut_hi) + flat_boxes(shape, cut_hi, hi)
 
 
-def sharded(flat: torch.Tensor, shape: torch.Size, lo: int, rank: int) -> ShardedTensor:
+def sharded(flat: torch.Tensor, shape: torch.Size, lo: int, ranks: Ranks) -> ShardedTensor:
     """A ShardedTensor of global ``shape`` whose local shards are views of ``flat`` (elements ``[lo, lo +
     flat.numel())`` of the whole tensor), so DCP reads into ``flat`` in place. Collective: every rank calls it."""
-    where = f"rank:{rank}/{flat.device}"
+    where = f"rank:{ranks.rank}/{flat.device}"
     shards = [
         Shard(flat[start - lo : start - lo + math.prod(sizes)].view(sizes), ShardMetadata(offsets, sizes, where))
         for offsets, sizes, start in flat_boxes(shape, lo, lo + flat.numel())
     ]
-    return init_from_local_shards(shards, *shape)
+    return init_from_local_shards(shards, *shape, process_group=ranks.group)
 
 
 def model_state(
-    model: torch.nn.Module, whole: dict[str, tuple[int, ...]], shards: dict[str, tuple[int, int]], rank: int, world: int
+    model: torch.nn.Module, whole: dict[str, tuple[int, ...]], shards: dict[str, tuple[int, int]], ranks: Ranks
 ) -> dict[str, Any]:
     """``model.state_dict()``, with each parameter held as its slice (ZeRO-3: ``whole`` gives its shape) as a
     ShardedTensor of the whole shape over the slice (a view of it at one rank), so DCP writes and reads it in
@@ -79,7 +91,7 @@ def model_state(
         value = value.detach()
         if name in whole:  # on every rank, even one whose slice is the whole (ShardedTensor is collective)
             shape = torch.Size(whole[name])
-            value = sharded(value.reshape(-1), shape, shards[name][0], rank) if world > 1 else value.view(shape)
+            value = sharded(value.reshape(-1), shape, shards[name][0], ranks) if ranks.world > 1 else value.view(shape)
         state[key] = value
     return state
 
@@ -88,8 +100,7 @@ def optimizer_state(
     optimizer: torch.optim.Optimizer,
     names: dict[int, str],
     shards: dict[str, tuple[int, int]],
-    rank: int,
-    world: int,
+    ranks: Ranks,
     whole: dict[str, tuple[int, ...]],
 ) -> dict[str, Any]:
     """``get_state_dict``'s layout of the optimizer, with this rank's slices as ShardedTensors (``whole``: the
@@ -107,7 +118,7 @@ def optimizer_state(
                 if flat.numel() == shape.numel() and hi - lo < shape.numel():  # not cut yet (no step since)
                     flat = flat[lo:hi]
                 # in the parameter's shape, as eager holds it; sharded on every rank when there are several
-                value = sharded(flat, shape, lo, rank) if world > 1 else flat.view(shape)
+                value = sharded(flat, shape, lo, ranks) if ranks.world > 1 else flat.view(shape)
             state[name][key] = value
     return {"state": state, "param_groups": _groups(optimizer, names)}
 
@@ -119,12 +130,12 @@ def _groups(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dic
     ]
 
 
-def save(state: dict[str, Any], path: str | Path) -> None:
+def save(state: dict[str, Any], path: str | Path, ranks: Ranks) -> None:
     with _one_process_quietly():
-        dcp.save(state, checkpoint_id=str(path), no_dist=not is_distributed())
+        dcp.save(state, checkpoint_id=str(path), process_group=ranks.group, no_dist=not is_distributed())
 
 
-def read_setup(path: str | Path) -> dict[str, Any]:
+def read_setup(path: str | Path, ranks: Ranks) -> dict[str, Any]:
     """The ``transpiler.setup`` entry of a checkpoint (what it was written by), read before anything else."""
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
@@ -137,7 +148,7 @@ def read_setup(path: str | Path) -> dict[str, Any]:
             "with torch.distributed.checkpoint.load into your model and optimizer."
         )
     setup: dict[str, Any] = {"transpiler": {"setup": dict.fromkeys(keys)}}
-    load(setup, path)
+    load(setup, path, ranks)
     return setup["transpiler"]["setup"]
 
 
@@ -148,8 +159,7 @@ def load_template(
     optimizer: torch.optim.Optimizer,
     names: dict[int, str],
     shards: dict[str, tuple[int, int]] | None,
-    rank: int,
-    world: int,
+    ranks: Ranks,
     whole: dict[str, tuple[int, ...]],
 ) -> tuple[dict[str, Any], dict[tuple[str, str], torch.Tensor]]:
     """What this rank reads from the checkpoint at ``path``: the model's own tensors (``model_template``, read in
@@ -171,12 +181,12 @@ def load_template(
             value: Any = None
             if isinstance(entry, TensorStorageMetadata):
                 dtype, size = entry.properties.dtype, tuple(entry.size)
-                bounds = shards.get(name) if shards and world > 1 else None
+                bounds = shards.get(name) if shards and ranks.world > 1 else None
                 shape = torch.Size(whole.get(name, by_name[name].shape))
                 if bounds is not None and size == tuple(shape) and len(size) > 0:
                     flat = torch.empty(bounds[1] - bounds[0], dtype=dtype, device=by_name[name].device)
                     slices[(name, key)] = flat
-                    value = sharded(flat, shape, bounds[0], rank)
+                    value = sharded(flat, shape, bounds[0], ranks)
                 else:
                     value = torch.empty(size, dtype=dtype, device=by_name[name].device)
             template["optim"]["state"].setdefault(name, {})[key] = value
@@ -207,9 +217,15 @@ class SlicePlanner(DefaultLoadPlanner):
         return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
 
 
-def load(template: dict[str, Any], path: str | Path) -> None:
+def load(template: dict[str, Any], path: str | Path, ranks: Ranks) -> None:
     with _one_process_quietly():
-        dcp.load(template, checkpoint_id=str(path), planner=SlicePlanner(), no_dist=not is_distributed())
+        dcp.load(
+            template,
+            checkpoint_id=str(path),
+            planner=SlicePlanner(),
+            process_group=ranks.group,
+            no_dist=not is_distributed(),
+        )
 
 
 @contextlib.contextmanager
