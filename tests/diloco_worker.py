@@ -9,6 +9,8 @@
 3. ``resume``: ``step.state_dict()`` mid-round, loaded into a fresh model, optimizers and step, continues as
    the run that never stopped.
 4. ``global_view``: ``step.global_weights()`` lends θ_global to the model and gives the replica's weights back.
+5. ``dcp_resume``: the same through ``step.save_checkpoint()``/``load_checkpoint()``; ``reshard`` (W=4) reads a
+   checkpoint of 4 replicas at 2 and one of 2 at 4.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.distributed import run_rank  # noqa: E402
 from tests.models import MLP, make_batch  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from transpiler import TranspilerError, transpile  # noqa: E402
 
 PER_RANK = 8
 H = 3
@@ -270,33 +273,95 @@ def alpha_one(rank: int, world: int) -> dict:
     }
 
 
-def resume(rank: int, world: int, mode: str, save_after: int) -> dict:
-    """``save_after`` steps, ``step.state_dict()``, then a fresh model, optimizers and step load it and go on."""
+def resume(rank: int, world: int, mode: str, save_after: int, via: str = "state_dict") -> dict:
+    """``save_after`` steps, then ``step.state_dict()`` (``via="state_dict"``) or ``step.save_checkpoint()``
+    (``"dcp"``, at the first step from ``save_after`` on that ``checkpoint_blocked()`` allows), then a fresh
+    model, optimizers and step load it and go on."""
     torch.manual_seed(0)
     options = {"sync_every": H} if mode == "diloco" else STREAM
     steps = data(world, 3 * 4)
-    runs: dict = {}
+    folder = Path(sys.argv[1]) / f"resume-{mode}-{via}"
+    runs: dict = {"blocked": []}
     saved: dict = {}
+    saved_at = None
     for how in ("straight", "resumed"):
         model = MLP()
         step = transpile(model, inner_optimizer(model.parameters()), mode=mode, loss_fn=LOSS, **options)
         if how == "resumed":
-            step.load_state_dict(saved)
+            step.load_state_dict(saved) if via == "state_dict" else step.load_checkpoint(folder)
         runs[how] = []
         for t, batches in enumerate(steps, start=1):
-            if how == "resumed" and t <= save_after:
+            if how == "resumed" and t <= saved_at:
                 continue
             step(*batches[rank])
             runs[how].append(params_of(model) | {f"global.{n}": v.clone() for n, v in step.global_parameters().items()})
-            if how == "straight" and t == save_after:
-                runs["saved_after"] = step.last_variant
-                saved = step.state_dict()
+            if how == "straight" and saved_at is None and t >= save_after:
+                if via == "dcp" and step.checkpoint_blocked() is not None:
+                    runs["blocked"].append(expect_error(lambda s=step: s.save_checkpoint(folder)))
+                    continue
+                runs["saved_after"], saved_at = step.last_variant, t
+                saved = step.state_dict() if via == "state_dict" else step.save_checkpoint(folder)
                 torch.manual_seed(1)  # the resumed model starts from other weights: the load must set them all
         runs[how + "_outer"] = {
             k: v.clone() for k, v in step.outer_optimizer.state[next(iter(model.parameters()))].items()
         }
-    runs["saved_keys"] = sorted(saved)
+    runs["saved_keys"] = sorted(saved or {})
+    runs["saved_at"] = saved_at
     return runs
+
+
+def expect_error(fn) -> dict:
+    try:
+        fn()
+    except TranspilerError as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "message": "no error"}
+
+
+def held(step, model: torch.nn.Module) -> dict:
+    """What a DiLoCo step holds on this rank: weights, θ_global, inner and outer state, the inner state's
+    slices (``replica_mode=zero*``) and the schedule."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in step.optimizer.state.items()}
+    outer = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in step.outer_optimizer.state.items()}
+    return {
+        "params": params_of(model),
+        "global": {n: t.clone() for n, t in step.global_parameters().items()},
+        "inner": state,
+        "outer": outer,
+        "shards": dict(step.program.shards),
+        "schedule": step.schedule.state_dict(),
+    }
+
+
+def reshard(rank: int, world: int) -> dict:
+    """W=4, one step into the second round: a ``diloco`` checkpoint of 4 replicas read by 2 replicas of 2 ranks
+    with ZeRO-1 inside (built first, so each rank reads only its slices), and one of 2 such replicas read by 4;
+    what each rank holds after the load, and after one more step."""
+    out = {}
+    steps = data(world, H + 2)
+    for name, saving, loading in (
+        ("4to2", {}, {"replica_size": 2, "replica_mode": "zero1"}),
+        ("2to4", {"replica_size": 2, "replica_mode": "zero1"}, {}),
+    ):
+        folder = Path(sys.argv[1]) / f"reshard-{name}"
+        torch.manual_seed(0)
+        model = MLP()
+        options = {"sync_every": H} | saving
+        step = transpile(model, inner_optimizer(model.parameters()), mode="diloco", loss_fn=LOSS, **options)
+        for batches in steps[: H + 1]:
+            step(*batches[rank])
+        step.save_checkpoint(folder)
+        out[name] = {"saved": held(step, model), "folder": str(folder)}
+        torch.manual_seed(1)
+        model = MLP()
+        options = {"sync_every": H, "example_inputs": steps[-1][rank]} | loading
+        step = transpile(model, inner_optimizer(model.parameters()), mode="diloco", loss_fn=LOSS, **options)
+        step.load_checkpoint(folder)
+        out[name]["loaded"] = held(step, model)
+        step(*steps[-1][rank])
+        out[name]["stepped"] = params_of(model)
+    return out
 
 
 def global_view(rank: int, world: int) -> dict:
@@ -319,10 +384,13 @@ def checks(rank: int, world: int) -> dict:
         out |= {"reference_2d": reference(rank, world, 2), "streaming_2d": streaming(rank, world, 2)}
         out["reference_2d_zero1"] = reference(rank, world, 2, "zero1")
         out["streaming_2d_zero2"] = streaming(rank, world, 2, "zero2")
+        out["reshard"] = reshard(rank, world)
     if world == 2:
         out |= {"identity": identity(rank, world), "alpha_one": alpha_one(rank, world)}
         out["resume"] = resume(rank, world, "diloco", H + 1)  # one inner step into the second round
         out["resume_in_flight"] = resume(rank, world, "streaming_diloco", 2)  # fragment 0's exchange in flight
+        out["dcp_resume"] = resume(rank, world, "diloco", H + 1, via="dcp")
+        out["dcp_resume_in_flight"] = resume(rank, world, "streaming_diloco", 2, via="dcp")  # saved once landed
         out["global_view"] = global_view(rank, world)
     return out
 

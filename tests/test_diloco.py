@@ -18,6 +18,7 @@ import torch
 from tests.diloco_worker import MLP_FRAGMENTS, ROUNDS, H
 from tests.distributed import ROOT, launch
 from tests.helpers import quantised_sum
+from tests.models import MLP
 
 pytestmark = pytest.mark.bitwise  # .ci/run repeats these under ATen's narrowest kernels
 
@@ -156,6 +157,88 @@ def test_state_dict_mid_round_resumes_bitwise_with_the_outer_state(runs):
             assert all(torch.equal(a[n], b[n]) for n in a)
         assert set(run["straight_outer"]) == {"momentum_buffer"}
         assert all(torch.equal(run["straight_outer"][k], run["resumed_outer"][k]) for k in run["straight_outer"])
+
+
+@W2
+@pytest.mark.parametrize("mode", ["dcp_resume", "dcp_resume_in_flight"])
+def test_a_dcp_checkpoint_resumes_bitwise_and_waits_for_an_exchange_in_flight(runs, mode):
+    """``save_checkpoint()`` mid-round (diloco) and, for Streaming DiLoCo, refused while fragment 0's exchange is
+    in flight (step 2) and taken once it landed (step 3); a fresh model and step that ``load_checkpoint()`` before
+    their first step go on as the run that never stopped, outer momentum included."""
+    world, ranks = runs
+    for record in ranks:
+        run = record[mode]
+        if mode == "dcp_resume":
+            assert run["blocked"] == [] and run["saved_at"] == H + 1
+        else:
+            assert [b["type"] for b in run["blocked"]] == ["CheckpointError"]
+            assert "exchange in flight" in run["blocked"][0]["message"]
+            assert (run["saved_at"], run["saved_after"]) == (3, "apply0")
+        straight = run["straight"][-len(run["resumed"]) :]
+        assert len(run["resumed"]) == 3 * 4 - run["saved_at"]
+        for a, b in zip(straight, run["resumed"]):
+            assert all(torch.equal(a[n], b[n]) for n in a)
+        assert all(torch.equal(run["straight_outer"][k], run["resumed_outer"][k]) for k in run["straight_outer"])
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@W4
+def test_a_checkpoint_of_four_replicas_is_read_by_two_with_zero1_inside_and_back(runs):
+    """Replica ``j`` of the reader continues saved replica ``j mod N``: its weights and its inner AdamW state
+    (each rank only its ZeRO-1 slice of it, or the whole rows that the replica's ranks wrote in slices), while
+    θ_global, the outer momentum and the schedule are the saved ones everywhere. Then the ranks of a replica
+    take one more step and still agree."""
+    world, ranks = runs
+    saved_4 = [r["reshard"]["4to2"]["saved"] for r in ranks]
+    for rank, record in enumerate(ranks):
+        loaded, source = record["reshard"]["4to2"]["loaded"], saved_4[rank // 2]
+        assert _equal(loaded["params"], source["params"]) and _equal(loaded["global"], saved_4[0]["global"])
+        assert loaded["schedule"] == source["schedule"] == {"step": H + 1}
+        assert all(_equal(loaded["outer"][n], saved_4[0]["outer"][n]) for n in saved_4[0]["outer"])
+        for name, entries in loaded["inner"].items():
+            lo, hi = loaded["shards"][name]
+            for key, value in entries.items():
+                expected = source["inner"][name][key]
+                assert torch.equal(value, expected.reshape(-1)[lo:hi] if value.dim() else expected), (name, key)
+    for name, param in saved_4[0]["params"].items():  # the two ranks of a replica hold the state in two slices
+        bounds = sorted(r["reshard"]["4to2"]["loaded"]["shards"][name] for r in ranks[:2])
+        assert bounds[0][0] == 0 and bounds[0][1] == bounds[1][0] and bounds[1][1] == param.numel(), bounds
+    stepped = [r["reshard"]["4to2"]["stepped"] for r in ranks]
+    assert _equal(stepped[0], stepped[1]) and _equal(stepped[2], stepped[3])
+    assert not _equal(stepped[0], stepped[2])
+    saved_2 = [r["reshard"]["2to4"]["saved"] for r in ranks]
+    for rank, record in enumerate(ranks):
+        loaded, replica = record["reshard"]["2to4"]["loaded"], saved_2[2 * (rank % 2) : 2 * (rank % 2) + 2]
+        assert _equal(loaded["params"], replica[0]["params"]) and _equal(loaded["global"], saved_2[0]["global"])
+        for name, entries in loaded["inner"].items():
+            for key, value in entries.items():
+                if value.dim() == 0:  # a step count: the same on every rank
+                    assert torch.equal(value, replica[0]["inner"][name][key])
+                    continue
+                whole = torch.empty(value.numel(), dtype=value.dtype)
+                for part in replica:  # the saved replica's state, put together from its ranks' slices
+                    lo, hi = part["shards"][name]
+                    whole[lo:hi] = part["inner"][name][key].reshape(-1)
+                assert torch.equal(value.reshape(-1), whole), (name, key)
+
+
+@W4
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's note that it reads in one process
+def test_a_plain_model_reads_the_global_weights_from_a_diloco_checkpoint(runs):
+    """The checkpoint's ``model`` entry is θ_global, what the paper evaluates: a model that was never transpiled
+    reads it with torch.distributed.checkpoint alone."""
+    import torch.distributed.checkpoint as dcp
+
+    world, ranks = runs
+    record = ranks[0]["reshard"]["4to2"]
+    model = MLP()
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=record["folder"], no_dist=True)
+    assert _equal({n: p.detach() for n, p in model.named_parameters()}, record["saved"]["global"])
+    assert not _equal(record["saved"]["global"], record["saved"]["params"])  # mid-round: not the replica's
 
 
 @W2

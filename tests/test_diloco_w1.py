@@ -394,3 +394,58 @@ def test_compiled_programs_follow_the_uncompiled_ones_and_compile_once(mode):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
     assert set(steps[True].compile_seconds) == set(steps[True].programs)
     assert steps[True].traces == 1
+
+
+def _trained(mode: str, steps: int, seed: int = 0, **options):
+    torch.manual_seed(seed)
+    model = MLP()
+    step = transpile(model, torch.optim.AdamW(model.parameters(), lr=0.01), mode=mode, loss_fn=LOSS, **options)
+    for batch in data(steps):
+        step(*batch)
+    return model, step
+
+
+STREAM_1 = {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1}
+
+
+def test_a_world1_dcp_checkpoint_resumes_bitwise_and_the_checkpointer_waits_for_the_exchange(tmp_path):
+    """Without a process group (DCP's one-process path): Streaming DiLoCo saved by a Checkpointer due at step 2,
+    where fragment 0's exchange is in flight, is written at step 3 once it has landed; a fresh step that loads it
+    ends where the run that never stopped ends."""
+    from transpiler import Checkpointer
+
+    torch.manual_seed(0)
+    model = MLP()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step = transpile(model, inner, mode="streaming_diloco", loss_fn=LOSS, **STREAM_1)
+    checkpointer = Checkpointer(step, tmp_path, every=2, keep=4)
+    written = []
+    for batch in data(8):
+        step(*batch)
+        written.append(checkpointer.step_done())
+    # due at 2, 4, 6, 8; fragment 0 starts its exchange at 2 and 6, fragment 1 at 4 and 8, each landing a step later
+    assert [w.name[-1] if w else None for w in written] == [None, None, "3", None, "5", None, "7", None]
+    _, again = _trained("streaming_diloco", 0, seed=1, **STREAM_1)
+    again.load_checkpoint(tmp_path / "step-00000003")
+    for batch in data(8)[3:]:
+        again(*batch)
+    ended = dict(again.model.named_parameters())
+    assert all(torch.equal(p, ended[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(t, again.global_parameters()[n]) for n, t in step.global_parameters().items())
+
+
+def test_checkpoints_of_diloco_and_of_modes_in_step_are_not_read_by_each_other(tmp_path):
+    from transpiler import CheckpointError
+
+    _, diloco = _trained("diloco", 2, sync_every=H)
+    diloco.save_checkpoint(tmp_path / "diloco")
+    _, fused = _trained("fused_allreduce", 2)
+    fused.save_checkpoint(tmp_path / "fused")
+    with pytest.raises(CheckpointError, match="written by a DiLoCo step .* read its 'model' entry"):
+        fused.load_checkpoint(tmp_path / "diloco")
+    with pytest.raises(CheckpointError, match="a DiLoCo step reads only DiLoCo checkpoints"):
+        diloco.load_checkpoint(tmp_path / "fused")
+    _, streaming = _trained("streaming_diloco", 2, **STREAM_1)  # step 2 started fragment 0's exchange
+    assert "exchange in flight" in streaming.checkpoint_blocked()
+    with pytest.raises(CheckpointError, match="exchange in flight"):
+        streaming.save_checkpoint(tmp_path / "streaming")

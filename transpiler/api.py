@@ -185,6 +185,7 @@ def transpile(
         observers=observers,
         replicated=strategy.replicated,
         outer_optimizer=outer,
+        replica_ranks=strategy.axes(placement.world_size, placement.rank).get("replica", (placement.rank,)),
     )
     if example_inputs is not None:
         step.prepare(tuple(example_inputs))

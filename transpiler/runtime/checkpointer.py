@@ -102,12 +102,12 @@ class Checkpointer:
         return path
 
     def step_done(self) -> Path | None:
-        """Count one call of the step, and save when ``every`` steps have passed since the last save (at the end
-        of the cycle under accumulation, since a checkpoint cannot hold a half-accumulated gradient). Returns
-        the folder written, if one was."""
+        """Count one call of the step, and save when ``every`` steps have passed since the last save, or at the
+        first call after that leaves no half-accumulated gradient and no Streaming DiLoCo exchange in flight
+        (``step.checkpoint_blocked()``). Returns the folder written, if one was."""
         self.steps += 1
         self._due = self._due or self.steps % self.every == 0
-        if not self._due or (self.step.last_variant or "").startswith("accumulate"):
+        if not self._due or self.step.checkpoint_blocked() is not None:
             return None
         return self.save()
 

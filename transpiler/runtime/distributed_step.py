@@ -41,7 +41,7 @@ from transpiler.errors import CheckpointError, ConfigurationError, RetraceWarnin
 from transpiler.graph.collectives import IN_FLIGHT, WAIT
 from transpiler.graph.memory import peak_transient_bytes
 from transpiler.graph.program import StepProgram
-from transpiler.strategies.schedules import EveryStep
+from transpiler.strategies.schedules import EveryStep, exchange_in_flight
 from transpiler.trace.environment import AutocastState, running_environment
 from transpiler.trace.optimizers import TWINS, OptimizerPlan
 from transpiler.trace.tracer import ModelState, check_batch
@@ -198,6 +198,7 @@ class DistributedStep:
         observers: list[Callable[[torch.nn.Module, str], None]] | None = None,
         replicated: bool = False,
         outer_optimizer: torch.optim.Optimizer | None = None,
+        replica_ranks: tuple[int, ...] = (),
     ):
         self.model = model
         self.optimizer = optimizer
@@ -209,6 +210,7 @@ class DistributedStep:
         self.max_cached_programs = max_cached_programs
         self.observers = list(observers or [])  # called after every step with (model, variant): trajectories
         self.replicated = replicated  # all ranks hold the same model and optimizer (or its slices) after updates
+        self.replica_ranks = replica_ranks or (placement.rank,)  # DiLoCo: the ranks of this rank's replica
         self.extra: dict[str, torch.Tensor] = {}
         self.last_variant: str | None = None
         self.last_metrics: dict[str, float] = {}
@@ -659,16 +661,16 @@ class DistributedStep:
         any world size, in any mode that keeps the ranks in step (``allreduce``, ``fused_allreduce``, ``zero1``,
         ``zero2``, ``zero3``), and a plain model and optimizer read it with
         ``get_state_dict``/``dcp.load``/``set_state_dict`` (``docs/checkpoints.md``)."""
+        blocked = self.checkpoint_blocked()
+        if blocked is not None:
+            raise CheckpointError(blocked)
+        if self.outer_optimizer is not None:
+            return self._save_replicas(path)
         if not self.replicated:
             raise CheckpointError(
                 f"mode {self.mode_specs} keeps ranks apart between updates (their parameters or state differ), so "
                 "a checkpoint read at another world size has no one answer. Save step.state_dict() on every rank "
                 "with torch.save, and resume at the same world size."
-            )
-        if self.schedule.state_dict().get("micro_step", 0):
-            raise CheckpointError(
-                "save_checkpoint() in the middle of an accumulation cycle would drop the gradients accumulated so "
-                "far; call it after the cycle's last micro-step (when step.last_variant is not 'accumulate')."
             )
         per_rank = sorted(k for k in self.extra if k not in REPLICATED_EXTRA and not k.startswith(ACCUMULATOR))
         if per_rank:
@@ -686,10 +688,76 @@ class DistributedStep:
                 "transpiler": {
                     "extra": {k: v for k, v in self.extra.items() if k.startswith(REPLICATED_EXTRA)},
                     "schedule": self.schedule.state_dict(),
-                    "setup": {"format": CHECKPOINT_FORMAT, "optimizer": type(self.optimizer).__qualname__},
+                    "setup": self._checkpoint_kind(),
                 },
             }
             sharded_checkpoint.save(state, path, ranks)
+
+    def checkpoint_blocked(self) -> str | None:
+        """Why :meth:`save_checkpoint` cannot run now (None: it can): in the middle of an accumulation cycle, or
+        with a Streaming DiLoCo exchange in flight. A ``Checkpointer`` saves at the first call that leaves
+        neither."""
+        if self.schedule.state_dict().get("micro_step", 0):
+            return (
+                "save_checkpoint() in the middle of an accumulation cycle would drop the gradients accumulated so "
+                "far; call it after the cycle's last micro-step (when step.last_variant is not 'accumulate')."
+            )
+        if exchange_in_flight(self.schedule):
+            return (
+                "save_checkpoint() with a Streaming DiLoCo exchange in flight: its sum belongs to this world (and "
+                "under a quantised exchange each rank holds its own part), so no other world could resume it. Call "
+                "it after the step that applies it (when step.checkpoint_blocked() is None), as a Checkpointer does."
+            )
+        return None
+
+    def _save_replicas(self, path: str | Path) -> None:
+        """DiLoCo's checkpoint: θ_global, the outer state and the schedule once, each replica's weights and inner
+        state as its row (``runtime/replica_checkpoint.py``)."""
+        from . import replica_checkpoint
+
+        own = {k: v for k, v in self.extra.items() if not k.startswith((GLOBAL, IN_FLIGHT, ACCUMULATOR))}
+        ranks = self._checkpoint_ranks()
+        with failures_named(f"saving the checkpoint {path}", self.placement):
+            replica_checkpoint.save(
+                path,
+                model=self.model,
+                optimizer=self.optimizer,
+                outer=self.outer_optimizer,
+                global_params=self.global_parameters(),
+                extra=own,
+                transpiler={"schedule": self.schedule.state_dict(), "setup": self._checkpoint_kind()},
+                shards=self._shards() or {},
+                replica=self._replica(),
+                ranks=ranks,
+            )
+
+    def _checkpoint_kind(self) -> dict[str, Any]:
+        """What a DCP checkpoint's reader must match: the format, the optimizers, and whether rows per replica."""
+        kind = {"format": CHECKPOINT_FORMAT, "optimizer": type(self.optimizer).__qualname__}
+        if self.outer_optimizer is not None:
+            kind |= {"outer optimizer": type(self.outer_optimizer).__qualname__, "layout": "replicas"}
+        return kind
+
+    def _replica(self) -> Any:  # replica_checkpoint.Replica (imported with the checkpoint modules)
+        from .replica_checkpoint import Replica
+
+        return Replica.of(self.placement.rank, self.placement.world_size, self.replica_ranks)
+
+    def _load_replicas(self, path: str | Path) -> None:
+        from . import replica_checkpoint
+
+        ranks = self._checkpoint_ranks()
+        loaded = replica_checkpoint.load(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            outer=self.outer_optimizer,
+            shards=self._shards(),
+            replica=self._replica(),
+            ranks=ranks,
+        )
+        self.schedule.load_state_dict(loaded.schedule)
+        self.extra = {f"{GLOBAL}{name}": t for name, t in loaded.global_params.items()} | loaded.extra
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Read a :meth:`save_checkpoint` folder, written at any world size and mode that keeps ranks in step,
@@ -697,21 +765,53 @@ class DistributedStep:
         rank reads only its own slices of a sharded optimizer state; before, it reads whole tensors and cuts
         them at the first step."""
         sharded_checkpoint = _checkpoint_module()
-        ranks = self._checkpoint_ranks()
         with failures_named(f"loading the checkpoint {path}", self.placement):
-            saved = sharded_checkpoint.read_setup(path, ranks)
-            if saved.get("format") != CHECKPOINT_FORMAT or saved.get("optimizer") != type(self.optimizer).__qualname__:
-                raise CheckpointError(
-                    f"the checkpoint holds {saved.get('optimizer')} state in format {saved.get('format')}; this "
-                    f"step's optimizer is {type(self.optimizer).__qualname__} and it reads format {CHECKPOINT_FORMAT}."
-                )
-            names = self._fqns()
-            shards, whole = self._shards(), self._held_whole()
-            model = sharded_checkpoint.model_state(self.model, whole, shards or {}, ranks)
-            template, slices = sharded_checkpoint.load_template(
-                path, model, self.model, self.optimizer, names, shards, ranks, whole
+            self._check_kind(path, sharded_checkpoint.read_setup(path, self._checkpoint_ranks()))
+            if self.outer_optimizer is not None:
+                self._load_replicas(path)
+            else:
+                self._load_in_step(path)
+        if self._last is not None:
+            self._init_extra(self._last)
+        self._started = True
+
+    def _check_kind(self, path: str | Path, saved: dict[str, Any]) -> None:
+        mine = self._checkpoint_kind()
+        if saved.get("format") != CHECKPOINT_FORMAT or saved.get("optimizer") != mine["optimizer"]:
+            raise CheckpointError(
+                f"the checkpoint holds {saved.get('optimizer')} state in format {saved.get('format')}; this "
+                f"step's optimizer is {mine['optimizer']} and it reads format {CHECKPOINT_FORMAT}."
             )
-            sharded_checkpoint.load(template, path, ranks)
+        if saved.get("layout") == mine.get("layout") == "replicas":
+            if saved.get("outer optimizer") != mine["outer optimizer"]:
+                raise CheckpointError(
+                    f"the checkpoint holds {saved.get('outer optimizer')} outer state; this step's outer optimizer "
+                    f"is {mine['outer optimizer']}."
+                )
+        elif saved.get("layout") == "replicas":
+            raise CheckpointError(
+                f"{path} was written by a DiLoCo step (a row of weights and inner state per replica), and this "
+                "step's mode keeps every rank in step. To start from its global weights, read its 'model' entry "
+                "into the model with torch.distributed.checkpoint.load before transpile() (docs/checkpoints.md)."
+            )
+        elif mine.get("layout") == "replicas":
+            raise CheckpointError(
+                f"{path} was written in a mode that keeps every rank in step, and a DiLoCo step reads only DiLoCo "
+                "checkpoints. To start DiLoCo from it (the paper's warm start), read it into the model and the "
+                "inner optimizer with torch.distributed.checkpoint before transpile() (docs/checkpoints.md)."
+            )
+
+    def _load_in_step(self, path: str | Path) -> None:
+        """The checkpoint of a mode that keeps ranks in step: this rank's slices of what is sharded."""
+        sharded_checkpoint = _checkpoint_module()
+        ranks = self._checkpoint_ranks()
+        names = self._fqns()
+        shards, whole = self._shards(), self._held_whole()
+        model = sharded_checkpoint.model_state(self.model, whole, shards or {}, ranks)
+        template, slices = sharded_checkpoint.load_template(
+            path, model, self.model, self.optimizer, names, shards, ranks, whole
+        )
+        sharded_checkpoint.load(template, path, ranks)
         order = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
         index = {name: i for i, name in enumerate(order)}
         optim = template["optim"]
@@ -726,9 +826,6 @@ class DistributedStep:
         )
         self.schedule.load_state_dict(template.get("transpiler", {}).get("schedule", {}))
         self.extra = dict(template.get("transpiler", {}).get("extra", {}))
-        if self._last is not None:
-            self._init_extra(self._last)
-        self._started = True
 
     def _checkpoint_ranks(self) -> Ranks:
         """Where DCP's collectives run: on the step's group, so the step's timeout bounds a checkpoint too."""

@@ -120,10 +120,10 @@ def optimizer_state(
                 # in the parameter's shape, as eager holds it; sharded on every rank when there are several
                 value = sharded(flat, shape, lo, ranks) if ranks.world > 1 else flat.view(shape)
             state[name][key] = value
-    return {"state": state, "param_groups": _groups(optimizer, names)}
+    return {"state": state, "param_groups": named_param_groups(optimizer, names)}
 
 
-def _groups(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
+def named_param_groups(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
     return [
         {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
         for group in optimizer.param_groups
@@ -191,18 +191,18 @@ def load_template(
                     value = torch.empty(size, dtype=dtype, device=by_name[name].device)
             template["optim"]["state"].setdefault(name, {})[key] = value
         elif path_of[0] == "transpiler":
-            _put(template, path_of, _empty_like_entry(entry))
-    template["optim"]["param_groups"] = _groups(optimizer, names)
+            put_at(template, path_of, empty_like_entry(entry))
+    template["optim"]["param_groups"] = named_param_groups(optimizer, names)
     return template, slices
 
 
-def _empty_like_entry(entry: Any) -> Any:
+def empty_like_entry(entry: Any) -> Any:
     if isinstance(entry, TensorStorageMetadata):
         return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
     return None  # an object: DCP puts it in
 
 
-def _put(tree: dict[str, Any], path: tuple, value: Any) -> None:
+def put_at(tree: dict[str, Any], path: tuple, value: Any) -> None:
     for part in path[:-1]:
         tree = tree.setdefault(part, {})
     tree[path[-1]] = value
@@ -217,12 +217,12 @@ class SlicePlanner(DefaultLoadPlanner):
         return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
 
 
-def load(template: dict[str, Any], path: str | Path, ranks: Ranks) -> None:
+def load(template: dict[str, Any], path: str | Path, ranks: Ranks, planner: SlicePlanner | None = None) -> None:
     with _one_process_quietly():
         dcp.load(
             template,
             checkpoint_id=str(path),
-            planner=SlicePlanner(),
+            planner=planner or SlicePlanner(),
             process_group=ranks.group,
             no_dist=not is_distributed(),
         )

@@ -340,6 +340,10 @@ class StreamingDiLoCoSchedule:
                 return f"apply{p}"
         return "inner"
 
+    def in_flight(self) -> bool:
+        """Whether a fragment's exchange started and is not yet applied: one of the next τ steps applies it."""
+        return any(self.at(self.step + j).startswith("apply") for j in range(1, self.delay + 1))
+
     def observe(self, variant: str, metrics: dict[str, float], lr: float) -> None:
         self.step += 1
 
@@ -351,3 +355,12 @@ class StreamingDiLoCoSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         load_counters(self, state, self.COUNTERS)
+
+
+def exchange_in_flight(schedule: Any) -> bool:
+    """Whether ``schedule`` (or the one it wraps) has a Streaming DiLoCo exchange in flight."""
+    while not isinstance(schedule, StreamingDiLoCoSchedule):
+        schedule = getattr(schedule, "inner", None)
+        if schedule is None:
+            return False
+    return schedule.in_flight()
