@@ -15,6 +15,11 @@ Streaming (more than one fragment, a ``phase`` or an ``exchange`` other than the
 Δs as one float32 buffer in the wire format ``exchange`` (``pseudo_exchange.py``); ``phase=start`` issues the
 exchange and outputs it unwaited as the extra state ``inflight.<f>``, ``phase=finish`` (a later step's program)
 reads that, waits, and does the rest, and ``whole`` does both in one program.
+With ``offload`` θ_global lives in host memory (``global.<param>`` on the CPU, rule ``host_copy_param``): each
+sync copies it to the parameter's device after the inner update, where the Δ needs it (``foreach-update`` may
+then hoist the copies just before the updates it fuses, still after the backward), and the new
+θ_global back to the host as the output, so between syncs the device holds no copy of it (torchft's
+``backup_device``). The copies are nodes (``offload`` in their meta) that the dumps show.
 The outer update reads only the averaged Δ: every node it takes as a gradient is tagged
 ``meta["averaged_delta_of"]``, which the verifier ``check_outer_reads_averaged`` checks.
 """
@@ -55,6 +60,7 @@ class DiLoCoOuterStep(Pass):
     alpha: float = option(0.0, minimum=0, maximum=1, help="keep alpha * local + (1 - alpha) * global (streaming)")
     phase: str = option("whole", choices=PHASES, help="whole sync; or start the exchange, or finish it (a later step)")
     exchange: str = option("float32", choices=EXCHANGES, help="wire format of the pseudo-gradients (summed in float32)")
+    offload: bool = option(False, help="keep θ_global in host memory, copied to the device at each sync")
     bucket_cap_mb: float = bucket_cap_option()
     first_bucket_mb: float = first_bucket_option()
 
@@ -73,7 +79,7 @@ class DiLoCoOuterStep(Pass):
         parts = fragments_of(program, self.fragments)
         names = [name for name in where if parts[name] == self.fragment]
         locals_ = {name: values[where[name]] for name in names}
-        globals_ = {name: add_state(program, f"{GLOBAL}{name}", locals_[name], ("copy_param", name)) for name in names}
+        globals_ = {name: self._global(program, name, locals_[name]) for name in names}
         streaming = self.fragments > 1 or self.phase != "whole" or self.exchange != "float32"
         if not streaming:
             sums = self._bucketed_sums(program, globals_, locals_)
@@ -97,18 +103,39 @@ class DiLoCoOuterStep(Pass):
                 taken = cursor.emit(aten.mul.Tensor, (theta, 1.0 - self.alpha), role="optimizer")
                 theta = cursor.emit(aten.add.Tensor, (kept, taken), role="optimizer")
             values[where[name]] = theta
-            extra_values.append(cursor.emit(aten.clone.default, (new_global[name],), role="optimizer", outer=True))
+            if self.offload:  # back to the host, which keeps it until the next sync
+                host = {"device": torch.device("cpu")}
+                kept_global = cursor.emit(aten._to_copy.default, (new_global[name],), host, **COMM, offload="to host")
+            else:
+                kept_global = cursor.emit(aten.clone.default, (new_global[name],), role="optimizer", outer=True)
+            extra_values.append(kept_global)
             extra_ports.append(Port("extra", f"{GLOBAL}{name}"))
         set_output_values(program, values)
         add_outputs(program, extra_values + list(new_state.values()), extra_ports + list(new_state))
         return True
 
+    def _global(self, program: StepProgram, name: str, local: fx.Node) -> fx.Node:
+        """θ_global of parameter ``name`` as the sync reads it: the ``extra`` input, or with ``offload`` the
+        input in host memory copied to the device right after the inner update ``local``."""
+        if not self.offload:
+            return add_state(program, f"{GLOBAL}{name}", local, ("copy_param", name))
+        val = local.meta["val"]
+        host = add_state(program, f"{GLOBAL}{name}", _fake(program, val, "cpu"), ("host_copy_param", name))
+        to_device = {"device": val.device, "non_blocking": True}
+        return Cursor(program.graph, local).emit(aten._to_copy.default, (host,), to_device, **COMM, offload="to device")
+
     def _bucketed_sums(
         self, program: StepProgram, globals_: dict[str, fx.Node], locals_: dict[str, fx.Node]
     ) -> dict[str, fx.Node]:
-        """DiLoCo: each Δ sum all-reduced in dtype/size buckets, waited in this program."""
+        """DiLoCo: each Δ sum all-reduced in dtype/size buckets, waited in this program (each Δ right after its
+        parameter's update, and after θ_global's copy to the device under ``offload``)."""
         items = [
-            (name, Cursor(program.graph, node).emit(aten.sub.Tensor, (globals_[name], node), role="communication"))
+            (
+                name,
+                Cursor(program.graph, globals_[name] if self.offload else node).emit(
+                    aten.sub.Tensor, (globals_[name], node), role="communication"
+                ),
+            )
             for name, node in locals_.items()
         ]
         caps = caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb)
@@ -207,11 +234,11 @@ def fragments_of(program: StepProgram, fragments: int) -> dict[str, int]:
     return {name: 0 for name, _ in sizes} if fragments == 1 else module_fragments(sizes, fragments)
 
 
-def _fake(program: StepProgram, like: torch.Tensor) -> torch.Tensor:
-    """A fake tensor of the program's fake mode shaped as ``like``."""
+def _fake(program: StepProgram, like: torch.Tensor, device: str | None = None) -> torch.Tensor:
+    """A fake tensor of the program's fake mode shaped as ``like``, on its device or on ``device``."""
     mode = next(n.meta["val"].fake_mode for n in program.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
     with mode:
-        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device or like.device)
 
 
 def _in_mode(program: StepProgram, node: fx.Node) -> torch.Tensor | None:

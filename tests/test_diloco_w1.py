@@ -449,3 +449,29 @@ def test_checkpoints_of_diloco_and_of_modes_in_step_are_not_read_by_each_other(t
     assert "exchange in flight" in streaming.checkpoint_blocked()
     with pytest.raises(CheckpointError, match="exchange in flight"):
         streaming.save_checkpoint(tmp_path / "streaming")
+
+
+@pytest.mark.parametrize("mode", ["diloco", "streaming_diloco"])
+def test_offloaded_global_weights_live_on_the_host_and_change_no_bit(mode, tmp_path):
+    """``offload_global=True``: θ_global is host memory, copied to the device where the sync reads it and back
+    as its output (nodes that the dump shows); the run is the on-device run bit for bit. Here the device is the
+    CPU too: what the copies save on a GPU is measured by tests/test_gpu.py."""
+    options = {"sync_every": H} if mode == "diloco" else STREAM_1 | {"fragment_update_alpha": 0.5}
+    runs = {}
+    for offload in (False, True):
+        model, step = _trained(mode, 9, offload_global=offload, **options)
+        runs[offload] = [*(p.detach() for p in model.parameters()), *step.global_parameters().values()]
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True]))
+    moved = {
+        v: sorted({n.meta["offload"] for n in p.graph.nodes if n.meta.get("offload")}) for v, p in step.programs.items()
+    }
+    if mode == "diloco":
+        assert moved == {"inner": [], "sync": ["to device", "to host"]}
+    else:  # the start of an exchange reads θ_global for its Δ; the apply step also writes it back
+        assert moved["sync0"] == ["to device"] and moved["apply0"] == ["to device", "to host"]
+    assert step.programs[next(v for v in moved if moved[v])].extra_init["global.net.0.weight"][0] == "host_copy_param"
+    step.save_checkpoint(tmp_path)  # a checkpoint read onto the device goes back to the host when the step runs
+    _, again = _trained(mode, 0, seed=1, offload_global=True, **options)
+    again.load_checkpoint(tmp_path)
+    again(*data(1)[0])
+    assert {t.device.type for t in again.global_parameters().values()} == {"cpu"}

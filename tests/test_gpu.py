@@ -261,3 +261,26 @@ def test_cuda_graph_refuses_what_a_capture_cannot_hold():
     with pytest.raises(ConfigurationError, match="model's tensors are on"):
         cpu_model = make_model("mlp")
         transpile(cpu_model, torch.optim.SGD(cpu_model.parameters(), lr=0.1), cuda_graph=True)
+
+
+def test_diloco_offloaded_global_weights_leave_the_device_between_syncs():
+    """``offload_global=True``: θ_global lives in host memory, so between syncs the device holds one copy of
+    the weights fewer (measured), and the run is the on-device run bit for bit (the copies are exact)."""
+    ends, held = {}, {}
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = make_model("mlp").to(DEVICE)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step = transpile(model, opt, mode="diloco", loss_fn=nn.CrossEntropyLoss(), sync_every=3, offload_global=offload)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(7):  # two syncs, then one inner step
+            step(*(t.to(DEVICE) for t in make_batch("mlp", 16, gen)))
+        torch.cuda.synchronize()
+        held[offload] = torch.cuda.memory_allocated(DEVICE)
+        ends[offload] = [p.detach().clone() for p in model.parameters()] + list(step.global_parameters().values())
+        places = {t.device.type for t in step.global_parameters().values()}
+        assert places == ({"cpu"} if offload else {"cuda"}), places
+    weights = sum(p.numel() * p.element_size() for p in make_model("mlp").parameters())
+    print(f"GPU diloco offload: device bytes between syncs {held[False]} -> {held[True]} (weights {weights})")
+    assert held[False] - held[True] >= weights
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(ends[False], ends[True]))

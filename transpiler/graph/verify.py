@@ -129,7 +129,7 @@ def check_outer_reads_averaged(program: StepProgram, final: bool) -> None:
         if not node.meta.get("outer"):
             continue
         for source in node.all_input_nodes:
-            if source.meta.get("outer") or source.op == "placeholder" and _outer_input(source):
+            if source.meta.get("outer") or source.op in ("placeholder", "call_function") and _outer_input(source):
                 continue
             if "averaged_delta_of" not in source.meta:
                 raise VerificationError(
@@ -144,6 +144,10 @@ def check_outer_reads_averaged(program: StepProgram, final: bool) -> None:
 
 
 def _outer_input(node: fx.Node) -> bool:
+    """θ_global, the outer optimizer's state or scalars: an input, or θ_global's copy from host memory to the
+    device (``offload``)."""
+    if node.meta.get("offload") == "to device":
+        node = node.args[0]
     port = node.meta.get("port")
     return port is not None and (port.kind == "extra" and port.name.startswith("global.") or "outer/" in port.name)
 

@@ -99,7 +99,8 @@ Builder = Callable[[tuple, AutocastState], Built]
 def initial_extra(rule: str, source: str, params: dict[str, torch.nn.Parameter]) -> torch.Tensor:
     """The first value of pass-added state, by the rule its pass declared in ``program.extra_init``.
 
-    ``copy_param``: a copy of parameter ``source`` (LocalSGD snapshots); ``zeros_like_param``: zeros shaped
+    ``copy_param``: a copy of parameter ``source`` (LocalSGD snapshots); ``host_copy_param``: the same in host
+    memory (DiLoCo's θ_global offloaded); ``zeros_like_param``: zeros shaped
     as it (accumulators, residuals); ``scalar``: a 0-d tensor from ``"<value>:<dtype>"`` (loss scale);
     ``zeros``: zeros of shape ``"d0,d1,..."``, float32 or the dtype after a colon (``"5:bfloat16"``: sharded
     accumulators); ``eye``: the float32 identity of size ``source`` (DimReduce's curvature state). New tensors
@@ -107,6 +108,8 @@ def initial_extra(rule: str, source: str, params: dict[str, torch.nn.Parameter])
     """
     if rule == "copy_param":
         return params[source].detach().clone()
+    if rule == "host_copy_param":
+        return params[source].detach().to("cpu", copy=True)
     if rule == "zeros_like_param":
         return torch.zeros_like(params[source].detach())
     device = next(iter(params.values())).device
@@ -497,6 +500,8 @@ class DistributedStep:
         for name, (rule, source) in built.extra_init.items():
             if name not in self.extra:
                 self.extra[name] = initial_extra(rule, source, built.params)
+            elif rule == "host_copy_param" and self.extra[name].device.type != "cpu":  # loaded onto the device
+                self.extra[name] = self.extra[name].cpu()
 
     def _hold_slices(self, program: StepProgram, built: Built, keep: dict[str, torch.Tensor] | None = None) -> None:
         """ZeRO-3: the model holds this rank's slice of each sharded parameter (cut after the startup broadcast
@@ -573,7 +578,7 @@ class DistributedStep:
         try:
             with torch.no_grad():
                 for n, t in global_.items():
-                    params[n].data = t.clone()
+                    params[n].data = t.to(params[n].device, copy=True)  # offloaded: from host memory
             yield self.model
         finally:
             self._gathering = False
@@ -604,7 +609,8 @@ class DistributedStep:
                 [p.grad for p in params] + bucket_buffers(self._last.programs.values()) + accumulators
             ),
             "optimizer_state": counter.count(t for s in self.optimizer.state.values() for t in s.values()),
-            "transpiler_state": counter.count(self.extra.values()),
+            # where the model is: an offloaded θ_global (DiLoCo's offload_global) is host memory, not the device's
+            "transpiler_state": counter.count(t for t in self.extra.values() if t.device == params[0].device),
         }
         if cuda_peak is not None:
             return MemoryReport(**held, peak=cuda_peak, peak_source="cuda allocator")

@@ -144,14 +144,19 @@ def _adaptive_local_sgd(init_k_steps, begin_step, average_state, bucket_cap_mb, 
 
 
 def _diloco(
-    sync_every: int, replica_size: int, replica_mode: str, bucket_cap_mb: float, first_bucket_mb: float
+    sync_every: int,
+    replica_size: int,
+    replica_mode: str,
+    offload_global: bool,
+    bucket_cap_mb: float,
+    first_bucket_mb: float,
 ) -> Recipe:
     """H inner steps of the user's optimizer per replica, then the sync (``diloco-outer-step``) after the last.
     With ``replica_size=R`` a replica is R consecutive ranks that train it with data parallel every step
     (``replica_mode``: ``fused_allreduce`` or ZeRO-1/2 across axis ``replica``), and DiLoCo runs across the
     replicas (axis ``across``)."""
     caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb}
-    outer = DiLoCoOuterStep(**caps, axis="across" if replica_size > 1 else "world")
+    outer = DiLoCoOuterStep(**caps, offload=offload_global, axis="across" if replica_size > 1 else "world")
     body = {"inner": [], "sync": [outer]}
     return _replicas(replica_size, replica_mode, body, caps, DiLoCoSchedule(sync_every), lambda o: None)
 
@@ -164,6 +169,7 @@ def _streaming_diloco(
     exchange_dtype: str,
     replica_size: int,
     replica_mode: str,
+    offload_global: bool,
 ) -> Recipe:
     """DiLoCo with the parameters cut into fragments that sync in turn, each exchange overlapping
     ``fragment_sync_delay`` inner steps (``StreamingDiLoCoSchedule``), in ``exchange_dtype`` on the wire."""
@@ -172,6 +178,7 @@ def _streaming_diloco(
         "fragments": fragments,
         "alpha": fragment_update_alpha,
         "exchange": exchange_dtype,
+        "offload": offload_global,
         "axis": "across" if replica_size > 1 else "world",
     }
     body: dict[str, list[Pass]] = {"inner": []}
@@ -436,6 +443,7 @@ REPLICA_SIZE = {
         help="data parallel inside a replica: gradients all-reduced, or the optimizer state sharded (ZeRO-1/2)",
     ),
 }
+OFFLOAD = {"offload_global": field_options(DiLoCoOuterStep)["offload"]}
 GRADIENT_WRAPPERS = {**ACCUMULATION, **LOSS_SCALING, **CLIPPING, **FREEZE}
 
 MODES: dict[str, Mode] = {
@@ -473,6 +481,7 @@ MODES: dict[str, Mode] = {
             {
                 "sync_every": OptionSpec(int, 100, minimum=1, help="inner steps per outer round (H)"),
                 **REPLICA_SIZE,
+                **OFFLOAD,
                 **BUCKET_OPTIONS,
                 **ACCUMULATION,
                 **CLIPPING,
@@ -493,6 +502,7 @@ MODES: dict[str, Mode] = {
                 ),
                 "exchange_dtype": field_options(DiLoCoOuterStep)["exchange"],
                 **REPLICA_SIZE,
+                **OFFLOAD,
                 **ACCUMULATION,
                 **CLIPPING,
             },
