@@ -109,6 +109,9 @@ DEFERRED_IMPORTS = {
     ("transpiler.runtime.distributed_step", "transpiler.runtime.sharded_checkpoint"): (
         "torch.distributed.checkpoint is loaded when a DCP checkpoint is written or read, not at start-up"
     ),
+    ("transpiler.runtime.distributed_step", "transpiler.runtime.replica_checkpoint"): (
+        "the same, for DiLoCo's checkpoints (it imports sharded_checkpoint)"
+    ),
 }
 
 

@@ -160,6 +160,13 @@ def _checkpoint_module() -> Any:
     return sharded_checkpoint
 
 
+def _replica_checkpoint_module() -> Any:
+    """``runtime/replica_checkpoint.py`` (DiLoCo's checkpoints), imported as :func:`_checkpoint_module` is."""
+    from . import replica_checkpoint
+
+    return replica_checkpoint
+
+
 def batch_key(batch: tuple) -> tuple:
     return tuple((tuple(t.shape), t.dtype, t.device.type) for t in batch)
 
@@ -719,8 +726,7 @@ class DistributedStep:
     def _save_replicas(self, path: str | Path) -> None:
         """DiLoCo's checkpoint: θ_global, the outer state and the schedule once, each replica's weights and inner
         state as its row (``runtime/replica_checkpoint.py``)."""
-        from . import replica_checkpoint
-
+        replica_checkpoint = _replica_checkpoint_module()
         own = {k: v for k, v in self.extra.items() if not k.startswith((GLOBAL, IN_FLIGHT, ACCUMULATOR))}
         ranks = self._checkpoint_ranks()
         with failures_named(f"saving the checkpoint {path}", self.placement):
@@ -745,13 +751,11 @@ class DistributedStep:
         return kind
 
     def _replica(self) -> Any:  # replica_checkpoint.Replica (imported with the checkpoint modules)
-        from .replica_checkpoint import Replica
-
-        return Replica.of(self.placement.rank, self.placement.world_size, self.replica_ranks)
+        placement = self.placement
+        return _replica_checkpoint_module().Replica.of(placement.rank, placement.world_size, self.replica_ranks)
 
     def _load_replicas(self, path: str | Path) -> None:
-        from . import replica_checkpoint
-
+        replica_checkpoint = _replica_checkpoint_module()
         ranks = self._checkpoint_ranks()
         loaded = replica_checkpoint.load(
             path,
