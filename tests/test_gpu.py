@@ -265,9 +265,14 @@ def test_cuda_graph_refuses_what_a_capture_cannot_hold():
 
 def test_diloco_offloaded_global_weights_leave_the_device_between_syncs():
     """``offload_global=True``: θ_global lives in host memory, so between syncs the device holds one copy of
-    the weights fewer (measured), and the run is the on-device run bit for bit (the copies are exact)."""
+    the weights fewer (measured: what each run adds to the allocator's count), and the run is the on-device run
+    bit for bit (the copies are exact)."""
+    import gc
+
     ends, held = {}, {}
     for offload in (False, True):
+        gc.collect()
+        before = torch.cuda.memory_allocated(DEVICE)
         torch.manual_seed(0)
         model = make_model("mlp").to(DEVICE)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -276,11 +281,12 @@ def test_diloco_offloaded_global_weights_leave_the_device_between_syncs():
         for _ in range(7):  # two syncs, then one inner step
             step(*(t.to(DEVICE) for t in make_batch("mlp", 16, gen)))
         torch.cuda.synchronize()
-        held[offload] = torch.cuda.memory_allocated(DEVICE)
-        ends[offload] = [p.detach().clone() for p in model.parameters()] + list(step.global_parameters().values())
+        held[offload] = torch.cuda.memory_allocated(DEVICE) - before
         places = {t.device.type for t in step.global_parameters().values()}
         assert places == ({"cpu"} if offload else {"cuda"}), places
+        ends[offload] = [t.detach().cpu() for t in [*model.parameters(), *step.global_parameters().values()]]
+        del model, opt, step
     weights = sum(p.numel() * p.element_size() for p in make_model("mlp").parameters())
-    print(f"GPU diloco offload: device bytes between syncs {held[False]} -> {held[True]} (weights {weights})")
+    print(f"GPU diloco offload: device bytes held between syncs {held[False]} -> {held[True]} (weights {weights})")
     assert held[False] - held[True] >= weights
-    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(ends[False], ends[True]))
+    assert all(torch.equal(a, b) for a, b in zip(ends[False], ends[True]))
