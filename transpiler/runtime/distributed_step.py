@@ -822,18 +822,12 @@ class DistributedStep:
             path, model, self.model, self.optimizer, names, shards, ranks, whole
         )
         sharded_checkpoint.load(template, path, ranks)
-        order = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
-        index = {name: i for i, name in enumerate(order)}
         optim = template["optim"]
-        self.optimizer.load_state_dict(
-            {
-                "state": {
-                    index[name]: {key: slices.get((name, key), value) for key, value in entries.items()}
-                    for name, entries in optim["state"].items()
-                },
-                "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optim["param_groups"]],
-            }
-        )
+        state = {
+            name: {key: slices.get((name, key), value) for key, value in entries.items()}
+            for name, entries in optim["state"].items()
+        }
+        sharded_checkpoint.load_optimizer(self.optimizer, names, state, optim["param_groups"])
         self.schedule.load_state_dict(template.get("transpiler", {}).get("schedule", {}))
         self.extra = dict(template.get("transpiler", {}).get("extra", {}))
 

@@ -33,24 +33,33 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from transpiler.errors import CheckpointError
 
 from . import sharded_checkpoint
-from .sharded_checkpoint import Ranks, SlicePlanner, empty_like_entry, flat_boxes, named_param_groups, put_at, sharded
+from .sharded_checkpoint import (
+    Ranks,
+    SlicePlanner,
+    box_views,
+    empty_like_entry,
+    held_slice,
+    load_optimizer,
+    named_param_groups,
+    put_at,
+    sharded,
+)
 
 Bounds = dict[str, tuple[int, int]]
 
 
 @dataclass(frozen=True)
 class Replica:
-    """This rank's replica: how many there are, which is this rank's, its ranks, and this rank's place in it."""
+    """This rank's replica: how many there are, which is this rank's, and this rank's place in it."""
 
     count: int
     index: int
-    size: int
     position: int
 
     @classmethod
     def of(cls, rank: int, world: int, replica_ranks: tuple[int, ...]) -> Replica:
-        size = len(replica_ranks)
-        return cls(world // size, rank // size, size, replica_ranks.index(rank))
+        size = len(replica_ranks)  # consecutive ranks (ReplicaLayout)
+        return cls(world // size, rank // size, replica_ranks.index(rank))
 
 
 @dataclass
@@ -84,13 +93,10 @@ def save(
         if ranks.world == 1:  # one replica, one rank: its row is all there is (and there may be no process group)
             return value.reshape(1, *shape)
         numel = math.prod(shape)
-        if bounds is None:
-            flat = value.reshape(-1) if replica.position == 0 else value.reshape(-1)[:0]
-            lo = 0
+        if bounds is None:  # the replica's first rank writes the whole row
+            flat, lo = value.reshape(-1)[: numel if replica.position == 0 else 0], 0
         else:
-            flat, lo = value.reshape(-1), bounds[0]
-            if flat.numel() == numel and bounds[1] - lo < numel:  # not cut yet (no step since)
-                flat = flat[lo : bounds[1]]
+            flat, lo = held_slice(value, numel, bounds), bounds[0]
         return sharded(flat, torch.Size([replica.count, *shape]), replica.index * numel + lo, ranks)
 
     params = {name: rows(p.detach(), p.shape, None) for name, p in model.named_parameters()}
@@ -150,14 +156,8 @@ class RowPlanner(SlicePlanner):
 
 
 def _row_boxes(target: torch.Tensor, saved: torch.Size, row: int, lo: int) -> list[tuple[list[int], torch.Tensor]]:
-    """Boxes of the saved ``[N, *shape]`` tensor that fill ``target`` (row ``row``'s elements from ``lo`` on,
-    in flat order), each with the view of ``target`` it fills."""
-    flat = target.reshape(-1)
-    base = row * math.prod(saved[1:]) + lo
-    return [
-        (offsets, flat[start - base : start - base + math.prod(sizes)].view(sizes))
-        for offsets, sizes, start in flat_boxes(saved, base, base + flat.numel())
-    ]
+    """Boxes of the saved ``[N, *shape]`` tensor that fill ``target`` (row ``row``'s elements from ``lo`` on)."""
+    return box_views(target.reshape(-1), saved, row * math.prod(saved[1:]) + lo)
 
 
 def load(
@@ -233,19 +233,6 @@ def load(
     sharded_checkpoint.load({k: v for k, v in template.items() if v}, path, ranks, RowPlanner(boxes))
     for name, entries in template.get("replicas", {}).get("optim", {}).items():
         inner.setdefault(name, {}).update(entries)  # objects of the inner state
-    _load_optimizer(optimizer, names, inner, template["optim"]["param_groups"])
-    _load_optimizer(outer, names, template["outer"].get("state", {}), template["outer"]["param_groups"])
+    load_optimizer(optimizer, names, inner, template["optim"]["param_groups"])
+    load_optimizer(outer, names, template["outer"].get("state", {}), template["outer"]["param_groups"])
     return Loaded(global_params, extra, template["transpiler"].get("schedule", {}))
-
-
-def _load_optimizer(
-    optimizer: torch.optim.Optimizer, names: dict[int, str], state: dict[str, dict[str, Any]], groups: list[dict]
-) -> None:
-    """``optimizer.load_state_dict`` from state and param groups keyed by parameter name."""
-    index = {names[id(p)]: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    optimizer.load_state_dict(
-        {
-            "state": {index[name]: entries for name, entries in state.items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
-        }
-    )

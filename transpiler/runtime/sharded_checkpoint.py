@@ -71,11 +71,26 @@ def sharded(flat: torch.Tensor, shape: torch.Size, lo: int, ranks: Ranks) -> Sha
     """A ShardedTensor of global ``shape`` whose local shards are views of ``flat`` (elements ``[lo, lo +
     flat.numel())`` of the whole tensor), so DCP reads into ``flat`` in place. Collective: every rank calls it."""
     where = f"rank:{ranks.rank}/{flat.device}"
-    shards = [
-        Shard(flat[start - lo : start - lo + math.prod(sizes)].view(sizes), ShardMetadata(offsets, sizes, where))
+    boxes = box_views(flat, shape, lo)
+    shards = [Shard(view, ShardMetadata(offsets, list(view.shape), where)) for offsets, view in boxes]
+    return init_from_local_shards(shards, *shape, process_group=ranks.group)
+
+
+def box_views(flat: torch.Tensor, shape: Iterable[int], lo: int) -> list[tuple[list[int], torch.Tensor]]:
+    """The boxes (:func:`flat_boxes`) of elements ``[lo, lo + flat.numel())`` of a tensor of ``shape``, each with
+    its offsets and the view of ``flat`` that holds it."""
+    return [
+        (offsets, flat[start - lo : start - lo + math.prod(sizes)].view(sizes))
         for offsets, sizes, start in flat_boxes(shape, lo, lo + flat.numel())
     ]
-    return init_from_local_shards(shards, *shape, process_group=ranks.group)
+
+
+def held_slice(value: torch.Tensor, numel: int, bounds: tuple[int, int]) -> torch.Tensor:
+    """A sharded state tensor as this rank's flat slice ``bounds`` of its parameter's ``numel`` elements: cut
+    here when it is still whole (no step since the state was loaded or made)."""
+    lo, hi = bounds
+    flat = value.reshape(-1)
+    return flat[lo:hi] if flat.numel() == numel and hi - lo < numel else flat
 
 
 def model_state(
@@ -113,12 +128,9 @@ def optimizer_state(
         state[name] = {}
         for key, value in entries.items():
             if bounds is not None and torch.is_tensor(value) and value.dim() > 0:
-                lo, hi = bounds
-                flat = value.reshape(-1)
-                if flat.numel() == shape.numel() and hi - lo < shape.numel():  # not cut yet (no step since)
-                    flat = flat[lo:hi]
+                flat = held_slice(value, shape.numel(), bounds)
                 # in the parameter's shape, as eager holds it; sharded on every rank when there are several
-                value = sharded(flat, shape, lo, ranks) if ranks.world > 1 else flat.view(shape)
+                value = sharded(flat, shape, bounds[0], ranks) if ranks.world > 1 else flat.view(shape)
             state[name][key] = value
     return {"state": state, "param_groups": named_param_groups(optimizer, names)}
 
@@ -194,6 +206,19 @@ def load_template(
             put_at(template, path_of, empty_like_entry(entry))
     template["optim"]["param_groups"] = named_param_groups(optimizer, names)
     return template, slices
+
+
+def load_optimizer(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], state: dict[str, dict[str, Any]], groups: list[dict]
+) -> None:
+    """``optimizer.load_state_dict`` from state and param groups keyed by parameter name (``names``: by ``id``)."""
+    index = {names[id(p)]: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    optimizer.load_state_dict(
+        {
+            "state": {index[name]: entries for name, entries in state.items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
+        }
+    )
 
 
 def empty_like_entry(entry: Any) -> Any:
