@@ -110,7 +110,7 @@ def variants(name: str, device: torch.device, compile_: bool) -> dict[str, Calla
             run()
         torch.cuda.synchronize() if cuda else None
         print(f"  {name} {label}: first call {first:.1f} s, next two {time.perf_counter() - start:.2f} s", flush=True)
-        run.runners = step._last.runners
+        run.runners = step._state.built.runners
         out[label] = run
     return out
 

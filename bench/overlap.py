@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.limit import WORKLOADS  # noqa: E402
 from transpiler import transpile  # noqa: E402
 from transpiler.graph.collectives import is_collective, is_wait  # noqa: E402
+from transpiler.runtime import feed  # noqa: E402
 
 CAPS = {"default caps (25 MiB, first 1 MiB)": {}, "1 MiB caps": {"bucket_cap_mb": 1.0}}
 RUNS = 8
@@ -63,7 +64,7 @@ def measure(step, batch) -> list[tuple[str, int, float, float]]:
     for _ in range(RUNS):
         interpreter = Stamps(program.graph_module)
         dist.barrier()
-        interpreter.run(*step._inputs(program, built, batch, variant))
+        interpreter.run(*feed.inputs(step._state, program, built, batch, variant))
         for name, (issued, waiting, done) in interpreter.times.items():
             flight[name].append(done - issued)
             share[name].append((waiting - issued) / max(done - issued, 1e-9))

@@ -34,7 +34,7 @@ from sklearn.model_selection import train_test_split
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transpiler import Checkpointer, DataPosition, transpile  # noqa: E402
 from transpiler.graph.options import key_values  # noqa: E402
-from transpiler.strategies.modes import MODES  # noqa: E402
+from transpiler.strategies.modes import modes  # noqa: E402
 
 DEFAULT_LR = {  # learning rates that train this MLP on digits in 30 epochs
     "adam": 3e-3,
@@ -54,7 +54,7 @@ DEFAULT_LR = {  # learning rates that train this MLP on digits in 30 epochs
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", default="fused_allreduce", help=f"one of {', '.join(MODES)} or a pipeline spec")
+    parser.add_argument("--mode", default="fused_allreduce", help=f"one of {', '.join(modes())} or a pipeline spec")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--global-batch", type=int, default=128, help="samples per step over all ranks")
     parser.add_argument(

@@ -25,8 +25,9 @@ import torch.fx as fx
 
 from transpiler.graph.edit import Cursor
 from transpiler.graph.options import option
-from transpiler.graph.pipeline import Pass
-from transpiler.graph.program import Port, StepProgram
+from transpiler.graph.pipeline import Fact, Pass
+from transpiler.graph.ports import ACCUMULATOR, ExtraInit, Port
+from transpiler.graph.program import StepProgram
 
 from .gradient_flow import (
     add_outputs,
@@ -40,7 +41,6 @@ from .gradient_flow import (
 )
 
 aten = torch.ops.aten
-PREFIX = "accum."
 
 
 @dataclass(frozen=True)
@@ -56,16 +56,23 @@ class AccumulateGrads(Pass):
         "communicates), after the reducing pass",
     )
 
+    @property
+    def requires(self) -> frozenset[Fact]:  # before the reduction; or, reduced, right after it
+        done = Fact.REDUCED if self.reduced else Fact.UNREDUCED
+        return frozenset({Fact.FUNCTIONAL, Fact.UNACCUMULATED, Fact.UNTOUCHED, done})
+
+    invalidates = frozenset({Fact.UNACCUMULATED})
+
     def run(self, program: StepProgram) -> bool:
-        if any(p.kind == "extra" and p.name.startswith(PREFIX) for p in program.inputs):
+        if any(p.kind == "extra" and p.name.startswith(ACCUMULATOR) for p in program.inputs):
             return False
         if self.steps > 1:
             scale_seed(program, 1.0 / self.steps, accumulate_scale=1.0 / self.steps)
         new_values, new_ports = [], []
         for grad in _reduced_gradients(program) if self.reduced else gradient_nodes(program):
             name = grad.meta["reduced_grad_of"] if self.reduced else grad.meta.pop("grad_of")
-            port = Port("extra", PREFIX + name)
-            acc = add_state(program, port.name, grad, _zeros_like(grad) if self.reduced else ("zeros_like_param", name))
+            port = Port("extra", ACCUMULATOR + name)
+            acc = add_state(program, port.name, grad, _zeros_like(grad) if self.reduced else ExtraInit.zeros_like(name))
             cursor = Cursor(program.graph, grad)
             if self.reduced:
                 total = cursor.emit(aten.add.Tensor, (acc, grad), role="optimizer")
@@ -84,10 +91,10 @@ class AccumulateGrads(Pass):
         return True
 
 
-def _zeros_like(node: fx.Node) -> tuple[str, str]:
+def _zeros_like(node: fx.Node) -> ExtraInit:
     """The initialisation rule for zeros shaped as ``node``'s value (a reduced slice, not a whole parameter)."""
     value = node.meta["val"]
-    return "zeros", f"{','.join(map(str, value.shape))}:{str(value.dtype).removeprefix('torch.')}"
+    return ExtraInit.zeros(value.shape, value.dtype)
 
 
 def _reduced_gradients(program: StepProgram) -> list[fx.Node]:

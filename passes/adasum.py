@@ -33,61 +33,14 @@ from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor, position
 from transpiler.graph.options import option
 from transpiler.graph.p2p import EXCHANGE
-from transpiler.graph.pipeline import Pass
+from transpiler.graph.pipeline import Fact, Pass
 from transpiler.graph.program import StepProgram
+from transpiler.graph.rank_layouts import AdaSumGeometry
 
 from .gradient_flow import replace_gradient, unreduced_gradients
 
 aten = torch.ops.aten
 TINY = 1e-300  # guards |a|^2 in float64: a zero norm means a zero vector and a zero dot product
-
-
-@dataclass(frozen=True)
-class AdaSumGeometry:
-    """Who pairs with whom, and which ranks each level's statistics span."""
-
-    world: int
-    local_size: int = 1
-
-    def __post_init__(self) -> None:
-        if self.local_size < 1 or self.world % self.local_size:
-            raise ConfigurationError(
-                f"local_size={self.local_size} must divide the world size {self.world} (groups of consecutive ranks)."
-            )
-        p = self.participants
-        if p & (p - 1):
-            raise ConfigurationError(
-                f"AdaSum needs a power-of-two number of participants; world size {self.world} with "
-                f"local_size={self.local_size} gives {p}. Use 1, 2, 4, 8... ranks (or groups)."
-            )
-
-    @property
-    def participants(self) -> int:
-        return self.world // self.local_size
-
-    @property
-    def levels(self) -> list[int]:
-        return [1 << i for i in range(self.participants.bit_length() - 1)]
-
-    def local_group(self, rank: int) -> tuple[int, ...]:
-        start = rank - rank % self.local_size
-        return tuple(range(start, start + self.local_size))
-
-    def level_group(self, level: int, rank: int) -> tuple[int, ...]:
-        q, li = divmod(rank, self.local_size)
-        block = q // (2 * level) * 2 * level
-        return tuple(j * self.local_size + li for j in range(block, block + 2 * level))
-
-    def partner(self, level: int, rank: int) -> int:
-        q, li = divmod(rank, self.local_size)
-        return (q ^ level) * self.local_size + li
-
-    def groups(self) -> list[tuple[int, ...]]:
-        """Every subgroup any rank needs, in one order, so all ranks can create them alike."""
-        out = [self.local_group(r) for r in range(0, self.world, self.local_size)] if self.local_size > 1 else []
-        for level in self.levels:
-            out += sorted({self.level_group(level, r) for r in range(self.world)})
-        return out
 
 
 def adasum_vector(program: StepProgram, items: list[fx.Node], geometry: AdaSumGeometry) -> list[fx.Node]:
@@ -192,6 +145,20 @@ class AdaSum(Pass):
     summary = "AdaSum of gradients (or weight deltas) by recursive halving with point-to-point exchanges"
     target: str = option("grads", choices=("grads", "deltas"), help="what AdaSum combines")
     local_size: int = option(1, minimum=1, help="ranks per group averaged before AdaSum across groups")
+
+    @property
+    def requires(self) -> frozenset[Fact]:  # of gradients: a reduction; of deltas, after the local update
+        return frozenset(
+            {Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNTOUCHED} if self.target == "grads" else {Fact.FUNCTIONAL}
+        )
+
+    @property
+    def ensures(self) -> frozenset[Fact]:
+        return frozenset({Fact.REDUCED} if self.target == "grads" else ())
+
+    @property
+    def invalidates(self) -> frozenset[Fact]:
+        return frozenset({Fact.UNREDUCED} if self.target == "grads" else ())
 
     def run(self, program: StepProgram) -> bool:
         if any(n.meta.get("p2p") or n.meta.get("collective", {}).get("adasum") for n in program.graph.nodes):

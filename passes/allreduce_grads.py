@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from transpiler.graph.edit import move_before, position
-from transpiler.graph.pipeline import Pass
+from transpiler.graph.pipeline import Fact, Pass
 from transpiler.graph.program import StepProgram
 
 from .bucketing import reduce_in_buckets
@@ -22,6 +22,9 @@ from .gradient_flow import replace_gradient, unreduced_gradients
 @dataclass(frozen=True)
 class AllReduceGrads(Pass):
     name = "allreduce-grads"
+    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNTOUCHED})
+    ensures = frozenset({Fact.REDUCED})
+    invalidates = frozenset({Fact.UNREDUCED})
     summary = "one sum all-reduce per gradient, issued after it is produced, waited before first use"
     reduces_gradients = True
 

@@ -30,8 +30,9 @@ import torch.fx as fx
 from transpiler.errors import ConfigurationError
 from transpiler.graph.edit import Cursor, position, repair_order
 from transpiler.graph.options import option
-from transpiler.graph.pipeline import Pass
-from transpiler.graph.program import Port, StepProgram
+from transpiler.graph.pipeline import Fact, Pass
+from transpiler.graph.ports import Port
+from transpiler.graph.program import StepProgram
 
 from .gradient_flow import add_outputs, optimizer_gradients, retarget_optimizer_input
 from .sharded_norms import norms_over_ranks
@@ -43,6 +44,7 @@ EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm
 @dataclass(frozen=True)
 class ClipGradNorm(Pass):
     name = "clip-grad-norm"
+    invalidates = frozenset({Fact.UNTOUCHED})
     summary = "clip the gradients the optimizer reads to a global norm (clip_grad_norm_)"
     max_norm: float = option(1.0, minimum=0, help="the largest total norm the gradients may have")
     norm_type: float = option(2.0, minimum=1e-30, kind=float, words=(("inf", float("inf")),), help="p of the p-norm")

@@ -32,11 +32,11 @@ import torch
 import torch.fx as fx
 
 from transpiler.errors import ConfigurationError
-from transpiler.graph.collectives import IN_FLIGHT
 from transpiler.graph.edit import Cursor, refresh_value
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
-from transpiler.graph.program import Port, StepProgram
+from transpiler.graph.ports import GLOBAL, IN_FLIGHT, OUTER, ExtraInit, Port, PortKind, is_input
+from transpiler.graph.program import StepProgram
 
 from . import pseudo_exchange
 from .bucketing import bucket_cap_option, caps_in_bytes, first_bucket_option, reduce_in_buckets, unflatten
@@ -45,8 +45,6 @@ from .partitions import module_fragments
 from .pseudo_exchange import EXCHANGES, carried_like
 
 aten = torch.ops.aten
-OUTER = "outer/"  # the prefix of the outer optimizer's state and scalar ports
-GLOBAL = "global."  # the prefix of θ_global's extra state
 PHASES = ("whole", "start", "finish")
 COMM = {"role": "communication"}
 
@@ -118,9 +116,9 @@ class DiLoCoOuterStep(Pass):
         """θ_global of parameter ``name`` as the sync reads it: the ``extra`` input, or with ``offload`` the
         input in host memory copied to the device right after the inner update ``local``."""
         if not self.offload:
-            return add_state(program, f"{GLOBAL}{name}", local, ("copy_param", name))
+            return add_state(program, f"{GLOBAL}{name}", local, ExtraInit.copy_of(name))
         val = local.meta["val"]
-        host = add_state(program, f"{GLOBAL}{name}", _fake(program, val, "cpu"), ("host_copy_param", name))
+        host = add_state(program, f"{GLOBAL}{name}", _fake(program, val, "cpu"), ExtraInit.host_copy_of(name))
         to_device = {"device": val.device, "non_blocking": True}
         return Cursor(program.graph, local).emit(aten._to_copy.default, (host,), to_device, **COMM, offload="to device")
 
@@ -163,7 +161,7 @@ class DiLoCoOuterStep(Pass):
             "pseudo-gradients": tuple(locals_),
             "bytes": wire_length * wire_dtype.itemsize,
         }
-        init = ("zeros", f"{wire_length}:{str(wire_dtype).removeprefix('torch.')}")  # a resumed run's: never read
+        init = ExtraInit.zeros([wire_length], wire_dtype)  # a resumed run's: never read
         if self.phase == "finish":
             carried = add_state(program, carried_name, _fake(program, torch.empty(wire_length, dtype=wire_dtype)), init)
         else:
@@ -226,11 +224,7 @@ class DiLoCoOuterStep(Pass):
 def fragments_of(program: StepProgram, fragments: int) -> dict[str, int]:
     """The fragment of each trainable parameter: the model's parameters cut into ``fragments`` runs of whole
     modules, balanced by size (``partitions.module_fragments``), the same on every rank."""
-    sizes = [
-        (n.meta["port"].name, n.meta["val"].numel())
-        for n in program.graph.nodes
-        if n.op == "placeholder" and n.meta.get("port", Port("", "")).kind == "param"
-    ]
+    sizes = [(n.meta["port"].name, n.meta["val"].numel()) for n in program.graph.nodes if is_input(n, PortKind.PARAM)]
     return {name: 0 for name, _ in sizes} if fragments == 1 else module_fragments(sizes, fragments)
 
 

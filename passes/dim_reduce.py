@@ -45,8 +45,9 @@ from transpiler.graph.basis import check_layout, read_basis
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import repair_order
 from transpiler.graph.options import option
-from transpiler.graph.pipeline import Pass
-from transpiler.graph.program import Port, StepProgram
+from transpiler.graph.pipeline import Fact, Pass
+from transpiler.graph.ports import DIM_REDUCE, RESIDUAL_MOMENTUM, ExtraInit, Port
+from transpiler.graph.program import StepProgram
 
 from .bucketing import unflatten
 from .gradient_flow import (
@@ -94,6 +95,7 @@ def _f32(value: float) -> float:
 @dataclass(frozen=True)
 class DimReduce(Pass):
     name = "dim-reduce"
+    requires = frozenset({Fact.FUNCTIONAL, Fact.REDUCED, Fact.PER_PARAMETER})
     summary = "MindSpore Boost DimReduce: BFGS step in a PCA subspace with a line search, plus residual momentum"
     pca_path: str = option("", help="basis written by 'transpiler pca'")
     n_components: int = option(0, minimum=0, help="use the first k rows of the basis (0: all)")
@@ -103,7 +105,7 @@ class DimReduce(Pass):
     sigma: float = option(0.4, minimum=0, help="Armijo factor of the line search")
 
     def run(self, program: StepProgram) -> bool:
-        if any(p.kind == "extra" and p.name == "dim_reduce.bk" for p in program.inputs):
+        if any(p.kind == "extra" and p.name == f"{DIM_REDUCE}bk" for p in program.inputs):
             return False
         grads = optimizer_gradients(program)
         params = [p for p in program.inputs if p.kind == "param"]
@@ -213,8 +215,8 @@ class DimReduceGraph:
         add_outputs(
             program,
             [new_bk, new_gk_last, new_sk, started, *new_momentum, rho, curvature, old],
-            [Port("extra", f"dim_reduce.{n}") for n in STATE]
-            + [Port("extra", f"residual_momentum.{name}") for name in self.names]
+            [Port("extra", f"{DIM_REDUCE}{n}") for n in STATE]
+            + [Port("extra", f"{RESIDUAL_MOMENTUM}{name}") for name in self.names]
             + [Port("metric", "rho"), Port("metric", "curvature"), Port("metric", "avg_loss")],
         )
         repair_order(program.graph)
@@ -227,14 +229,14 @@ class DimReduceGraph:
 
     def _state(self, name: str, shape: tuple[int, ...]) -> fx.Node:
         if name == "started":
-            like, rule = fake_tensor(self.program, torch.bool), ("scalar", "0:bool")
+            like, rule = fake_tensor(self.program, torch.bool), ExtraInit.scalar(0, torch.bool)
         else:
             like = fake_tensor(self.program, F32, shape)
-            rule = ("eye", str(shape[0])) if name == "bk" else ("zeros", ",".join(map(str, shape)))
-        return add_state(self.program, f"dim_reduce.{name}", like, rule)
+            rule = ExtraInit.eye(shape[0]) if name == "bk" else ExtraInit.zeros(shape)
+        return add_state(self.program, f"{DIM_REDUCE}{name}", like, rule)
 
     def _momentum(self, grad: fx.Node, name: str) -> fx.Node:
-        return add_state(self.program, f"residual_momentum.{name}", grad, ("zeros_like_param", name))
+        return add_state(self.program, f"{RESIDUAL_MOMENTUM}{name}", grad, ExtraInit.zeros_like(name))
 
     def _bfgs(self, gk: fx.Node, state: dict[str, fx.Node]) -> tuple[fx.Node, fx.Node]:
         """``bk`` after the BFGS update (taken only when a step was taken before and ``yk·sk > 1e-20``)."""

@@ -39,8 +39,9 @@ import torch.fx as fx
 from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads
 from transpiler.graph.edit import Cursor, position, repair_order
 from transpiler.graph.options import option
-from transpiler.graph.pipeline import Pass
-from transpiler.graph.program import FlatBuffer, Port, StepProgram
+from transpiler.graph.pipeline import Fact, Pass
+from transpiler.graph.ports import Port
+from transpiler.graph.program import FlatBuffer, StepProgram
 from transpiler.graph.views import contiguous_views
 
 from .bucket_views import aliased_to_output, write_into_buffer
@@ -60,6 +61,7 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class FlattenUpdate(Pass):
     name = "flatten-update"
+    requires = frozenset({Fact.FUNCTIONAL, Fact.PER_PARAMETER})
     summary = "one update per bucket: parameters and optimizer state as views of flat buffers"
     lay_out_gradients: bool = option(
         True,

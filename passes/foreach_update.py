@@ -26,8 +26,9 @@ import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
 from transpiler.graph.edit import Cursor, position, repair_order
-from transpiler.graph.pipeline import Pass
-from transpiler.graph.program import Port, StepProgram
+from transpiler.graph.pipeline import Fact, Pass
+from transpiler.graph.ports import Port
+from transpiler.graph.program import StepProgram
 
 from .gradient_flow import optimizer_gradients
 from .update_chains import MANY, Chain, Keys, chain_of, collect, reach_of
@@ -39,6 +40,7 @@ _NUMBER = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
 @dataclass(frozen=True)
 class ForeachUpdate(Pass):
     name = "foreach-update"
+    invalidates = frozenset({Fact.PER_PARAMETER})
     summary = "updates left per parameter: one _foreach_* op per position of the chain, per group of parameters"
 
     def run(self, program: StepProgram) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from transpiler.graph.options import option
-from transpiler.graph.pipeline import Pass
+from transpiler.graph.pipeline import Fact, Pass
 from transpiler.graph.program import StepProgram
 
 from .gradient_flow import gradient_nodes, keep_inputs
@@ -27,6 +27,7 @@ from .partitions import check_part, group_bounds
 @dataclass(frozen=True)
 class FreezeGroups(Pass):
     name = "freeze-groups"
+    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNACCUMULATED, Fact.UNTOUCHED})
     summary = "gradient freeze: parameter groups before `index` get no gradient, reduction or update"
     groups: int = option(2, minimum=1, help="consecutive parameter groups in model order")
     index: int = option(0, minimum=0, help="groups 0..index-1 are frozen in this variant")

@@ -19,8 +19,9 @@ import torch.fx as fx
 
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor
-from transpiler.graph.pipeline import Pass
-from transpiler.graph.program import Port, StepProgram
+from transpiler.graph.pipeline import Fact, Pass
+from transpiler.graph.ports import Port
+from transpiler.graph.program import StepProgram
 
 from .flat_writes import laid_out, written_value
 from .gradient_flow import before_output, input_node, output_values, set_output_values
@@ -31,6 +32,7 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class GatherParams(Pass):
     name = "gather-params"
+    requires = frozenset({Fact.FUNCTIONAL, Fact.STATE_SHARDED})
     summary = "all-gather each bucket's updated parameter shards and copy them into the parameters"
 
     def run(self, program: StepProgram) -> bool:

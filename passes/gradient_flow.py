@@ -14,7 +14,8 @@ import torch
 import torch.fx as fx
 
 from transpiler.graph.edit import Cursor
-from transpiler.graph.program import Port, StepProgram
+from transpiler.graph.ports import ExtraInit, Port
+from transpiler.graph.program import StepProgram
 
 
 def gradient_nodes(program: StepProgram) -> list[fx.Node]:
@@ -82,10 +83,10 @@ def add_input(program: StepProgram, port: Port, like: fx.Node | torch.Tensor) ->
     return node
 
 
-def add_state(program: StepProgram, name: str, like: fx.Node | torch.Tensor, init: tuple[str, str]) -> fx.Node:
+def add_state(program: StepProgram, name: str, like: fx.Node | torch.Tensor, init: ExtraInit) -> fx.Node:
     """An ``extra`` input: state a pass keeps from step to step (the runtime holds it, checkpoints carry it),
-    made before the first step by the rule ``init`` (``program.extra_init``: ``("zeros_like_param", name)``,
-    ``("scalar", "0:int64")``...)."""
+    made before the first step by the rule ``init`` (``program.extra_init``: ``ExtraInit.zeros_like(name)``,
+    ``ExtraInit.scalar(0, "int64")``...)."""
     program.extra_init[name] = init
     return add_input(program, Port("extra", name), like)
 

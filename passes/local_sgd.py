@@ -27,8 +27,9 @@ import torch.fx as fx
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor
 from transpiler.graph.options import option
-from transpiler.graph.pipeline import Pass
-from transpiler.graph.program import FlatBuffer, Port, StepProgram
+from transpiler.graph.pipeline import Fact, Pass
+from transpiler.graph.ports import SNAPSHOT, ExtraInit, Port
+from transpiler.graph.program import FlatBuffer, StepProgram
 
 from .bucketing import WIRE, bucket_cap_option, caps_in_bytes, compress_option, first_bucket_option, reduce_in_buckets
 from .flat_writes import written_value
@@ -40,6 +41,7 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class LocalSGDAverage(Pass):
     name = "local-sgd-average"
+    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED})
     summary = "LocalSGD sync: average parameters through snapshot deltas (Paddle LocalSGD)"
     average_state: bool = option(False, help="also average optimizer state and floating-point buffers")
     report_loss: bool = option(False, help="also all-reduce the loss, for adaptive LocalSGD")
@@ -48,7 +50,7 @@ class LocalSGDAverage(Pass):
     compress: str = compress_option()
 
     def run(self, program: StepProgram) -> bool:
-        if any(p.kind in ("extra", "flat") and p.name.startswith("snapshot.") for p in program.inputs):
+        if any(p.kind in ("extra", "flat") and p.name.startswith(SNAPSHOT) for p in program.inputs):
             return False
         output = program.graph.output_node()
         values = list(output.args[0])
@@ -61,7 +63,7 @@ class LocalSGDAverage(Pass):
         for i, port in enumerate(ports):
             node = values[i]
             if port.kind == "param":
-                snapshot = add_state(program, f"snapshot.{port.name}", node, ("copy_param", port.name))
+                snapshot = add_state(program, f"{SNAPSHOT}{port.name}", node, ExtraInit.copy_of(port.name))
                 cursor = Cursor(program.graph, node)
                 delta = cursor.emit(aten.sub.Tensor, (snapshot, node), role="communication")
                 if wire is not None:  # share first: the half-precision sum is then the mean
@@ -93,7 +95,7 @@ class LocalSGDAverage(Pass):
                 continue
             values[i] = cursor.emit(aten.sub.Tensor, (snapshot, mean), role="communication")
             extra_values.append(cursor.emit(aten.clone.default, (values[i],), role="communication"))
-            extra_ports.append(Port("extra", f"snapshot.{ports[i].name}"))
+            extra_ports.append(Port("extra", f"{SNAPSHOT}{ports[i].name}"))
         if self.report_loss:
             cursor = Cursor(program.graph, values[0])
             info = {"kind": "all_reduce", "metric": ("avg_loss",), "bytes": 4}
@@ -132,10 +134,10 @@ class LocalSGDAverage(Pass):
         """A flat input laid out as the parameters' buffer ``layout``, whose views the runtime binds to the
         snapshots ``snapshot.<parameter>`` (so checkpoints hold one per parameter, whatever the layout), each
         made by ``copy_param`` as the per-parameter path makes it."""
-        port = f"snapshot.{layout.port}"
+        port = f"{SNAPSHOT}{layout.port}"
         program.flat_buffers.append(replace(layout, port=port, kind="extra", key="snapshot"))
         for name in layout.names:
-            program.extra_init[f"snapshot.{name}"] = ("copy_param", name)
+            program.extra_init[f"{SNAPSHOT}{name}"] = ExtraInit.copy_of(name)
         return add_input(program, Port("flat", port), buffer.meta["val"])
 
     @staticmethod

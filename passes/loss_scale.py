@@ -32,8 +32,9 @@ import torch
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor, position
 from transpiler.graph.options import option
-from transpiler.graph.pipeline import Pass
-from transpiler.graph.program import Port, StepProgram
+from transpiler.graph.pipeline import Fact, Pass
+from transpiler.graph.ports import GROWTH_TRACKER, LOSS_SCALE, ExtraInit, Port
+from transpiler.graph.program import StepProgram
 
 from .gradient_flow import (
     add_outputs,
@@ -49,7 +50,6 @@ from .gradient_flow import (
 )
 
 aten = torch.ops.aten
-SCALE, TRACKER = "loss_scale.scale", "loss_scale.growth_tracker"
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,19 @@ class LossScale(Pass):
     min_scale: float = option(1.0, minimum=0, help="the scale never backs off below this (MindSpore Boost)")
     apply: bool = option(True, help="a step that updates; false (accumulation micro-steps): scale the seed only")
 
+    @property
+    def requires(self) -> frozenset[Fact]:  # unscales the gradients as reduced, before clipping reads them
+        return frozenset({Fact.FUNCTIONAL, Fact.UNTOUCHED} if self.apply else {Fact.FUNCTIONAL})
+
+    @property
+    def invalidates(self) -> frozenset[Fact]:
+        return frozenset({Fact.UNTOUCHED} if self.apply else ())
+
     def run(self, program: StepProgram) -> bool:
-        if any(p.name == SCALE for p in program.inputs):
+        if any(p.name == LOSS_SCALE for p in program.inputs):
             return False
-        initial = ("scalar", f"{self.init_scale!r}:float32")
-        scale = add_state(program, SCALE, fake_tensor(program, torch.float32), initial)
+        initial = ExtraInit.scalar(self.init_scale, torch.float32)
+        scale = add_state(program, LOSS_SCALE, fake_tensor(program, torch.float32), initial)
         scale_seed(program, scale, loss_scale="seed")
         if not self.apply:
             return True
@@ -114,10 +122,11 @@ class LossScale(Pass):
             if port.kind in ("param", "state") and values[i].op != "placeholder" and old is not None:
                 values[i] = cursor.emit(aten.where.self, (overflow, old, values[i]), role="optimizer")
         set_output_values(program, values)
-        scale = input_node(program, Port("extra", SCALE))
+        scale = input_node(program, Port("extra", LOSS_SCALE))
         new, ports = [overflow, scale], [Port("metric", "overflow"), Port("metric", "loss_scale")]
         if self.dynamic:
-            tracker = add_state(program, TRACKER, fake_tensor(program, torch.int64), ("scalar", "0:int64"))
+            zero = ExtraInit.scalar(0, torch.int64)
+            tracker = add_state(program, GROWTH_TRACKER, fake_tensor(program, torch.int64), zero)
             counted = cursor.emit(aten.add.Tensor, (tracker, 1), role="optimizer")
             grow = cursor.emit(aten.ge.Scalar, (counted, self.growth_interval), role="optimizer")
             restart = cursor.emit(aten.logical_or.default, (overflow, grow), role="optimizer")
@@ -129,5 +138,5 @@ class LossScale(Pass):
             clean = cursor.emit(aten.where.self, (grow, grown, scale), role="optimizer")
             new_scale = cursor.emit(aten.where.self, (overflow, backed, clean), role="optimizer")
             new += [new_scale, new_tracker]
-            ports += [Port("extra", SCALE), Port("extra", TRACKER)]
+            ports += [Port("extra", LOSS_SCALE), Port("extra", GROWTH_TRACKER)]
         add_outputs(program, new, ports)

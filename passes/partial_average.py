@@ -19,7 +19,7 @@ import torch
 
 from transpiler.graph.edit import Cursor, node_bytes
 from transpiler.graph.options import option
-from transpiler.graph.pipeline import Pass
+from transpiler.graph.pipeline import Fact, Pass
 from transpiler.graph.program import StepProgram
 
 from .bucketing import bucket_cap_option, caps_in_bytes, first_bucket_option, reduce_in_buckets
@@ -32,6 +32,7 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class PartialAverage(Pass):
     name = "partial-average"
+    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED})
     summary = "average one partition of the parameters after the local update (SINGA partial update)"
     partitions: int = option(2, minimum=1, help="partitions of the parameters; one is averaged per step")
     index: int = option(0, minimum=0, help="the partition this variant averages")

@@ -1,57 +1,68 @@
-"""The registry of passes, listed by hand: the name a pipeline spec uses, to the pass's class.
+"""The registry of passes: the name a pipeline spec uses, to the module and class that implement it.
 
-Its own module, not ``passes/__init__.py``, because ``transpiler.strategies`` and ``transpiler.cli`` read it
-while ``passes/__init__.py`` may still be waiting on the package root (docs/design.md#layers)."""
+A pass module loads when its name is first looked up, as xDSL's registry does (``get_all_passes``): importing
+the registry, or the ``passes`` package, loads none of them, so nothing here waits on the ``transpiler`` package
+while it loads, and whichever module of either package a user imports first, the import graph has no cycle
+(docs/design.md#layers). The order is the one ``transpiler passes`` lists, the order a pipeline runs them in.
+"""
 
-from transpiler.graph.pipeline import Pass
+from __future__ import annotations
 
-from .accumulate_grads import AccumulateGrads
-from .adasum import AdaSum
-from .allgather_grads import AllGatherGrads
-from .allreduce_grads import AllReduceGrads
-from .broadcast_params import BroadcastParams
-from .clip_grad_norm import ClipGradNorm
-from .diloco_outer_step import DiLoCoOuterStep
-from .dim_reduce import DimReduce
-from .flatten_update import FlattenUpdate
-from .foreach_update import ForeachUpdate
-from .freeze_groups import FreezeGroups
-from .fuse_allreduce import FuseAllReduce
-from .gather_params import GatherParams
-from .local_sgd import LocalSGDAverage
-from .loss_scale import LossScale
-from .partial_average import PartialAverage
-from .reinplace_optimizer import ReinplaceOptimizer
-from .scale_loss_grad import ScaleLossGrad
-from .schedule_collectives import ScheduleCollectives
-from .shard_optimizer import ShardOptimizer
-from .shard_params import ShardParams
-from .sparse_allreduce import SparseAllReduce
+import importlib
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
-PASSES: dict[str, type[Pass]] = {
-    cls.name: cls
-    for cls in (
-        BroadcastParams,
-        FreezeGroups,
-        ScaleLossGrad,
-        AccumulateGrads,
-        AdaSum,
-        AllReduceGrads,
-        FuseAllReduce,
-        SparseAllReduce,
-        AllGatherGrads,
-        ShardOptimizer,
-        LocalSGDAverage,
-        DiLoCoOuterStep,
-        PartialAverage,
-        LossScale,
-        ClipGradNorm,
-        GatherParams,
-        ShardParams,
-        DimReduce,
-        FlattenUpdate,
-        ForeachUpdate,
-        ScheduleCollectives,
-        ReinplaceOptimizer,
-    )
+if TYPE_CHECKING:
+    from transpiler.graph.pipeline import Pass
+
+WHERE = {
+    "broadcast-params": "broadcast_params:BroadcastParams",
+    "freeze-groups": "freeze_groups:FreezeGroups",
+    "scale-loss-grad": "scale_loss_grad:ScaleLossGrad",
+    "accumulate-grads": "accumulate_grads:AccumulateGrads",
+    "adasum": "adasum:AdaSum",
+    "allreduce-grads": "allreduce_grads:AllReduceGrads",
+    "fuse-allreduce": "fuse_allreduce:FuseAllReduce",
+    "sparse-allreduce": "sparse_allreduce:SparseAllReduce",
+    "allgather-grads": "allgather_grads:AllGatherGrads",
+    "shard-optimizer": "shard_optimizer:ShardOptimizer",
+    "local-sgd-average": "local_sgd:LocalSGDAverage",
+    "diloco-outer-step": "diloco_outer_step:DiLoCoOuterStep",
+    "partial-average": "partial_average:PartialAverage",
+    "loss-scale": "loss_scale:LossScale",
+    "clip-grad-norm": "clip_grad_norm:ClipGradNorm",
+    "gather-params": "gather_params:GatherParams",
+    "shard-params": "shard_params:ShardParams",
+    "dim-reduce": "dim_reduce:DimReduce",
+    "flatten-update": "flatten_update:FlattenUpdate",
+    "foreach-update": "foreach_update:ForeachUpdate",
+    "schedule-collectives": "schedule_collectives:ScheduleCollectives",
+    "reinplace-optimizer": "reinplace_optimizer:ReinplaceOptimizer",
 }
+
+
+class PassRegistry(Mapping[str, "type[Pass]"]):
+    """Pass classes by name, each module imported on its first lookup."""
+
+    def __init__(self, where: dict[str, str]) -> None:
+        self._where = where
+        self._loaded: dict[str, type[Pass]] = {}
+
+    def __getitem__(self, name: str) -> type[Pass]:
+        cls = self._loaded.get(name)
+        if cls is None:
+            module, _, attribute = self._where[name].partition(":")
+            cls = self._loaded[name] = getattr(importlib.import_module(f"{__package__}.{module}"), attribute)
+        return cls
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+PASSES = PassRegistry(WHERE)

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from transpiler.graph.edit import position
-from transpiler.graph.pipeline import Pass
+from transpiler.graph.pipeline import Fact, Pass
 from transpiler.graph.program import StepProgram
 from transpiler.graph.views import contiguous_views, flat_range
 
@@ -110,6 +110,7 @@ class _Storage:
 @dataclass(frozen=True)
 class ReinplaceOptimizer(Pass):
     name = "reinplace-optimizer"
+    invalidates = frozenset({Fact.FUNCTIONAL})
     summary = "turn out-of-place optimizer updates into in-place ones where nothing reads the old value"
 
     def run(self, program: StepProgram) -> bool:

@@ -41,7 +41,9 @@ from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads
 from transpiler.graph.collectives import C10D, WAIT, is_collective
 from transpiler.graph.edit import Cursor, node_bytes, position, refresh_value, repair_order
 from transpiler.graph.options import option
-from transpiler.graph.program import Port, StepProgram
+from transpiler.graph.pipeline import Fact
+from transpiler.graph.ports import Port
+from transpiler.graph.program import StepProgram
 
 from .bucket_views import write_into_buffer
 from .bucketing import (
@@ -63,6 +65,8 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class ShardOptimizer(BucketedGradientPass):
     name = "shard-optimizer"
+    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNTOUCHED, Fact.PER_PARAMETER})
+    ensures = frozenset({Fact.REDUCED, Fact.STATE_SHARDED})
     summary = "reduce-scatter gradients in buckets, update this rank's shard of parameters and state, all-gather"
     shards_state = True
     keep_gradient_buckets: bool = option(

@@ -33,8 +33,9 @@ import torch.fx as fx
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor, position
 from transpiler.graph.options import option
-from transpiler.graph.pipeline import Pass
-from transpiler.graph.program import ParamBucket, Port, StepProgram
+from transpiler.graph.pipeline import Fact, Pass
+from transpiler.graph.ports import Port
+from transpiler.graph.program import ParamBucket, StepProgram
 from transpiler.graph.views import is_view
 
 from .gather_params import rank_shard, sharded_buckets
@@ -50,7 +51,9 @@ RECOMPUTED = frozenset({aten._to_copy.default, aten.clone.default, aten.detach.d
 @dataclass(frozen=True)
 class ShardParams(Pass):
     name = "shard-params"
+    requires = frozenset({Fact.FUNCTIONAL, Fact.STATE_SHARDED})
     summary = "hold parameters as this rank's shards; all-gather each bucket right before the forward uses it"
+    shards_params = True
     reshard_after_forward: bool = option(
         True,
         help="gather each bucket again for the backward, freeing it after the forward (false: keep the forward's "

@@ -29,13 +29,13 @@ import torch.fx as fx
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor
 from transpiler.graph.options import option
-from transpiler.graph.program import Port, StepProgram
+from transpiler.graph.ports import RESIDUAL, ExtraInit, Port
+from transpiler.graph.program import StepProgram
 
 from .bucketing import BucketedGradientPass, unflatten
 from .gradient_flow import add_outputs, add_state, replace_gradient
 
 aten = torch.ops.aten
-PREFIX = "residual."
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class SparseAllReduce(BucketedGradientPass):
         xs = []
         for grad in grads:
             name = grad.meta["grad_of"]
-            residual = add_state(program, PREFIX + name, grad, ("zeros_like_param", name))
+            residual = add_state(program, RESIDUAL + name, grad, ExtraInit.zeros_like(name))
             xs.append(Cursor(program.graph, grad).emit(aten.add.Tensor, (grad, residual), role="communication"))
         residuals: dict[fx.Node, fx.Node] = {}
         for index, members, cursor in self.buckets(program, xs):
@@ -62,7 +62,7 @@ class SparseAllReduce(BucketedGradientPass):
         add_outputs(
             program,
             list(residuals.values()),
-            [Port("extra", PREFIX + g.meta["grad_of"]) for g in residuals],
+            [Port("extra", RESIDUAL + g.meta["grad_of"]) for g in residuals],
         )
 
     def _bucket(

@@ -16,7 +16,8 @@ import torch
 import torch.fx as fx
 
 from transpiler.graph.edit import position
-from transpiler.graph.program import Port, StepProgram
+from transpiler.graph.ports import Port
+from transpiler.graph.program import StepProgram
 from transpiler.graph.views import is_view
 
 from .gradient_flow import input_node

@@ -21,11 +21,13 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from passes.adasum import AdaSumGeometry, adasum_vector  # noqa: E402
+from passes.adasum import adasum_vector  # noqa: E402
 from tests.distributed import run_rank  # noqa: E402
 from tests.models import MLP, make_batch  # noqa: E402
 from transpiler import transpile  # noqa: E402
-from transpiler.graph.program import Port, StepProgram  # noqa: E402
+from transpiler.graph.ports import Port
+from transpiler.graph.program import StepProgram  # noqa: E402
+from transpiler.graph.rank_layouts import AdaSumGeometry  # noqa: E402
 from transpiler.runtime.process_group import resolve_placement, subgroup_names  # noqa: E402
 
 

@@ -7,7 +7,7 @@ import copy
 import numpy as np
 import torch
 
-from transpiler.graph.program import Port
+from transpiler.graph.ports import Port
 
 
 def eager_twin(model: torch.nn.Module, make_opt):

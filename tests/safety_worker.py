@@ -104,7 +104,7 @@ def parity(name: str, rank: int, world: int, steps: int = 4, switch_modes: bool 
                 {n: t.detach().clone() for n, t in ddp.module.state_dict().items()},
             )
         )
-    return {"steps": record, "traces": step.traces, "handshakes": step._handshake.rounds}
+    return {"steps": record, "traces": step.traces, "handshakes": step._startup.handshake.rounds}
 
 
 MODEL_NAMES = ("lstm", "gru", "checkpoint", "maxnorm", "dropout_bn")
@@ -157,7 +157,7 @@ def consistent_freeze(rank: int) -> dict:
     frozen = model.net[0].weight.detach().clone()
     for _ in range(2):
         step(*make_batch("mlp", PER_RANK, gen))
-    return {"unchanged": torch.equal(frozen, model.net[0].weight), "handshakes": step._handshake.rounds}
+    return {"unchanged": torch.equal(frozen, model.net[0].weight), "handshakes": step._startup.handshake.rounds}
 
 
 def restore_per_rank(rank: int) -> dict:

@@ -13,7 +13,7 @@ from torch import nn
 from passes.partitions import group_bounds, partition_of
 from tests.helpers import assert_rewrite_is_final
 from transpiler import transpile
-from transpiler.api import rewrite
+from transpiler.build import rewrite
 from transpiler.graph.collectives import is_collective
 from transpiler.runtime.process_group import Placement
 from transpiler.strategies.modes import build_strategy

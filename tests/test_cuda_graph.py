@@ -135,7 +135,7 @@ def test_batch_is_copied_into_static_buffers():
     plain, captured = _pair("mlp", "sgd", "fused_allreduce", {})
     gen = torch.Generator().manual_seed(3)
     _run_both(plain, captured, "mlp", 3, gen)
-    runner = captured[2]._last.runners["step"]
+    runner = captured[2]._state.built.runners["step"]
     batch = make_batch("mlp", 8, gen)
     expected, loss = plain[2](*batch), captured[2](*batch)
     assert torch.equal(loss, expected)

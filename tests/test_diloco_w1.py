@@ -469,7 +469,7 @@ def test_offloaded_global_weights_live_on_the_host_and_change_no_bit(mode, tmp_p
         assert moved == {"inner": [], "sync": ["to device", "to host"]}
     else:  # the start of an exchange reads θ_global for its Δ; the apply step also writes it back
         assert moved["sync0"] == ["to device"] and moved["apply0"] == ["to device", "to host"]
-    assert step.programs[next(v for v in moved if moved[v])].extra_init["global.net.0.weight"][0] == "host_copy_param"
+    assert step.programs[next(v for v in moved if moved[v])].extra_init["global.net.0.weight"].rule == "host_copy_param"
     step.save_checkpoint(tmp_path)  # a checkpoint read onto the device goes back to the host when the step runs
     _, again = _trained(mode, 0, seed=1, offload_global=True, **options)
     again.load_checkpoint(tmp_path)

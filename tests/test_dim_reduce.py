@@ -29,7 +29,7 @@ from tests import dim_reduce_problem as problem
 from tests.distributed import ROOT, launch
 from tests.models import plain_sgd_factory
 from transpiler import ConfigurationError, transpile
-from transpiler.api import rewrite
+from transpiler.build import rewrite
 from transpiler.cli import main
 from transpiler.graph.basis import layout
 from transpiler.runtime.handshake import differences

@@ -129,12 +129,14 @@ def test_changed_hyper_parameter_asks_for_a_new_transpile():
 def test_a_pass_that_breaks_an_invariant_is_named():
     """allreduce-grads after fuse-allreduce finds nothing left; a second reduction is caught by the verifier."""
     from passes.allreduce_grads import AllReduceGrads
-    from transpiler.api import rewrite
+    from transpiler.build import rewrite
+    from transpiler.graph.pipeline import Fact
     from transpiler.runtime.process_group import Placement
     from transpiler.trace.tracer import trace_step
 
     class ReduceAgain(AllReduceGrads):
         name = "reduce-again"
+        requires = frozenset({Fact.FUNCTIONAL})  # it claims to need nothing: only the verifier can catch it
 
         def run(self, program):
             for node in program.graph.nodes:  # pretend every gradient is still unreduced

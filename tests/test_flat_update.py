@@ -18,7 +18,7 @@ from tests.helpers import assert_same_training_state, eager_step
 from tests.models import Lamb, Lion, TiedLM, make_batch
 from transpiler import transpile
 from transpiler.errors import ConfigurationError, UnsupportedOptimizerError
-from transpiler.graph.program import Port
+from transpiler.graph.ports import Port
 
 LOSS = nn.CrossEntropyLoss()
 OPTIMIZERS = {
@@ -212,7 +212,7 @@ def test_what_users_do_between_steps_is_taken_into_the_flat_buffers():
     for opt in (optimizer, twin_opt):
         opt.state.clear()  # eager starts its state again
     train(flat, eager, batch, 2)
-    buffers = step._flat.buffers
+    buffers = step._state.flat.buffers
     storages = {t.untyped_storage().data_ptr() for t in buffers.values()}
     assert {p.untyped_storage().data_ptr() for p in model.parameters()} <= storages
     assert {t.untyped_storage().data_ptr() for s in optimizer.state.values() for t in s.values()} <= storages

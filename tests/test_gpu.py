@@ -213,7 +213,7 @@ def test_captured_program_issues_the_same_collectives():
     plain, captured = _pair("mlp", "sgd", "fused_allreduce", {"bucket_cap_mb": 0.01}, cuda_graph=True)
     gen = torch.Generator().manual_seed(1)
     _same_steps(plain, captured, "mlp", None, 4, gen)
-    runner = captured[2]._last.runners["step"]
+    runner = captured[2]._state.built.runners["step"]
     assert communication_plan(runner.device.graph) == communication_plan(plain[2].graph_module.graph)
     batch = tuple(t.to(DEVICE) for t in make_batch("mlp", 16, gen))
     counts = []

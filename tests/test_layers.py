@@ -40,7 +40,7 @@ def test_the_top_level_is_the_design_cards():
     ]
     modules_of_passes = {f"passes.{cls.__module__.rpartition('.')[2]}" for cls in passes.PASSES.values()}
     assert len(modules_of_passes) == len(passes.PASSES), "one pass per module"
-    assert all(getattr(passes, cls.__name__) is cls for cls in passes.PASSES.values())
+    assert all(cls.name == name for name, cls in passes.PASSES.items()), "each listed under its own name"
 
 
 def test_layers_import_downward_only(monkeypatch):
@@ -100,16 +100,37 @@ def test_the_contracts_fail_on_a_broken_tree(tmp_path, kind):
 
 def test_the_public_api_is_imported_not_loaded_lazily():
     assert "transpile" in vars(transpiler) and "DistributedStep" in vars(transpiler)
-    assert "PASSES" in vars(passes) and "FuseAllReduce" in vars(passes)
+    assert "PASSES" in vars(passes)
     assert not hasattr(transpiler, "__getattr__") and not hasattr(passes, "__getattr__")
+
+
+def test_the_registry_loads_a_pass_when_it_is_first_named():
+    """``import passes`` and ``import transpiler`` load no pass module (so neither waits on the other while it
+    loads); looking a pass up loads its module, and only the modules that one imports."""
+    code = textwrap.dedent(
+        """
+        import sys
+        loaded = lambda: sorted(m for m in sys.modules if m.startswith("passes."))
+        import passes
+        assert loaded() == ["passes.registry"], loaded()
+        import transpiler
+        assert loaded() == ["passes.registry"], loaded()
+        cls = passes.PASSES["scale-loss-grad"]
+        assert cls.__module__ == "passes.scale_loss_grad" and "passes.fuse_allreduce" not in loaded(), loaded()
+        assert passes.PASSES["scale-loss-grad"] is cls and "fuse-allreduce" in passes.PASSES
+        assert "passes.fuse_allreduce" not in loaded(), loaded()
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 # Imports inside a function, of the project's own modules, with the reason each is deferred. None dodges a cycle.
 DEFERRED_IMPORTS = {
-    ("transpiler.runtime.distributed_step", "transpiler.runtime.sharded_checkpoint"): (
+    ("transpiler.runtime.dcp_checkpoint", "transpiler.runtime.sharded_checkpoint"): (
         "torch.distributed.checkpoint is loaded when a DCP checkpoint is written or read, not at start-up"
     ),
-    ("transpiler.runtime.distributed_step", "transpiler.runtime.replica_checkpoint"): (
+    ("transpiler.runtime.dcp_checkpoint", "transpiler.runtime.replica_checkpoint"): (
         "the same, for DiLoCo's checkpoints (it imports sharded_checkpoint)"
     ),
 }
@@ -181,7 +202,7 @@ def test_any_module_can_be_imported_first():
     card's ``import passes``, every module of ``passes/`` and of ``transpiler/``, and the public API."""
     statements = [
         "import passes",
-        "from passes import PASSES, FuseAllReduce",
+        "from passes import PASSES",
         "import transpiler",
         "from transpiler import transpile",
         *(f"import {name}" for name in project_modules()),

@@ -20,7 +20,7 @@ from torch.distributed.distributed_c10d import _register_process_group, _unregis
 from passes import PASSES
 from passes.bucketing import MB, assign_buckets
 from tests.helpers import assert_rewrite_is_final, run_by_ports
-from transpiler.api import rewrite
+from transpiler.build import rewrite
 from transpiler.graph.bucket_layout import BUCKET_READY, slot_offsets
 from transpiler.graph.collectives import collective_sequence, is_collective
 from transpiler.runtime.process_group import LOCAL_GROUP, Placement, ensure_local_group
@@ -196,7 +196,7 @@ def test_adasum_sends_pair_with_receives_across_ranks(widths, log_participants, 
     traced, *_ = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), batch)
     strategy = build_strategy(target, {"local_size": local_size})
     placement = Placement(world, 0, "world", False)
-    groups = subgroup_names(placement, strategy.groups(world))
+    groups = subgroup_names(placement, strategy.layout.groups(world))
     programs = [
         rewrite(traced, strategy.variants["step"], Placement(world, r, "world", False), verify=False, subgroups=groups)
         for r in range(world)

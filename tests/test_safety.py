@@ -177,7 +177,7 @@ def test_retracing_is_bounded_and_warned():
         warnings.simplefilter("always")
         for n in range(3, 8):
             _steps(step, twin, twin_opt, n=1, seed=n, batch_size=n)
-    assert step.traces == 5 and len(step._built) == 2
+    assert step.traces == 5 and len(step._cache.entries) == 2
     assert [w for w in caught if issubclass(w.category, RetraceWarning) and "traced 4 times" in str(w.message)]
     assert_same_training_state(model, opt, twin, twin_opt)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from transpiler.api import rewrite
+from transpiler.build import rewrite
 from transpiler.errors import VerificationError
 from transpiler.graph.bucket_layout import BUCKET_READY
 from transpiler.graph.collectives import is_collective
@@ -64,7 +64,7 @@ def _adasum_programs(world=4):
     traced, *_ = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), BATCH)
     strategy = build_strategy("adasum", {})
     placement = Placement(world, 0, "world", False)
-    groups = subgroup_names(placement, strategy.groups(world))
+    groups = subgroup_names(placement, strategy.layout.groups(world))
     programs = []
     for r in range(world):
         p = traced.clone(rank=r)

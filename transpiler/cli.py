@@ -13,12 +13,12 @@ import torch
 
 from passes.registry import PASSES
 from transpiler.graph.basis import compute_basis
-from transpiler.graph.collectives import IN_FLIGHT
 from transpiler.graph.options import key_values
 from transpiler.graph.pipeline import format_value
+from transpiler.graph.ports import IN_FLIGHT
 from transpiler.graph.program import StepProgram
 from transpiler.graph.render import to_dot, to_json, to_svg, unified_diff
-from transpiler.strategies.modes import MODES
+from transpiler.strategies.modes import modes
 
 from .api import transpile
 from .errors import FactoryError, TranspilerError
@@ -178,8 +178,9 @@ def cmd_passes(args: argparse.Namespace) -> int:
 
 
 def cmd_modes(args: argparse.Namespace) -> int:
-    width = max(map(len, MODES))
-    for name, mode in MODES.items():
+    table = modes()
+    width = max(map(len, table))
+    for name, mode in table.items():
         opts = ", ".join(f"{k}={format_value(spec.default)}" for k, spec in mode.options.items())
         print(f"{name:{width}s}  {mode.summary}" + (f"  [{opts}]" if opts else ""))
         for variant, passes in mode.strategy().variants.items():

@@ -18,7 +18,6 @@ C10D = torch.ops._c10d_functional
 WAIT = C10D.wait_tensor.default
 # an ``extra`` output whose name starts so carries a collective's result unwaited to a later program, which waits
 # for it (Streaming DiLoCo's exchange overlapping inner steps)
-IN_FLIGHT = "inflight."
 COLLECTIVES = frozenset(
     {
         C10D.all_reduce.default,

@@ -4,14 +4,21 @@ A pass is a frozen dataclass with a kebab-case ``name``; its fields are its
 options, written in a spec as ``name{field-name=value,...}``, e.g.
 ``scale-loss-grad,fuse-allreduce{bucket-cap-mb=25}``. ``run`` rewrites a
 :class:`StepProgram` and returns whether it changed the graph.
+
+A pass also states the facts about the graph it ``requires``, those it ``ensures`` and those it
+``invalidates``, as torch.fx's pass infrastructure has ``requires``/``ensures`` hooks. A traced program starts
+with the facts of :data:`TRACED`; :func:`check_order` walks a pipeline before anything runs, and a pass whose
+fact an earlier pass took away, or that only a later pass provides, is a :class:`PipelineSpecError` that names
+both passes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -21,14 +28,36 @@ from .options import field_options, option, parse_options
 from .program import StepProgram
 
 
+class Fact(str, enum.Enum):
+    """A fact about a step program that a pass may require, ensure or invalidate (the value says it in words)."""
+
+    FUNCTIONAL = "a functional graph (the update not yet made in place)"
+    UNREDUCED = "the backward's gradients, not yet reduced across ranks"
+    UNACCUMULATED = "gradients not yet accumulated over micro-steps"
+    UNTOUCHED = "gradients as reduced, not yet unscaled or clipped"
+    PER_PARAMETER = "an optimizer update per parameter (not yet grouped into multi-tensor ops)"
+    REDUCED = "gradients reduced across ranks"
+    STATE_SHARDED = "the optimizer state sharded over the ranks"
+
+    __str__ = str.__str__
+
+
+TRACED = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNACCUMULATED, Fact.UNTOUCHED, Fact.PER_PARAMETER})
+
+
 @dataclass(frozen=True)
 class Pass:
     """Base of every rewrite pass (see the module docstring)."""
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    # the facts it needs before it runs, those it makes true and those it makes false (options may change them)
+    requires: ClassVar[frozenset[Fact]] = frozenset({Fact.FUNCTIONAL})
+    ensures: ClassVar[frozenset[Fact]] = frozenset()
+    invalidates: ClassVar[frozenset[Fact]] = frozenset()
     reduces_gradients: ClassVar[bool] = False  # after it, every gradient must be reduced exactly once
     shards_state: ClassVar[bool] = False  # it cuts the optimizer state into this rank's slices (program.shards)
+    shards_params: ClassVar[bool] = False  # the model holds this rank's slices of its parameters (ZeRO-3)
     axis: str = option(
         "world",
         help="the ranks it works across: 'world' (all), or an axis of a 2-D layout ('replica', 'across')",
@@ -90,6 +119,24 @@ def parse_spec(spec: str, registry: dict[str, type[Pass]]) -> list[Pass]:
     return passes
 
 
+def check_order(passes: Sequence[Pass]) -> None:
+    """Every pass finds the facts it requires: held since tracing or ensured by an earlier pass, and taken away by
+    none in between. Otherwise a PipelineSpecError names the pass and the one to move, or to add."""
+    held = set(TRACED)
+    for i, p in enumerate(passes):
+        for fact in sorted(p.requires - held):
+            taker = next((q for q in reversed(passes[:i]) if fact in q.invalidates), None)
+            giver = next((q for q in passes[i + 1 :] if fact in q.ensures), None)
+            if taker is not None:
+                how = f"'{taker.name}' before it takes that away: put {p.name} before {taker.name}"
+            elif giver is not None:
+                how = f"'{giver.name}' ensures it, but later: put {giver.name} before {p.name}"
+            else:
+                how = "and no pass before it ensures it: add one that does"
+            raise PipelineSpecError(f"pass '{p.name}' requires {fact.value}; {how}.")
+        held = (held - p.invalidates) | p.ensures
+
+
 Verifier = Callable[[StepProgram, bool], None]
 
 
@@ -108,6 +155,10 @@ class Pipeline:
     verifiers: list[Verifier] = field(default_factory=list)
     verify: bool = True
     on_pass: Callable[[str, StepProgram], None] | None = None
+    keep_history: bool = True  # the code and op counts after each pass (a program only checked, never shown: off)
+
+    def __post_init__(self) -> None:
+        check_order(self.passes)
 
     def spec(self) -> str:
         return ",".join(p.spec() for p in self.passes)
@@ -127,12 +178,14 @@ class Pipeline:
                 raise VerificationError(
                     f"pass '{p.name}' failed: {type(exc).__name__}: {exc}", pass_name=p.name, passes_before=tuple(done)
                 ) from exc
-            program.recompile()
             last = i == len(self.passes) - 1
+            if self.keep_history or last:
+                program.recompile()
             if self.verify:
                 self.check(program, p.name, tuple(done), final=last and final_reduction)
             records.append(PassRecord(p.name, modified, time.perf_counter() - start))
-            program.snapshot(p.spec())
+            if self.keep_history:
+                program.snapshot(p.spec())
             if self.on_pass is not None:
                 self.on_pass(p.spec(), program)
             done.append(p.name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -18,17 +19,9 @@ from transpiler.errors import ConfigurationError
 
 from .cost_model import CostModel
 from .op_counts import OpCounts, op_counts
+from .ports import ExtraInit, Port
 
 ROLES = ("forward", "loss", "loss_grad", "backward", "communication", "optimizer")
-
-
-@dataclass(frozen=True)
-class Port:
-    """One graph input or output: what it carries and the name it refers to."""
-
-    kind: str  # inputs: param, frozen, buffer, state, batch, scalar, extra, flat (a FlatBuffer); outputs: loss,
-    # param, state, buffer, extra (state a pass added), metric (a float the schedule reads)
-    name: str
 
 
 @dataclass(frozen=True)
@@ -102,7 +95,7 @@ class StepProgram:
     startup: fx.GraphModule | None = None
     startup_ports: list[Port] = field(default_factory=list)
     history: list[tuple[str, str]] = field(default_factory=list)
-    extra_init: dict[str, tuple[str, str]] = field(default_factory=dict)  # extra input -> (rule, source)
+    extra_init: dict[str, ExtraInit] = field(default_factory=dict)  # extra input -> how the runtime makes it
     subgroups: dict[tuple[int, ...], str] = field(default_factory=dict)  # ranks -> process-group name
     sources: dict[str, str] = field(default_factory=dict)  # data files baked into the graph -> content digest
     cost_model: CostModel | None = None  # measured at startup when a pass asks (bucket_cap_mb="auto")
@@ -149,32 +142,15 @@ class StepProgram:
             self.world_size, self.rank, self.group_name = saved
 
     def clone(self, *, rank: int | None = None) -> StepProgram:
-        """A deep copy whose graph can be rewritten without touching this one."""
-        gm = fx.GraphModule(self.graph_module, copy.deepcopy(self.graph_module.graph))
-        startup = None
+        """A deep copy whose graph can be rewritten without touching this one: the graphs copied, every list
+        and dict field copied shallowly (ports, buckets and layouts are immutable), the rest shared."""
+        copied = {
+            f.name: copy.copy(value) if isinstance(value := getattr(self, f.name), list | dict) else value
+            for f in dataclasses.fields(self)
+        }
+        copied["graph_module"] = fx.GraphModule(self.graph_module, copy.deepcopy(self.graph_module.graph))
         if self.startup is not None:
-            startup = fx.GraphModule(self.startup, copy.deepcopy(self.startup.graph))
-        return StepProgram(
-            gm,
-            list(self.inputs),
-            list(self.outputs),
-            self.world_size,
-            self.rank if rank is None else rank,
-            self.group_name,
-            startup,
-            list(self.startup_ports),
-            list(self.history),
-            dict(self.extra_init),
-            dict(self.subgroups),
-            dict(self.sources),
-            self.cost_model,
-            dict(self.decisions),
-            dict(self.shards),
-            list(self.param_buckets),
-            dict(self.param_groups),
-            list(self.flat_buffers),
-            list(self.op_counts),
-            self.outer_update,
-            dict(self.axes),
-            self.shard_axis,
-        )
+            copied["startup"] = fx.GraphModule(self.startup, copy.deepcopy(self.startup.graph))
+        if rank is not None:
+            copied["rank"] = rank
+        return StepProgram(**copied)

@@ -14,7 +14,8 @@ import torch.fx as fx
 from transpiler.errors import VerificationError
 
 from .bucket_layout import check_bucket_views
-from .collectives import IN_FLIGHT, CommOp, collective_sequence, communication_plan, is_collective, is_wait
+from .collectives import CommOp, collective_sequence, communication_plan, is_collective, is_wait
+from .ports import GLOBAL, IN_FLIGHT, OUTER, PortKind
 from .program import ROLES, StepProgram
 
 
@@ -149,7 +150,7 @@ def _outer_input(node: fx.Node) -> bool:
     if node.meta.get("offload") == "to device":
         node = node.args[0]
     port = node.meta.get("port")
-    return port is not None and (port.kind == "extra" and port.name.startswith("global.") or "outer/" in port.name)
+    return port is not None and (port.kind == PortKind.EXTRA and port.name.startswith(GLOBAL) or OUTER in port.name)
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:

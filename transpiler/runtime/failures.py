@@ -137,3 +137,10 @@ def communication_error(exc: BaseException, what: str, placement: Placement, ela
         "Another rank stalled, died or runs a different program: check the other ranks' output; set the timeout "
         f"with transpile(..., timeout=seconds) or init_process_group(timeout=...). Torch said: {first[:400]}"
     )
+
+
+def run_named(run: Callable, gm: fx.GraphModule, inputs: list, label: str, placement: Placement) -> tuple:
+    """Run a graph (``run``: it, or its compiled or captured form); a failed collective becomes a
+    CommunicationError that names it, in program ``label``."""
+    with failures_named(in_graph(gm, label), placement):
+        return run(*inputs)

@@ -28,6 +28,8 @@ import torch
 from transpiler.errors import ConfigurationError, UnsupportedOptimizerError
 from transpiler.graph.program import FlatBuffer
 
+from .sharded_params import held_slice
+
 
 @dataclass(eq=False)
 class _Binding:
@@ -160,7 +162,7 @@ class FlatStorage:
         tensor still shaped as the parameter (as tracing creates it, or a checkpoint of whole tensors holds it)."""
         lo, hi = b.span
         if held.shape != b.view.shape and held.shape == b.param.shape and b.view.dim() == 1:
-            held = held.reshape(-1)[lo:hi]
+            held = held_slice(held, held.numel(), (lo, hi))
         if held.shape != b.view.shape or held.device != b.view.device:
             raise ConfigurationError(
                 f"optimizer state '{b.name}.{b.key}' is {list(held.shape)} on {held.device}; the step holds it as "

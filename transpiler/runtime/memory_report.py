@@ -17,7 +17,27 @@ from dataclasses import dataclass
 
 import torch
 
+from transpiler.errors import ConfigurationError
+from transpiler.graph.memory import peak_transient_bytes
+from transpiler.graph.ports import ACCUMULATOR
+from transpiler.graph.program import StepProgram
+
+from .step_state import StepState
+
 MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LastRun:
+    """What the report needs of the last step: its program, the batch's bytes, the CUDA allocator's peak."""
+
+    program: StepProgram
+    batch_bytes: int
+    cuda_peak: int | None
+
+    @classmethod
+    def of(cls, program: StepProgram, batch: tuple, cuda_peak: int | None) -> LastRun:
+        return cls(program, sum(t.numel() * t.element_size() for t in batch), cuda_peak)
 
 
 @dataclass(frozen=True)
@@ -75,3 +95,25 @@ def bucket_buffers(programs: Iterable) -> list[torch.Tensor]:
         for node in program.graph.nodes
         if node.op == "get_attr" and node.meta.get("bucket") is not None
     ]
+
+
+def memory_report(state: StepState, last: LastRun | None) -> MemoryReport:
+    """The bytes this rank holds between steps, each storage once, and the peak during the ``last`` step."""
+    if last is None or state.built is None:
+        raise ConfigurationError("run a step first: the report's peak is the last step's.")
+    counter = StorageCounter()
+    params = list(state.model.parameters())
+    accumulators = [t for k, t in state.extra.items() if k.startswith(ACCUMULATOR)]
+    held = {
+        "parameters": counter.count(params),
+        "gradients": counter.count(
+            [p.grad for p in params] + bucket_buffers(state.built.programs.values()) + accumulators
+        ),
+        "optimizer_state": counter.count(t for s in state.optimizer.state.values() for t in s.values()),
+        # where the model is: an offloaded θ_global (DiLoCo's offload_global) is host memory, not the device's
+        "transpiler_state": counter.count(t for t in state.extra.values() if t.device == params[0].device),
+    }
+    if last.cuda_peak is not None:
+        return MemoryReport(**held, peak=last.cuda_peak, peak_source="cuda allocator")
+    peak = sum(held.values()) + last.batch_bytes + peak_transient_bytes(last.program.graph)
+    return MemoryReport(**held, peak=peak, peak_source="program schedule")

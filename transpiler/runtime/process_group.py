@@ -72,6 +72,19 @@ def as_timeout(value: timedelta | float | int | None) -> timedelta | None:
     return timedelta(seconds=seconds)
 
 
+def require_live(placement: Placement) -> None:
+    """Before anything runs a program's collectives: an error for a step built without a process group, and the
+    private one-rank group registered where the step uses it."""
+    if not placement.live:
+        raise ConfigurationError(
+            f"this step was built for world_size={placement.world_size} without a process group, "
+            "so it can be inspected but not run. Launch with torchrun and call "
+            "torch.distributed.init_process_group(...) before transpile()."
+        )
+    if placement.group_name == LOCAL_GROUP:
+        ensure_local_group()
+
+
 def ensure_local_group() -> None:
     global _local_group
     if _local_group is not None:

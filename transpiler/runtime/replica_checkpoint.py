@@ -38,12 +38,13 @@ from .sharded_checkpoint import (
     SlicePlanner,
     box_views,
     empty_like_entry,
-    held_slice,
     load_optimizer,
     named_param_groups,
     put_at,
     sharded,
 )
+from .sharded_params import held_slice
+from .step_state import parameter_names
 
 Bounds = dict[str, tuple[int, int]]
 
@@ -86,7 +87,7 @@ def save(
 ) -> None:
     """Write the checkpoint; every rank calls it (``shards``: this rank's slices of the inner state, under
     ``replica_mode=zero*``)."""
-    names = {id(p): name for name, p in model.named_parameters()}
+    names = parameter_names(model)
     shapes = {name: p.shape for name, p in model.named_parameters()}
 
     def rows(value: torch.Tensor, shape: torch.Size, bounds: tuple[int, int] | None) -> Any:
@@ -175,8 +176,8 @@ def load(
     ``shards``: this rank's slices of the inner state (None before the step is built: whole rows, cut at the
     first step)."""
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    names = {id(p): name for name, p in model.named_parameters()}
-    by_name = {name: p for name, p in model.named_parameters()}
+    names = parameter_names(model)
+    by_name = dict(model.named_parameters())
     counts = {
         entry.size[0]
         for key, entry in metadata.state_dict_metadata.items()

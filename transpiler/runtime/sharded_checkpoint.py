@@ -34,6 +34,9 @@ from torch.distributed.checkpoint.planner import LoadPlan
 
 from transpiler.errors import CheckpointError
 
+from .sharded_params import held_slice
+from .step_state import parameter_names
+
 Box = tuple[list[int], list[int], int]  # offsets, sizes, flat start
 
 
@@ -85,21 +88,13 @@ def box_views(flat: torch.Tensor, shape: Iterable[int], lo: int) -> list[tuple[l
     ]
 
 
-def held_slice(value: torch.Tensor, numel: int, bounds: tuple[int, int]) -> torch.Tensor:
-    """A sharded state tensor as this rank's flat slice ``bounds`` of its parameter's ``numel`` elements: cut
-    here when it is still whole (no step since the state was loaded or made)."""
-    lo, hi = bounds
-    flat = value.reshape(-1)
-    return flat[lo:hi] if flat.numel() == numel and hi - lo < numel else flat
-
-
 def model_state(
     model: torch.nn.Module, whole: dict[str, tuple[int, ...]], shards: dict[str, tuple[int, int]], ranks: Ranks
 ) -> dict[str, Any]:
     """``model.state_dict()``, with each parameter held as its slice (ZeRO-3: ``whole`` gives its shape) as a
     ShardedTensor of the whole shape over the slice (a view of it at one rank), so DCP writes and reads it in
     place at any world size."""
-    names = {id(p): name for name, p in model.named_parameters()}
+    names = parameter_names(model)
     state: dict[str, Any] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         name = names.get(id(value))

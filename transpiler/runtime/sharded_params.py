@@ -4,21 +4,35 @@
 ``p.view(-1)[lo:hi]`` (``program.shards``) and write it back updated. Before the first such step
 :func:`hold_slices` cuts the model's parameters to those slices (``p.data``; the parameter objects stay, so
 optimizers, hooks and the step's cache keys keep working), and :func:`gather_whole` /
-:func:`hold_slices` swap them whole and back for ``step.gathered()``. A forward pre-hook
-(:class:`SlicedForwardGuard`) turns a forward run on the slices into a clear error.
+:func:`hold_slices` swap them whole and back for ``step.gathered()`` (:class:`LentParameters`, which lends them
+to the block). A forward pre-hook (:class:`SlicedForwardGuard`) turns a forward run on the slices into a clear
+error. :func:`held_slice` is the one place a whole tensor is cut to this rank's slice (state, parameters,
+checkpoints).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
 from transpiler.errors import ConfigurationError
 from transpiler.graph.collectives import C10D, WAIT
-from transpiler.graph.program import ParamBucket
+from transpiler.graph.program import ParamBucket, StepProgram
+
+from .process_group import Placement
 
 Shards = dict[str, tuple[int, int]]
+
+
+def held_slice(value: torch.Tensor, numel: int, bounds: tuple[int, int]) -> torch.Tensor:
+    """A tensor of a sharded parameter (its state, or itself) as this rank's flat slice ``bounds`` of the
+    parameter's ``numel`` elements: a view, cut here when the tensor is still whole."""
+    lo, hi = bounds
+    flat = value.reshape(-1)
+    return flat[lo:hi] if flat.numel() == numel and hi - lo < numel else flat
 
 
 def hold_slices(
@@ -33,19 +47,20 @@ def hold_slices(
     before, so a captured program, which reads its inputs where they were captured, need not capture again."""
     keep = keep or {}
     for bucket in buckets:
-        for name in bucket.names:
+        for name, shape in zip(bucket.names, bucket.shapes):
             param, (lo, hi) = params[name], shards[name]
+            whole = math.prod(shape)
             old = keep.get(name)
             if old is not None and (old.shape, old.dtype, old.device) == ((hi - lo,), param.dtype, param.device):
                 if param.data_ptr() != old.data_ptr():  # whole (gathered, or replaced inside the block)
                     with torch.no_grad():
-                        old.copy_(param.detach().reshape(-1)[lo:hi])
+                        old.copy_(held_slice(param.detach(), whole, (lo, hi)))
                 param.data = old
                 continue
             own = param.untyped_storage().nbytes() == (hi - lo) * param.element_size()
             if tuple(param.shape) == (hi - lo,) and own:  # not a view of a gathered bucket
                 continue
-            param.data = param.detach().reshape(-1)[lo:hi].clone()  # a view would hold a gathered bucket
+            param.data = held_slice(param.detach(), whole, (lo, hi)).clone()  # a view would hold a gathered bucket
 
 
 def gather_whole(
@@ -98,3 +113,48 @@ class SlicedForwardGuard:
                 "on its own. Evaluate or save it inside `with step.gathered(): ...` (every rank enters it: it "
                 "all-gathers the parameters), or save with step.save_checkpoint()."
             )
+
+
+class LentParameters:
+    """ZeRO-3's parameters as a step holds them: this rank's slices between steps (cut once, and again after
+    :meth:`gathered`, the only place they are whole), lent whole to a ``with step.gathered():`` block."""
+
+    def __init__(self, model: torch.nn.Module, placement: Placement) -> None:
+        self.model = model
+        self.placement = placement
+        self.sliced = False  # the model's parameters are this rank's slices
+        self.guard: SlicedForwardGuard | None = None  # a forward on the slices fails clearly
+
+    def hold(
+        self, program: StepProgram, params: dict[str, torch.nn.Parameter], keep: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """The model holds this rank's slice of each sharded parameter (into the ``keep`` tensors where given; a
+        no-op while it does), and a forward on the slices fails clearly."""
+        if self.sliced:
+            return
+        hold_slices(params, program.param_buckets, program.shards, keep)
+        self.sliced = True
+        if self.guard is None:
+            self.guard = SlicedForwardGuard(self.model, program.param_buckets, program.shards)
+
+    @contextlib.contextmanager
+    def gathered(
+        self, program: StepProgram, params: dict[str, torch.nn.Parameter], writeback: bool
+    ) -> Iterator[torch.nn.Module]:
+        """The model with whole parameters inside the block (each rank's slices all-gathered, one bucket at a time);
+        on leaving, every rank keeps its slice of what they then hold (``writeback=False``: of what they held
+        before), in the same slice tensors, so a captured program need not capture again."""
+        self.hold(program, params)
+        before = {name: params[name].data for bucket in program.param_buckets for name in bucket.names}
+        placement = self.placement
+        gather_whole(
+            params, program.param_buckets, program.shards, placement.rank, placement.world_size, program.group_name
+        )
+        self.sliced = False
+        try:
+            yield self.model
+        finally:
+            if not writeback:
+                for name, data in before.items():
+                    params[name].data = data
+            self.hold(program, params, keep=before)

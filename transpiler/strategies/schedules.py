@@ -10,9 +10,36 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Protocol
 
 from transpiler.errors import CheckpointError, ConfigurationError
+
+
+class Schedule(Protocol):
+    """Which variant each step runs. Every rank advances it the same way (from counters and from metrics that are
+    the same on every rank), so all ranks run the same program without a collective to agree on it."""
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """Every variant it may choose."""
+
+    def variant(self) -> str:
+        """The variant of the next step."""
+
+    def observe(self, variant: str, metrics: dict[str, float], lr: float) -> None:
+        """After a step of ``variant``: advance, reading the step's metrics and the learning rate."""
+
+    def settings(self) -> dict:
+        """What shapes it: every rank, and a checkpoint loaded into it, must agree on these."""
+
+    def state_dict(self) -> dict:
+        """Its counters, which change every step."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Set its counters from :meth:`state_dict`; an unknown counter is an error."""
+
+    def in_flight(self) -> bool:
+        """Whether an exchange started by one step waits for a later step to apply it (Streaming DiLoCo)."""
 
 
 @dataclass
@@ -35,6 +62,9 @@ class EveryStep:
 
     def load_state_dict(self, state: dict) -> None:
         load_counters(self, state, ())
+
+    def in_flight(self) -> bool:
+        return False
 
 
 @dataclass
@@ -96,6 +126,9 @@ class LocalSGDSchedule:
     def load_state_dict(self, state: dict) -> None:
         load_counters(self, state, self.COUNTERS)
 
+    def in_flight(self) -> bool:
+        return False
+
 
 def load_counters(schedule: object, state: dict, counters: tuple[str, ...]) -> None:
     """Set only the counters a schedule declares; anything else in a checkpoint is an error."""
@@ -113,19 +146,32 @@ def load_counters(schedule: object, state: dict, counters: tuple[str, ...]) -> N
 ACCUMULATE = "accumulate"  # the variant of an accumulation micro-step that does not update
 
 
-def split_counters(state: dict, counters: tuple[str, ...]) -> tuple[dict, dict]:
-    """A wrapping schedule's own counters, and the rest (its inner schedule's)."""
-    return {k: v for k, v in state.items() if k in counters}, {k: v for k, v in state.items() if k not in counters}
+class Wrapping:
+    """A schedule around another (``inner``): its counters beside the inner one's in one state dict."""
+
+    inner: Schedule
+    COUNTERS: tuple[str, ...] = ()
+
+    def state_dict(self) -> dict:
+        return {**{k: getattr(self, k) for k in self.COUNTERS}, **self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        own = {k: v for k, v in state.items() if k in self.COUNTERS}
+        self.inner.load_state_dict({k: v for k, v in state.items() if k not in self.COUNTERS})
+        load_counters(self, own, self.COUNTERS)
+
+    def in_flight(self) -> bool:
+        return self.inner.in_flight()
 
 
 @dataclass
-class AccumulationSchedule:
+class AccumulationSchedule(Wrapping):
     """``steps - 1`` micro-steps that only accumulate, then one step of the inner schedule's choice.
 
     The inner schedule (LocalSGD's, say) sees one step per cycle: it counts updates, not calls.
     """
 
-    inner: Any
+    inner: Schedule
     steps: int
     micro_step: int = 0
 
@@ -148,14 +194,6 @@ class AccumulationSchedule:
     def settings(self) -> dict:
         return {"accumulate_steps": self.steps, **self.inner.settings()}
 
-    def state_dict(self) -> dict:
-        return {"micro_step": self.micro_step, **self.inner.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        own, rest = split_counters(state, self.COUNTERS)
-        self.inner.load_state_dict(rest)
-        load_counters(self, own, self.COUNTERS)
-
 
 def continuous_freeze_cycle(groups: int, freeze_p: float) -> list[int]:
     """Boost's continuous rule: ``int(p*(n-1)/(1-p) + 0.5)`` zeros, then 1 .. n-1, repeated."""
@@ -164,7 +202,7 @@ def continuous_freeze_cycle(groups: int, freeze_p: float) -> list[int]:
 
 
 @dataclass
-class FreezeSchedule:
+class FreezeSchedule(Wrapping):
     """MindSpore Boost's gradient-freeze index per optimizer step; the variant is ``<inner>/freeze<i>``.
 
     Index ``i`` freezes groups ``0..i-1``. ``freeze_type=0`` (continuous)
@@ -177,7 +215,7 @@ class FreezeSchedule:
     steps that update.
     """
 
-    inner: Any
+    inner: Schedule
     groups: int
     freeze_type: int
     freeze_p: float
@@ -223,23 +261,32 @@ class FreezeSchedule:
         own = {"freeze_groups": self.groups, "freeze_type": self.freeze_type, "freeze_p": self.freeze_p}
         return {**own, "freeze_seed": self.seed, **self.inner.settings()}
 
+
+class StepCounter:
+    """A schedule whose one counter is the steps it has seen (``step``), which picks the variant."""
+
+    step: int
+    COUNTERS = ("step",)
+
+    def observe(self, variant: str, metrics: dict[str, float], lr: float) -> None:
+        self.step += 1
+
     def state_dict(self) -> dict:
-        return {**{k: getattr(self, k) for k in self.COUNTERS}, **self.inner.state_dict()}
+        return {"step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
-        own, rest = split_counters(state, self.COUNTERS)
-        self.inner.load_state_dict(rest)
-        load_counters(self, own, self.COUNTERS)
+        load_counters(self, state, self.COUNTERS)
+
+    def in_flight(self) -> bool:
+        return False
 
 
 @dataclass
-class RoundRobinSchedule:
+class RoundRobinSchedule(StepCounter):
     """SINGA's partial update: step ``t`` (from 0) runs variant ``sync<t mod partitions>``."""
 
     partitions: int
     step: int = 0
-
-    COUNTERS = ("step",)
 
     @property
     def variants(self) -> tuple[str, ...]:
@@ -248,21 +295,12 @@ class RoundRobinSchedule:
     def variant(self) -> str:
         return f"sync{self.step % self.partitions}"
 
-    def observe(self, variant: str, metrics: dict[str, float], lr: float) -> None:
-        self.step += 1
-
     def settings(self) -> dict:
         return {"partitions": self.partitions}
 
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        load_counters(self, state, self.COUNTERS)
-
 
 @dataclass
-class DiLoCoSchedule:
+class DiLoCoSchedule(StepCounter):
     """DiLoCo: step ``t`` (from 1) runs ``"sync"`` when ``t`` is a multiple of ``sync_every`` (H), else ``"inner"``:
     H inner steps per outer round, the last of them followed by the sync."""
 
@@ -270,26 +308,16 @@ class DiLoCoSchedule:
     step: int = 0
 
     variants = ("inner", "sync")
-    COUNTERS = ("step",)
 
     def variant(self) -> str:
         return "sync" if (self.step + 1) % self.sync_every == 0 else "inner"
 
-    def observe(self, variant: str, metrics: dict[str, float], lr: float) -> None:
-        self.step += 1
-
     def settings(self) -> dict:
         return {"sync_every": self.sync_every}
 
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        load_counters(self, state, self.COUNTERS)
-
 
 @dataclass
-class StreamingDiLoCoSchedule:
+class StreamingDiLoCoSchedule(StepCounter):
     """Streaming DiLoCo: fragment ``p`` starts its exchange at the steps ``t`` (from 1) with
     ``t ≡ o_p (mod H)``, ``o_p = (p + 1) * H // P``, so the fragments sync in turn, each once per ``H`` steps, the
     last at multiples of ``H``. Variant ``sync<p>`` starts it (with ``delay`` 0 it also finishes it), and
@@ -301,8 +329,6 @@ class StreamingDiLoCoSchedule:
     fragments: int
     delay: int = 0
     step: int = 0
-
-    COUNTERS = ("step",)
 
     def __post_init__(self) -> None:
         if self.fragments > self.sync_every:
@@ -344,23 +370,5 @@ class StreamingDiLoCoSchedule:
         """Whether a fragment's exchange started and is not yet applied: one of the next τ steps applies it."""
         return any(self.at(self.step + j).startswith("apply") for j in range(1, self.delay + 1))
 
-    def observe(self, variant: str, metrics: dict[str, float], lr: float) -> None:
-        self.step += 1
-
     def settings(self) -> dict:
         return {"sync_every": self.sync_every, "fragments": self.fragments, "fragment_sync_delay": self.delay}
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        load_counters(self, state, self.COUNTERS)
-
-
-def exchange_in_flight(schedule: Any) -> bool:
-    """Whether ``schedule`` (or the one it wraps) has a Streaming DiLoCo exchange in flight."""
-    while not isinstance(schedule, StreamingDiLoCoSchedule):
-        schedule = getattr(schedule, "inner", None)
-        if schedule is None:
-            return False
-    return schedule.in_flight()

@@ -15,7 +15,8 @@ import torch.fx as fx
 from torch.func import functionalize
 
 from transpiler.errors import UnsupportedModelError, UnsupportedOptimizerError
-from transpiler.graph.program import OuterUpdate, Port
+from transpiler.graph.ports import Port
+from transpiler.graph.program import OuterUpdate
 
 from .environment import tracing_environment
 from .optimizers import DataDependentStep, GenericPlan, OptimizerPlan, make_plan

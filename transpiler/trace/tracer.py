@@ -24,7 +24,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.nn.utils.stateless import _reparametrize_module
 
 from transpiler.errors import ConfigurationError, UnsupportedModelError, UnsupportedOptimizerError
-from transpiler.graph.program import Port, StepProgram
+from transpiler.graph.ports import Port, PortKind, is_input
+from transpiler.graph.program import StepProgram
 
 from .environment import AUTOCAST_OFF, AutocastState, tracing_environment
 from .optimizers import DataDependentStep, GenericPlan, OptimizerPlan, make_plan
@@ -362,7 +363,7 @@ def _scalar_inputs_as_floats(graph: fx.Graph) -> None:
     Profiler markers of ``Optimizer.step`` go too: they would only cost time."""
     local_scalar = torch.ops.aten._local_scalar_dense.default
     for node in list(graph.nodes):
-        if node.op != "placeholder" or node.meta.get("port", Port("", "")).kind != "scalar" or "val" not in node.meta:
+        if not is_input(node, PortKind.SCALAR) or "val" not in node.meta:
             continue
         tensor_readers = [u for u in node.users if u.target is not local_scalar]
         if tensor_readers:

@@ -1,0 +1,219 @@
+"""From a model, an optimizer and a strategy to one rank's programs: what ``transpile()`` hands the step, and what
+the step calls for every new cache key (a new batch shape, model mode or structure).
+
+:class:`StepBuilder` traces the step, measures the cost model where a pass asks for one, rewrites the trace per
+program variant for this rank (checking all ranks' programs against each other), and describes the setup the
+ranks compare before it runs. What one build learns that a later one must reuse is a named field of it: the
+slices a sharded mode gave this rank, the whole shapes of parameters held as slices, the measured costs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from transpiler.graph.collectives import communication_plan
+from transpiler.graph.cost_model import CostModel
+from transpiler.graph.pipeline import Pass, Pipeline
+from transpiler.graph.program import Axis, StepProgram
+from transpiler.graph.verify import (
+    DEFAULT_VERIFIERS,
+    check_communication,
+    check_cross_rank,
+    check_fragments,
+    check_output_shapes,
+    check_shards,
+)
+from transpiler.runtime import cost_probe, host_memory
+from transpiler.runtime import cuda_graph as cuda_graph_module
+from transpiler.runtime.compile import CompiledProgram
+from transpiler.runtime.cuda_graph import CapturedProgram
+from transpiler.runtime.handshake import Setup, describe_model, describe_optimizer
+from transpiler.runtime.process_group import Placement
+from transpiler.runtime.program_cache import Built, batch_key
+from transpiler.strategies.schedules import ACCUMULATE, Schedule
+from transpiler.strategies.strategy import RankPlan, Strategy
+from transpiler.trace.environment import AutocastState
+from transpiler.trace.outer import trace_outer_update
+from transpiler.trace.tracer import LossFn, trace_step
+
+from .errors import ConfigurationError
+
+log = logging.getLogger("transpiler")
+CROSS_RANK_LIMIT = 16  # beyond this many ranks, the static check compares ranks 0, 1 and W-1
+Axes = Sequence[dict[str, tuple[int, ...]]]  # per rank of the world: each axis's ranks
+
+
+@dataclass
+class StepBuilder:
+    """Builds this rank's programs for one cache key (``DistributedStep`` calls it)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: LossFn
+    outer: torch.optim.Optimizer | None  # DiLoCo's outer optimizer, traced beside the step
+    strategy: Strategy
+    plan: RankPlan
+    placement: Placement
+    subgroups: dict[tuple[int, ...], str]  # the strategy's process groups by their ranks
+    verify: bool = True
+    on_pass: Callable[[str, StepProgram], None] | None = None
+    compile: bool = False
+    cuda_graph: bool = False
+    keep_freed_memory: bool = True
+    # learnt by earlier builds: a sharded mode's slices of this rank (None: no mode shards), the whole shape of
+    # each parameter ZeRO-3 holds as a slice, and the cost model measured per batch shape
+    shards: dict[str, tuple[int, int]] | None = field(init=False)
+    whole: dict[str, tuple[int, ...]] = field(init=False, default_factory=dict)
+    measured: dict[tuple, CostModel] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.shards = {} if any(p.shards_state for p in self.strategy.passes()) else None
+
+    def __call__(self, batch: tuple, autocast: AutocastState) -> Built:
+        check_frozen_whole(self.model, self.whole)
+        traced, state, plan = trace_step(
+            self.model, self.optimizer, self.loss_fn, batch, autocast, shards=self.shards, whole_shapes=self.whole
+        )
+        outer_plan = None
+        if self.outer is not None:
+            traced.outer_update, outer_plan = trace_outer_update(self.outer, state)
+        traced.cost_model = self._cost_model(batch)
+        programs = {
+            variant: rewrite(
+                traced,
+                passes,
+                self.placement,
+                verify=self.verify,
+                on_pass=self.on_pass,
+                subgroups=self.subgroups,
+                axes=self.plan.axes,
+            )
+            for variant, passes in self.plan.variants.items()
+        }
+        if self.outer is not None and self.verify:
+            every = self.plan.schedule.settings()["sync_every"]
+            check_fragments(programs, updates_of(self.strategy.fresh_schedule(), 3 * every), every)
+        if self.keep_freed_memory and host_memory.runs_on_cpu(programs.values()):
+            kept = host_memory.keep_freed_memory(programs.values())
+            for program in programs.values():
+                program.decisions["keep-freed-memory"] = kept
+        for program in programs.values() if self.shards is not None else ():
+            self.shards.update(program.shards)
+            self.whole.update((n, s) for b in program.param_buckets for n, s in zip(b.names, b.shapes))
+        runners = runners_for(programs, compile=self.compile, cuda_graph=self.cuda_graph)
+        return Built(programs, state, plan, self._setup(batch, programs), runners, outer=outer_plan)
+
+    def _cost_model(self, batch: tuple) -> CostModel | None:
+        """The cost model of this batch shape, measured once on the step's group where a pass asks for one
+        (``bucket_cap_mb="auto"``); a retrace (model mode, new state) reuses it."""
+        wanted = any(getattr(p, "wants_cost_model", False) for p in self.strategy.passes())
+        if not (wanted and self.placement.live and self.placement.world_size > 1):
+            return None
+        key = batch_key(batch)
+        if key not in self.measured:
+            self.measured[key] = cost_probe.measure(self.model, self.loss_fn, batch, self.placement.group_name)
+        return self.measured[key]
+
+    def _setup(self, batch: tuple, programs: dict[str, StepProgram]) -> Setup:
+        """What every rank compares before these programs first run (``handshake.py``)."""
+        placement, outer = self.placement, self.outer
+        return Setup(
+            world_size=placement.world_size,
+            mode=self.strategy.specs(),
+            schedule=self.plan.schedule.settings(),
+            timeout_s=placement.timeout.total_seconds(),
+            **describe_model(self.model, self.whole),
+            optimizer=describe_optimizer(self.optimizer)
+            | ({f"outer {k}": v for k, v in describe_optimizer(outer).items()} if outer is not None else {}),
+            batch=tuple(str(t.dtype).removeprefix("torch.") for t in batch),
+            communication={v: communication_plan(p.graph) for v, p in programs.items()},
+            groups={name: ranks for ranks, name in self.subgroups.items()}
+            | {placement.group_name: tuple(range(placement.world_size))},
+            sources={name: digest for p in programs.values() for name, digest in p.sources.items()},
+            compiled=self.compile,
+        )
+
+
+def updates_of(schedule: Schedule, count: int) -> list[str]:
+    """The variants a fresh schedule runs at its first ``count`` updates (accumulation micro-steps left out)."""
+    out: list[str] = []
+    while len(out) < count:
+        variant = schedule.variant()
+        schedule.observe(variant, {}, 0.0)
+        if variant != ACCUMULATE:
+            out.append(variant)
+    return out
+
+
+def check_frozen_whole(model: torch.nn.Module, whole: dict[str, tuple[int, ...]]) -> None:
+    """A parameter ZeRO-3 holds as a slice cannot become frozen: frozen parameters are whole on every rank."""
+    for name, p in model.named_parameters():
+        if not p.requires_grad and name in whole and tuple(p.shape) != whole[name]:
+            raise ConfigurationError(
+                f"parameter '{name}' was frozen (requires_grad=False) after zero3 sharded it: this rank holds only "
+                f"its slice {list(p.shape)} of {list(whole[name])}, and a frozen parameter is used whole. Freeze "
+                "parameters before the first step, or inside `with step.gathered():` set requires_grad and call "
+                "transpile() again."
+            )
+
+
+def runners_for(programs: dict[str, StepProgram], *, compile: bool, cuda_graph: bool) -> dict[str, Callable]:
+    """What runs each variant other than its graph module: compiled, captured (one memory pool for all
+    variants), or both (the captured device part compiled)."""
+    if cuda_graph:
+        pool = cuda_graph_module.CAPTURER.new_pool()
+        wrap = CompiledProgram if compile else None
+        return {v: CapturedProgram(p, v, pool, wrap, cuda_graph_module.CAPTURER) for v, p in programs.items()}
+    return {v: CompiledProgram(p.graph_module, v) for v, p in programs.items()} if compile else {}
+
+
+def rewrite(
+    traced: StepProgram,
+    passes: list[Pass],
+    placement: Placement,
+    *,
+    verify: bool = True,
+    on_pass: Callable[[str, StepProgram], None] | None = None,
+    subgroups: dict[tuple[int, ...], str] | None = None,
+    axes: Axes = (),
+) -> StepProgram:
+    """Run the pipeline on a copy of ``traced`` for ``placement``'s rank, checking all ranks agree. ``axes`` gives
+    each rank's groups of a 2-D layout (``program.axes``; none: one dimension). Other ranks' programs, built only
+    to be compared, keep no history."""
+    subgroups = dict(subgroups or {})
+
+    def for_rank(r: int, callback=None, history: bool = True) -> StepProgram:
+        program = traced.clone(rank=r)
+        program.world_size, program.group_name = placement.world_size, placement.group_name
+        program.subgroups = dict(subgroups)
+        program.axes = {
+            name: Axis(len(ranks), ranks.index(r), subgroups[ranks])
+            for name, ranks in (axes[r] if axes else {}).items()
+        }
+        verifiers = list(DEFAULT_VERIFIERS)
+        Pipeline(passes, verifiers, verify=verify, on_pass=callback, keep_history=history).run(program)
+        return program
+
+    mine = for_rank(placement.rank, on_pass)
+    if verify:
+        check_output_shapes(mine)
+    if verify and placement.world_size > 1:
+        w = placement.world_size
+        ranks = range(w) if w <= CROSS_RANK_LIMIT else sorted({0, 1, w - 1})
+        others = [mine if r == placement.rank else for_rank(r, history=False) for r in ranks]
+        if subgroups and w <= CROSS_RANK_LIMIT:  # subgroups or point-to-point: simulate every rank's sequence
+            check_communication(
+                others, {name: ranks for ranks, name in subgroups.items()} | {placement.group_name: tuple(range(w))}
+            )
+        else:
+            check_cross_rank(others)
+        if len(others) == w:
+            check_shards(others)
+    log.debug(
+        "pipeline %s built for rank %d of %d", ",".join(p.spec() for p in passes), placement.rank, placement.world_size
+    )
+    return mine

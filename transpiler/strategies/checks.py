@@ -1,0 +1,103 @@
+"""What a mode checks at ``transpile()``, before anything is traced: the optimizers it is given, and the files it
+reads. Each check is a small record that raises a ConfigurationError saying what does not fit and what to use
+instead."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from transpiler.errors import ConfigurationError
+from transpiler.graph.pipeline import Pass
+from transpiler.trace.optimizers import TWINS
+
+# optimizers whose update needs whole tensors, which a sharded mode refuses at transpile() (their names, since
+# not every torch has them); a user's own optimizer is checked op by op when the step is built
+WHOLE_TENSOR = {
+    "Adafactor": "its factored second moment averages every row and column of a matrix",
+    "Muon": "it orthogonalises every whole matrix (Newton-Schulz iterations)",
+}
+
+
+@dataclass(frozen=True)
+class Elementwise:
+    """A sharded mode updates each rank's slice of every parameter: the update must be element-wise."""
+
+    mode: str
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> None:
+        for member in getattr(optimizer, "members", [optimizer]):
+            why = next((why for name, why in WHOLE_TENSOR.items() if type(member).__name__ == name), None)
+            if why is not None:
+                raise ConfigurationError(
+                    f"mode '{self.mode}' updates each rank's slice of every parameter, so the optimizer must be "
+                    f"element-wise; {type(member).__name__} is not: {why}. Use fused_allreduce, or put the matrices "
+                    "that need it in fused_allreduce and the rest in an element-wise optimizer."
+                )
+
+
+@dataclass(frozen=True)
+class HasTwin:
+    """The all-gather mode copies the optimizer's update once per rank's gradient: it needs a functional twin."""
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> None:
+        if type(optimizer) not in TWINS:
+            raise ConfigurationError(
+                f"mode 'allgather' applies the optimizer once per rank's gradient, by copying its functional twin; "
+                f"{type(optimizer).__name__} has none (only torch.optim.SGD, Adam and AdamW do). Use another mode, "
+                "or one of those optimizers."
+            )
+
+
+@dataclass(frozen=True)
+class PlainSGD:
+    """DimReduce's update is Boost's ``SGD(learning_rate=1)``: the user's SGD without momentum or decay."""
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> None:
+        bad = [
+            f"group {i}: {key}={group.get(key)!r}"
+            for i, group in enumerate(optimizer.param_groups)
+            for key in ("momentum", "weight_decay", "nesterov", "maximize")
+            if group.get(key)
+        ]
+        if type(optimizer) is not torch.optim.SGD or bad:
+            got = type(optimizer).__name__ + (f" with {', '.join(bad)}" if bad else "")
+            raise ConfigurationError(
+                f"mode 'dim_reduce' applies its own update through plain SGD, as MindSpore Boost swaps in "
+                f"SGD(learning_rate=1); got {got}. Use torch.optim.SGD(params, lr=1.0) (lr scales every step "
+                "DimReduce takes, trials included; momentum and weight decay would act on the line-search trials)."
+            )
+
+
+@dataclass(frozen=True)
+class BasisReadable:
+    """DimReduce's basis file (its pass reads it when it runs) can be read now, whatever the optimizer."""
+
+    step: Pass  # the dim-reduce pass
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.step.rows()
+
+
+@dataclass(frozen=True)
+class OneStepCount:
+    """SGD only, for a strategy that would split a step count kept per param group: gradient freeze (frozen
+    groups skip steps), Streaming DiLoCo's outer optimizer (each fragment steps at its own step)."""
+
+    why: str  # the refusal, to which the optimizer's name is added
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> None:
+        if type(optimizer) is not torch.optim.SGD:
+            raise ConfigurationError(self.why.format(name=type(optimizer).__name__))
+
+
+FREEZE_SGD = OneStepCount(
+    "gradient freeze (freeze_groups) works with torch.optim.SGD; {name} keeps one step count per param group, "
+    "which frozen parameters would split. Use SGD, or no freeze."
+)
+STREAMING_OUTER_SGD = OneStepCount(
+    "mode 'streaming_diloco' updates one fragment's global weights at a time, so its outer optimizer must keep no "
+    "step count per param group; {name} does. Use torch.optim.SGD (the paper's outer optimizer is SGD with "
+    "Nesterov momentum), or mode 'diloco'."
+)

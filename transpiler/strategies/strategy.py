@@ -1,0 +1,111 @@
+"""What a mode builds, as data: the passes of each program variant, the schedule that picks one each step, the
+layout of the ranks, the checks its optimizers must pass, and whether it keeps the ranks in step; and what one
+rank needs of it, computed once (:meth:`Strategy.for_rank`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from transpiler.graph.pipeline import Pass, check_order
+from transpiler.graph.rank_layouts import Layout, OneDimension
+
+from .schedules import EveryStep, Schedule
+
+
+class OptimizerCheck(Protocol):
+    def __call__(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise a ConfigurationError saying why ``optimizer`` does not fit the mode, and what to use instead."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A mode's pipeline in parts, so wrapping strategies can be woven in (``composition.py``)."""
+
+    body: dict[str, list[Pass]]  # per variant: the mode's own passes (reduction, averaging)
+    prefix: list[Pass] = field(default_factory=list)  # startup (broadcast-params)
+    seed: list[Pass] = field(default_factory=list)  # passes that only scale the loss gradient
+    tail: list[Pass] = field(default_factory=list)  # after everything (reinplace-optimizer)
+    schedule: Schedule = field(default_factory=EveryStep)  # a prototype: each step runs a fresh copy
+    layout: Layout = OneDimension()
+    checks: tuple[OptimizerCheck, ...] = ()  # of the optimizer, at transpile()
+    replicated: bool = False  # see Strategy; what a resharding checkpoint (save_checkpoint) needs
+    # set: an accumulation micro-step runs the body too and accumulates its reduced gradients (this rank's
+    # slices, ZeRO-2/3), then these passes in place of the tail; unset: micro-steps accumulate raw gradients
+    micro_tail: list[Pass] | None = None
+    micro_body: list[Pass] | None = None  # what a sharded recipe's micro-step runs, when not ``body["step"]``
+    gradient_axis: str = "world"  # the ranks that share a gradient: loss scaling and clipping work across them
+    outer: tuple[OptimizerCheck, ...] | None = None  # see Strategy
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A pass list per program variant, and the schedule choosing between them; every pipeline's order is
+    checked when the strategy is made (``check_order``), before anything is traced."""
+
+    variants: dict[str, list[Pass]]
+    schedule: Schedule = field(default_factory=EveryStep)  # a prototype, never stepped: see fresh_schedule()
+    layout: Layout = OneDimension()
+    checks: tuple[OptimizerCheck, ...] = ()
+    replicated: bool = False  # after every update all ranks hold the same model and optimizer (or its slices)
+    # not None: the mode applies an outer optimizer (DiLoCo), which transpile() traces beside the step, and these
+    # are its checks
+    outer: tuple[OptimizerCheck, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for passes in self.variants.values():
+            check_order(passes)
+
+    def check(self, optimizer: torch.optim.Optimizer) -> None:
+        for check in self.checks:
+            check(optimizer)
+
+    def check_outer(self, optimizer: torch.optim.Optimizer) -> None:
+        for check in self.outer or ():
+            check(optimizer)
+
+    def fresh_schedule(self) -> Schedule:
+        """A schedule at step 0."""
+        return copy.deepcopy(self.schedule)
+
+    def specs(self) -> dict[str, str]:
+        """Each variant's pipeline spec."""
+        return {variant: ",".join(p.spec() for p in passes) for variant, passes in self.variants.items()}
+
+    def passes(self) -> Iterator[Pass]:
+        for passes in self.variants.values():
+            yield from passes
+
+    def for_rank(self, world: int, rank: int) -> RankPlan:
+        """What ``rank`` of a world of ``world`` needs: its variants, every process group in creation order, every
+        rank's axes (the static check builds every rank's program), and a fresh schedule."""
+        return RankPlan(
+            world_size=world,
+            rank=rank,
+            variants=self.variants,
+            groups=tuple(self.layout.groups(world)),
+            axes=tuple(self.layout.axes(world, r) for r in range(world)),
+            schedule=self.fresh_schedule(),
+        )
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's share of a strategy."""
+
+    world_size: int
+    rank: int
+    variants: dict[str, list[Pass]]
+    groups: tuple[tuple[int, ...], ...]  # every rank subset to create as a process group, in one order
+    axes: tuple[dict[str, tuple[int, ...]], ...]  # per rank of the world: each axis's ranks
+    schedule: Schedule
+
+    @property
+    def replica_ranks(self) -> tuple[int, ...]:
+        """The ranks of this rank's replica (DiLoCo's 2-D layout), or this rank alone."""
+        return self.axes[self.rank].get("replica", (self.rank,))
