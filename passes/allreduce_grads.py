@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from transpiler.graph.edit import move_before, position
-from transpiler.graph.pipeline import Fact, Pass
+from transpiler.graph.pipeline import ReducingPass
 from transpiler.graph.program import StepProgram
 
 from .bucketing import reduce_in_buckets
@@ -20,13 +20,9 @@ from .gradient_flow import replace_gradient, unreduced_gradients
 
 
 @dataclass(frozen=True)
-class AllReduceGrads(Pass):
+class AllReduceGrads(ReducingPass):
     name = "allreduce-grads"
-    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNTOUCHED})
-    ensures = frozenset({Fact.REDUCED})
-    invalidates = frozenset({Fact.UNREDUCED})
     summary = "one sum all-reduce per gradient, issued after it is produced, waited before first use"
-    reduces_gradients = True
 
     def run(self, program: StepProgram) -> bool:
         grads = unreduced_gradients(program)

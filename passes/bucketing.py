@@ -19,7 +19,7 @@ from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor, node_bytes, position
 from transpiler.graph.options import option
-from transpiler.graph.pipeline import Fact, Pass
+from transpiler.graph.pipeline import ReducingPass
 from transpiler.graph.program import StepProgram
 
 from .bucket_views import aliased_to_output, write_into_buffer
@@ -86,14 +86,10 @@ def placed_buckets(
 
 
 @dataclass(frozen=True)
-class BucketedGradientPass(Pass):
+class BucketedGradientPass(ReducingPass):
     """A pass that reduces the step's unreduced gradients in buckets of its own (``allgather-grads``,
     ``sparse-allreduce``): the two cap options, and :meth:`reduce`, called when there is a gradient to reduce."""
 
-    reduces_gradients = True
-    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNTOUCHED})
-    ensures = frozenset({Fact.REDUCED})
-    invalidates = frozenset({Fact.UNREDUCED})
     bucket_cap_mb: float = bucket_cap_option()
     first_bucket_mb: float = first_bucket_option()
 

@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from transpiler.errors import ConfigurationError
-from transpiler.graph.edit import Cursor, refresh_value
+from transpiler.graph.edit import Cursor, ancestors, fake_mode, refresh_value
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.ports import GLOBAL, IN_FLIGHT, OUTER, ExtraInit, Port, PortKind, is_input
@@ -191,7 +191,7 @@ class DiLoCoOuterStep(Pass):
         placeholders = [n for n in outer.graph_module.graph.nodes if n.op == "placeholder"]
         results = list(outer.graph_module.graph.output_node().args[0])
         wanted = {i for i, port in enumerate(outer.outputs) if _param_of(port) in globals_}
-        needed = _ancestors([results[i] for i in wanted])
+        needed = ancestors([results[i] for i in wanted])
         env: dict[fx.Node, fx.Node] = {}
         for node, port in zip(placeholders, outer.inputs):
             if node not in needed:
@@ -230,8 +230,7 @@ def fragments_of(program: StepProgram, fragments: int) -> dict[str, int]:
 
 def _fake(program: StepProgram, like: torch.Tensor, device: str | None = None) -> torch.Tensor:
     """A fake tensor of the program's fake mode shaped as ``like``, on its device or on ``device``."""
-    mode = next(n.meta["val"].fake_mode for n in program.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
-    with mode:
+    with fake_mode(program.graph):
         return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device or like.device)
 
 
@@ -245,15 +244,3 @@ def _in_mode(program: StepProgram, node: fx.Node) -> torch.Tensor | None:
 def _param_of(port: Port) -> str:
     """The parameter an outer output belongs to (``<param>`` or ``<param>.<key>``)."""
     return port.name if port.kind == "param" else port.name.rsplit(".", 1)[0]
-
-
-def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return seen

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from transpiler.graph.options import option
-from transpiler.graph.pipeline import Fact, Pass
+from transpiler.graph.pipeline import ReducingPass
 from transpiler.graph.program import StepProgram
 
 from .bucket_plan import choose_caps
@@ -42,13 +42,9 @@ from .gradient_flow import replace_gradient, unreduced_gradients
 
 
 @dataclass(frozen=True)
-class FuseAllReduce(Pass):
+class FuseAllReduce(ReducingPass):
     name = "fuse-allreduce"
-    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNTOUCHED})
-    ensures = frozenset({Fact.REDUCED})
-    invalidates = frozenset({Fact.UNREDUCED})
     summary = "coalesce gradients into dtype/size buckets, one all-reduce per bucket"
-    reduces_gradients = True
     bucket_cap_mb: float | str = bucket_cap_option("auto", "picks both caps from a cost model measured at startup")
     first_bucket_mb: float = first_bucket_option()
     compress: str = compress_option()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from transpiler.graph.edit import Cursor
+from transpiler.graph.edit import Cursor, fake_mode
 from transpiler.graph.ports import ExtraInit, Port
 from transpiler.graph.program import StepProgram
 
@@ -100,8 +100,7 @@ def add_constant(program: StepProgram, name: str, value: torch.Tensor, **meta) -
     placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
     with program.graph.inserting_after(placeholders[-1]):
         node = program.graph.get_attr(name)
-    fake = next(n.meta["val"] for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)).fake_mode
-    node.meta.update(val=fake.from_tensor(value), **meta)
+    node.meta.update(val=fake_mode(program.graph).from_tensor(value), **meta)
     return node
 
 
@@ -122,8 +121,7 @@ def set_output_values(program: StepProgram, values: list[fx.Node]) -> None:
 
 def fake_tensor(program: StepProgram, dtype: torch.dtype, shape: tuple[int, ...] = ()) -> torch.Tensor:
     """A fake tensor in the graph's fake mode (0-d by default), for the value of a new input."""
-    val = next(n.meta["val"] for n in program.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor))
-    with val.fake_mode:
+    with fake_mode(program.graph):
         return torch.empty(shape, dtype=dtype)
 
 

@@ -47,21 +47,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives a rank on one host, with one thread and the repository on the path."""
+    return dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),
+    )
+
+
 def launch(script: Path, world: int, args: list[str], *, timeout: float) -> list[subprocess.CompletedProcess]:
     """Start ``world`` ranks of ``script``; kill them all and fail if any hangs past ``timeout``."""
     port = free_port()
     procs, logs = [], []
     for rank in range(world):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=str(ROOT),
-        )
+        env = rank_env(rank, world, port)
         # a file, not a pipe: a rank that prints a lot must never block on a pipe nobody reads yet
         logs.append(tempfile.TemporaryFile(mode="w+"))
         procs.append(

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed import ROOT, launch
 from tests.helpers import adasum_tree, eager_step
+from tests.worlds import run_in_world
 from transpiler import ConfigurationError, transpile
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -30,9 +30,7 @@ def rel_err(got: torch.Tensor, want: np.ndarray) -> float:
 @pytest.fixture(scope="module", params=[2, 4, 8], ids=lambda w: f"world{w}")
 def runs(request, tmp_path_factory):
     world = request.param
-    out = tmp_path_factory.mktemp(f"adasum{world}")
-    launch(ROOT / "tests" / "adasum_worker.py", world, [str(out)], timeout=240)
-    return world, [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    return world, run_in_world(world, "tests.adasum_worker:checks", tmp_path_factory.mktemp(f"adasum{world}"))
 
 
 CASES = ("odd_long", "odd_short", "several", "orthogonal", "collinear", "identical", "zero_on_odd_ranks")

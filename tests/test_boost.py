@@ -32,8 +32,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed import ROOT, launch
 from tests.helpers import adasum_tree
+from tests.worlds import run_in_world
 from transpiler.strategies.schedules import continuous_freeze_cycle
 
 ATOL = 1e-6
@@ -42,9 +42,7 @@ LR = 0.05
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("boost")
-    launch(ROOT / "tests" / "boost_worker.py", 2, [str(out)], timeout=300)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return run_in_world(2, "tests.boost_worker:checks", tmp_path_factory.mktemp("boost"), timeout=280)
 
 
 def same(a: dict, b: dict) -> bool:

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from tests.diloco_worker import MLP_FRAGMENTS, ROUNDS, H
-from tests.distributed import ROOT, launch
 from tests.helpers import quantised_sum
 from tests.models import MLP
+from tests.worlds import run_in_world
 
 pytestmark = pytest.mark.bitwise  # .ci/run repeats these under ATen's narrowest kernels
 
@@ -26,9 +26,7 @@ pytestmark = pytest.mark.bitwise  # .ci/run repeats these under ATen's narrowest
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def runs(request, tmp_path_factory):
     world = request.param
-    out = tmp_path_factory.mktemp(f"diloco{world}")
-    launch(ROOT / "tests" / "diloco_worker.py", world, [str(out)], timeout=240)
-    return world, [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    return world, run_in_world(world, "tests.diloco_worker:checks", tmp_path_factory.mktemp(f"diloco{world}"))
 
 
 W2 = pytest.mark.parametrize("runs", [2], indirect=True, ids=["world2"])  # checks run at W=2 only

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tests import dim_reduce_problem as problem
-from tests.distributed import ROOT, launch
 from tests.models import plain_sgd_factory
+from tests.worlds import run_in_world
 from transpiler import ConfigurationError, transpile
 from transpiler.build import rewrite
 from transpiler.cli import main
@@ -140,8 +140,7 @@ def test_world_size_1_matches_the_reference_with_every_line_search_outcome(basis
 @pytest.fixture(scope="module", params=[2, 3])
 def world(request, basis, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"dim_reduce_w{request.param}")
-    launch(ROOT / "tests" / "dim_reduce_worker.py", request.param, [str(out), str(basis)], timeout=240)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(request.param)]
+    return run_in_world(request.param, "tests.dim_reduce_worker:checks", out, (basis,))
 
 
 def test_world_sizes_2_and_3_match_the_reference_and_agree_bitwise(world, expected):

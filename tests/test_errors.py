@@ -92,6 +92,25 @@ def test_world_size_above_one_without_process_group_can_be_inspected_not_run():
         ),
         ("fuse-allreduce{bucket-cap-mb=-1}", PipelineSpecError, "bucket-cap-mb.*too small"),
         ("fuse-allreduce{size=3}", PipelineSpecError, "no option.*'size'.*bucket-cap-mb"),
+        # passes in an order that cannot work, refused before anything is traced, naming both passes
+        (
+            "gather-params,shard-optimizer",
+            PipelineSpecError,
+            "'gather-params' requires the optimizer state sharded.*'shard-optimizer' ensures it, but later",
+        ),
+        (
+            "reinplace-optimizer,fuse-allreduce",
+            PipelineSpecError,
+            "'fuse-allreduce' requires a functional graph.*'reinplace-optimizer' before it takes that away",
+        ),
+        (
+            "fuse-allreduce,clip-grad-norm,loss-scale",
+            PipelineSpecError,
+            "'loss-scale' requires gradients as reduced, not yet unscaled.*put loss-scale before clip-grad-norm",
+        ),
+        ("foreach-update,flatten-update", PipelineSpecError, "put flatten-update before foreach-update"),
+        ("allreduce-grads,fuse-allreduce", PipelineSpecError, "'fuse-allreduce' requires the backward's gradients"),
+        ("dim-reduce", PipelineSpecError, "requires gradients reduced across ranks; and no pass before it ensures"),
     ],
 )
 def test_bad_mode_or_spec(mode, error, message):

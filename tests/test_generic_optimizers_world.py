@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import ROOT, launch
 from tests.optimizer_worker import OPTIMIZERS
+from tests.worlds import run_in_world
 
 TENSOR_PATH_TOL = 1e-6
 AVERAGING_TOL = dict(atol=1e-6, rtol=1e-5)
@@ -23,9 +23,7 @@ AVERAGING_TOL = dict(atol=1e-6, rtol=1e-5)
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("optimizers2")
-    launch(ROOT / "tests" / "optimizer_worker.py", 2, [str(out)], timeout=240)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    return run_in_world(2, "tests.optimizer_worker:checks", tmp_path_factory.mktemp("optimizers2"))
 
 
 def _close(ours: dict, ref: dict, what: str, bitwise: bool, **tol) -> None:

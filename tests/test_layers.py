@@ -14,6 +14,7 @@ from importlinter.cli import lint_imports
 
 import passes
 import transpiler
+from transpiler import transpile
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("transpiler", "passes")
@@ -123,6 +124,34 @@ def test_the_registry_loads_a_pass_when_it_is_first_named():
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_one_step_enters_the_run_loop_module_twice():
+    """Following a batch through a step, traced first or cached: ``DistributedStep.__call__`` and the run loop it
+    wraps are the only frames of ``runtime/distributed_step.py``; every job is another module's."""
+    import torch
+    from torch import nn
+
+    from transpiler.runtime import distributed_step
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step = transpile(model, optimizer, mode="fused_allreduce", loss_fn=nn.CrossEntropyLoss(), loss_scale="dynamic")
+    batch = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    entered: list[str] = []
+
+    def profile(frame, event, arg) -> None:
+        if event == "call" and frame.f_code.co_filename == distributed_step.__file__:
+            entered.append(frame.f_code.co_name)
+
+    for _ in range(2):  # the first step traces, the second finds its programs cached
+        sys.setprofile(profile)
+        try:
+            step(*batch)
+        finally:
+            sys.setprofile(None)
+        assert entered == ["__call__", "_step"]
+        entered.clear()
 
 
 # Imports inside a function, of the project's own modules, with the reason each is deferred. None dodges a cycle.

@@ -7,16 +7,14 @@ import math
 import pytest
 import torch
 
-from tests.distributed import ROOT, launch
 from tests.test_schedules import documented_syncs
+from tests.worlds import run_in_world
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
 def runs(request, tmp_path_factory):
     world = request.param
-    out = tmp_path_factory.mktemp(f"localsgd{world}")
-    launch(ROOT / "tests" / "localsgd_worker.py", world, [str(out)], timeout=240)
-    return world, [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    return world, run_in_world(world, "tests.localsgd_worker:checks", tmp_path_factory.mktemp(f"localsgd{world}"))
 
 
 def test_k1_plain_sgd_matches_allreduce(runs):

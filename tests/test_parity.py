@@ -27,7 +27,7 @@ import itertools
 import pytest
 import torch
 
-from tests.distributed import ROOT, launch
+from tests.worlds import run_in_world
 
 pytestmark = pytest.mark.bitwise  # claims eager's or DDP's bits: run again under narrower kernels in .ci/run
 
@@ -45,9 +45,8 @@ ATOL, RTOL = 1e-6, 1e-5
 def runs(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"parity{world}")
-    # below pytest-timeout, so a hang is reported by the launcher, which kills every rank
-    launch(ROOT / "tests" / "dist_worker.py", world, [str(out), ";".join(SCENARIOS)], timeout=240)
-    return world, [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    # below pytest-timeout, so a hang is reported by the session, which kills every rank
+    return world, run_in_world(world, "tests.dist_worker:checks", out, (";".join(SCENARIOS),), timeout=240)
 
 
 def _compare(ours: dict, other: dict, *, bitwise: bool, what: str, keys=("params", "state", "buffers")) -> None:

@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from tests.checkpoint_worker import STAGES
-from tests.distributed import ROOT, launch
+from tests.worlds import run_in_world
 from tests.zero_worker import SCENARIOS
 
 pytestmark = pytest.mark.bitwise
@@ -50,8 +50,7 @@ ATOL_COMPILED = 1e-7  # Inductor fuses the update's arithmetic: README and docs/
 def runs(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"zero{world}")
-    launch(ROOT / "tests" / "zero_worker.py", world, [str(out)], timeout=240)  # under pytest-timeout's 300 s
-    return world, [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    return world, run_in_world(world, "tests.zero_worker:capturing_checks", out, timeout=240)  # below pytest-timeout
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +62,7 @@ def dcp_worlds(tmp_path_factory) -> dict[str, list[dict]]:
     worlds = {}
     for stage, (world, *_) in STAGES.items():
         out = tmp_path_factory.mktemp(f"dcp_{stage}")
-        launch(ROOT / "tests" / "checkpoint_worker.py", world, [str(out), str(checkpoints), stage], timeout=240)
-        worlds[stage] = [torch.load(out / f"rank{r}.pt") for r in range(world)]
+        worlds[stage] = run_in_world(world, "tests.checkpoint_worker:dcp_checkpoints", out, (checkpoints, stage))
     return worlds
 
 

@@ -10,9 +10,11 @@ what the modes refuse.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
+from unittest import mock
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -365,6 +367,13 @@ def checks(rank: int, world: int) -> dict:
     return results
 
 
+def capturing_checks(rank: int, world: int) -> dict:
+    """:func:`checks` with ``cuda_graph=True`` capturing on the CPU (only the scenarios that ask for it capture),
+    and the capture put back afterwards: the rank's next job (tests/worlds.py) sees the module as it was."""
+    with contextlib.ExitStack() as undo:
+        capture_by_calling(lambda owner, name, value: undo.enter_context(mock.patch.object(owner, name, value)))
+        return checks(rank, world)
+
+
 if __name__ == "__main__":
-    capture_by_calling(setattr)  # only the scenarios that ask for cuda_graph=True capture
-    run_rank(lambda rank, world: checks(rank, world))
+    run_rank(capturing_checks)

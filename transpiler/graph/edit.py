@@ -14,7 +14,7 @@ from typing import Any
 import networkx as nx
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from .collectives import is_collective
 from .p2p import is_exchange
@@ -22,6 +22,23 @@ from .p2p import is_exchange
 
 def fake_value(node: fx.Node) -> Any:
     return node.meta.get("val")
+
+
+def fake_mode(graph: fx.Graph) -> FakeTensorMode | None:
+    """The fake mode the graph's values were traced in (None: a graph with no tensor value)."""
+    return next((n.meta["val"].fake_mode for n in graph.nodes if isinstance(n.meta.get("val"), FakeTensor)), None)
+
+
+def ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
+    """``nodes`` and every node they read, directly or not."""
+    seen: set[fx.Node] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
 
 
 def _fake_call(graph: fx.Graph, target: Callable, args: tuple, kwargs: dict) -> Any:
@@ -35,7 +52,7 @@ def _fake_call(graph: fx.Graph, target: Callable, args: tuple, kwargs: dict) -> 
         return vals[0][0][vals[0][1]]
     mode = next((v.fake_mode for v in torch.utils._pytree.tree_iter(vals) if isinstance(v, FakeTensor)), None)
     if mode is None and not any(isinstance(a, fx.Node) for a in torch.utils._pytree.tree_iter((args, kwargs))):
-        mode = next((n.meta["val"].fake_mode for n in graph.nodes if isinstance(n.meta.get("val"), FakeTensor)), None)
+        mode = fake_mode(graph)
     if mode is None:
         return None
     with mode:

@@ -80,6 +80,17 @@ class Pass:
         return self.name + ("{" + ",".join(opts) + "}" if opts else "")
 
 
+@dataclass(frozen=True)
+class ReducingPass(Pass):
+    """Base of a pass that reduces the backward's gradients across ranks, each once (the verifiers hold it to
+    that): it comes before anything unscales, clips or reduces them again."""
+
+    reduces_gradients = True
+    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNTOUCHED})
+    ensures = frozenset({Fact.REDUCED})
+    invalidates = frozenset({Fact.UNREDUCED})
+
+
 def format_value(value: object) -> str:
     """An option value as a spec writes it (``true``, not ``True``)."""
     return str(value).lower() if isinstance(value, bool) else str(value)

@@ -15,6 +15,7 @@ from transpiler.errors import VerificationError
 
 from .bucket_layout import check_bucket_views
 from .collectives import CommOp, collective_sequence, communication_plan, is_collective, is_wait
+from .edit import ancestors
 from .ports import GLOBAL, IN_FLIGHT, OUTER, PortKind
 from .program import ROLES, StepProgram
 
@@ -137,7 +138,7 @@ def check_outer_reads_averaged(program: StepProgram, final: bool) -> None:
                     f"outer update node '{node.name}' reads '{source.name}', which is not an averaged "
                     "pseudo-gradient, θ_global or the outer optimizer's own state."
                 )
-            if not any(is_wait(n) for n in _ancestors(source)):
+            if not any(is_wait(n) for n in ancestors([source])):
                 raise VerificationError(
                     f"'{source.name}' is tagged as the averaged pseudo-gradient of "
                     f"'{source.meta['averaged_delta_of']}', but no collective's wait precedes it."
@@ -151,17 +152,6 @@ def _outer_input(node: fx.Node) -> bool:
         node = node.args[0]
     port = node.meta.get("port")
     return port is not None and (port.kind == PortKind.EXTRA and port.name.startswith(GLOBAL) or OUTER in port.name)
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current not in seen:
-            seen.add(current)
-            stack.extend(current.all_input_nodes)
-    return seen
 
 
 def check_fragments(programs: dict[str, StepProgram], variants: list[str], sync_every: int) -> None:

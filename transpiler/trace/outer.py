@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.func import functionalize
 
 from transpiler.errors import UnsupportedModelError, UnsupportedOptimizerError
 from transpiler.graph.ports import Port
 from transpiler.graph.program import OuterUpdate
 
-from .environment import tracing_environment
-from .optimizers import DataDependentStep, GenericPlan, OptimizerPlan, make_plan
-from .tracer import ModelState, _make_fx, _scalar_inputs_as_floats, _twin_updates
+from .functional import trace_functional, twin_updates
+from .optimizers import GenericPlan, OptimizerPlan, make_plan
+from .tracer import ModelState, _scalar_inputs_as_floats
 
 
 def trace_outer_update(outer: torch.optim.Optimizer, state: ModelState) -> tuple[OuterUpdate, OptimizerPlan]:
@@ -43,7 +42,7 @@ def trace_outer_update(outer: torch.optim.Optimizer, state: ModelState) -> tuple
         if generic:
             new, updated = plan.step_all(thetas, grads, grouped, scalars)
         else:
-            new, updated = _twin_updates(plan, thetas, grads, grouped, dict(zip(slots, scalars)))
+            new, updated = twin_updates(plan, thetas, grads, grouped, dict(zip(slots, scalars)))
         return (*new, *[t for s in updated for t in s])
 
     inputs = [
@@ -53,25 +52,15 @@ def trace_outer_update(outer: torch.optim.Optimizer, state: ModelState) -> tuple
         *[torch.tensor(v, dtype=torch.float64, device=device) for v in plan.scalar_values()],
     ]
 
-    def trace() -> fx.GraphModule:
-        first = _make_fx(update, inputs, symbolic_scalars=generic)
-        return _make_fx(functionalize(first, remove="mutations"), inputs, symbolic_scalars=generic)
-
-    with tracing_environment():
-        try:
-            gm = trace()
-        except DataDependentStep:
-            if not plan.can_take_tensor_path():
-                raise
-            plan.tensor_path = True
-            gm = trace()
-        except (UnsupportedModelError, UnsupportedOptimizerError):
-            raise
-        except Exception as exc:
-            raise UnsupportedOptimizerError(
-                f"tracing the outer optimizer {type(outer).__name__} failed: {type(exc).__name__}: "
-                f"{str(exc).splitlines()[0][:300] if str(exc) else ''}"
-            ) from exc
+    try:
+        gm = trace_functional(update, inputs, plan, symbolic_scalars=generic)
+    except (UnsupportedModelError, UnsupportedOptimizerError):
+        raise
+    except Exception as exc:
+        raise UnsupportedOptimizerError(
+            f"tracing the outer optimizer {type(outer).__name__} failed: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        ) from exc
     in_ports = (
         [Port("param", name) for name in state.names]
         + [Port("grad", name) for name in state.names]

@@ -17,18 +17,15 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.func import functionalize
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.nn.utils.stateless import _reparametrize_module
 
 from transpiler.errors import ConfigurationError, UnsupportedModelError, UnsupportedOptimizerError
 from transpiler.graph.ports import Port, PortKind, is_input
 from transpiler.graph.program import StepProgram
 
-from .environment import AUTOCAST_OFF, AutocastState, tracing_environment
-from .optimizers import DataDependentStep, GenericPlan, OptimizerPlan, make_plan
+from .environment import AUTOCAST_OFF, AutocastState
+from .functional import trace_functional, twin_updates
+from .optimizers import GenericPlan, OptimizerPlan, make_plan
 
 LossFn = Callable[..., torch.Tensor] | None
 _DATA_DEPENDENT = (
@@ -151,7 +148,7 @@ def trace_step(
         if generic:
             new_params, updated = plan.step_all(params, grads, states, list(scalars))
         else:
-            new_params, updated = _twin_updates(plan, params, grads, states, dict(zip(slots, scalars)))
+            new_params, updated = twin_updates(plan, params, grads, states, dict(zip(slots, scalars)))
         new_states = [t for s in updated for t in s]
         out_leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] if loss_fn else []
         n_model_out[:] = [len(out_leaves)]
@@ -167,22 +164,8 @@ def trace_step(
     ]
     snapshot = [t.clone() for t in state.buffers]  # tracing must not touch real buffers
 
-    def trace() -> fx.GraphModule:
-        first = _make_fx(step_fn, flat_inputs, symbolic_scalars=generic)
-        # The first graph holds the backward as plain ops, so its inputs need not require grad here; with
-        # leaves that do, functionalize's copy_ epilogue fails on in-place ops (Embedding's max_norm renorm).
-        plain = [t.detach() for t in flat_inputs]
-        return _make_fx(functionalize(first, remove="mutations"), plain, symbolic_scalars=generic)
-
     try:
-        with tracing_environment():
-            try:
-                functional = trace()
-            except DataDependentStep:
-                if not plan.can_take_tensor_path():
-                    raise
-                plan.tensor_path = True  # branches on the step count: its capturable (tensor) form instead
-                functional = trace()
+        functional = trace_functional(step_fn, flat_inputs, plan, symbolic_scalars=generic)
     except (UnsupportedModelError, UnsupportedOptimizerError):
         raise
     except Exception as exc:  # torch raises many kinds while tracing; name the cause plainly
@@ -228,34 +211,6 @@ def _traced_as_whole(t: torch.Tensor, param: torch.Tensor, bounds: tuple[int, in
     if t.numel() != (bounds[1] - bounds[0] if bounds is not None else min(t.numel(), param.numel())):
         return t
     return torch.empty_like(param, dtype=t.dtype)
-
-
-def _make_fx(fn: Callable, inputs: list, *, symbolic_scalars: bool) -> fx.GraphModule:
-    """``make_fx`` on fake tensors. With ``symbolic_scalars`` the fake tensors carry a shape environment (shapes
-    stay static): ``.item()`` gives a symbolic float and Python arithmetic on it becomes graph nodes (the
-    generic optimizer path: step counts, bias corrections, lr)."""
-    if not symbolic_scalars:
-        return make_fx(fn, tracing_mode="fake")(*inputs)
-    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
-    fakes = [mode.from_tensor(t) for t in inputs]
-    with mode:
-        return make_fx(fn, tracing_mode="real")(*fakes)
-
-
-def _twin_updates(
-    plan: OptimizerPlan, params: list, grads: list, states: list, scalars: dict[str, torch.Tensor]
-) -> tuple[list, list]:
-    """Each parameter through its functional twin; an unused parameter (no gradient) is left as it is."""
-    new_params, new_states = [], []
-    for i, (p, g) in enumerate(zip(params, grads)):
-        if g is None:  # unused parameter: eager skips it too
-            new_params.append(p.detach())
-            new_states.append(states[i])
-            continue
-        new_p, new_s = plan.update(i, p.detach(), g, states[i], scalars)
-        new_params.append(new_p)
-        new_states.append(new_s)
-    return new_params, new_states
 
 
 def _distinct(grads: tuple) -> list:

@@ -1,0 +1,162 @@
+"""Worlds of ranks kept for the whole test session, each running one worker's body after another.
+
+Spawning a world costs every rank an interpreter, torch, the package, the libraries the checks use and a process
+group: about 3 s at two ranks and 5 s at four on two cores, paid again by every file that needs a world. So a
+world of W ranks (gloo on loopback, 60 s timeout, one thread, as ``distributed.run_rank``) starts the first time
+a test asks for it and then serves every test that needs W ranks, in any file: each worker's body (``checks`` of
+``tests/zero_worker.py``, say) is a *job*, run by every rank with the same arguments, its results saved as
+``rank<r>.pt``, exactly as a world launched for it alone would save them.
+
+A job that fails, or outlives its timeout, may leave the other ranks inside a collective: that world is killed,
+the error shows each rank's output, and the next job starts a new world. A world is never shared with a job that
+breaks it on purpose (``tests/safety_worker.py``'s faults launch their own, ``distributed.launch``). Jobs share
+a process, so a job must leave nothing behind that changes another's results (a patched module, a global
+default); torch's RNG, the one thing jobs commonly change, starts each job from a fresh process's seed.
+
+The session ends the worlds it started (``close_all``, from ``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from tests.distributed import ROOT, free_port, rank_env
+
+POLL = 0.005  # seconds between the session's looks for a job's end (a rank waits for a job on its stdin)
+
+
+class World:
+    """``size`` ranks waiting for jobs on their stdin; :meth:`run` hands them one and waits for its end, which each
+    rank marks in the folder ``control``."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.control = Path(tempfile.mkdtemp(prefix=f"world{size}-"))
+        self.jobs = 0
+        port = free_port()
+        self.logs = [self.control / f"rank{r}.log" for r in range(size)]  # a file, never a pipe nobody reads
+        self.procs: list[subprocess.Popen] = []
+        command = [sys.executable, "-m", "tests.worlds", str(self.control)]
+        for rank in range(size):
+            with self.logs[rank].open("w") as log:  # the rank writes through its own copy
+                pipes = {"stdin": subprocess.PIPE, "stdout": log, "stderr": subprocess.STDOUT}
+                self.procs.append(
+                    subprocess.Popen(command, env=rank_env(rank, size, port), cwd=ROOT, text=True, **pipes)
+                )
+
+    def run(self, target: str, out: Path, args: list[str], *, timeout: float) -> None:
+        """Run ``module:function`` on every rank as ``function(rank, world, *args)``, its results saved in ``out``;
+        fail with every rank's output if any rank fails, dies or is not done within ``timeout``."""
+        job = self.jobs
+        self.jobs += 1
+        starts = [log.stat().st_size for log in self.logs]
+        order = json.dumps({"job": job, "target": target, "out": str(out), "args": args})
+        for p in self.procs:
+            p.stdin.write(order + "\n")
+            p.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while True:
+            done = [(self.control / f"done-{job}-{r}").exists() for r in range(self.size)]
+            if all(done):
+                return
+            failed = [r for r in range(self.size) if (self.control / f"failed-{job}-{r}").exists()]
+            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+            late = time.monotonic() > deadline
+            if failed or dead or late:
+                why = f"did not finish in {timeout}s (hang?)" if late else f"failed on ranks {failed or dead}"
+                for p in self.procs:
+                    p.kill()
+                self.close()
+                raise AssertionError(f"{target} with {self.size} ranks {why}:\n{self._output(starts)}")
+            time.sleep(POLL)
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def close(self) -> None:
+        for p in self.procs:  # end of input: the rank leaves
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _output(self, starts: list[int]) -> str:
+        """What each rank printed since the job began."""
+        shown = []
+        for rank, (log, start) in enumerate(zip(self.logs, starts)):
+            with log.open() as f:
+                f.seek(start)
+                shown.append(f"--- rank {rank}:\n{f.read()[-3000:]}")
+        return "\n".join(shown)
+
+
+_WORLDS: dict[int, World] = {}
+
+
+def run_in_world(size: int, target: str, out: Path, args: tuple = (), *, timeout: float = 240) -> list[Any]:
+    """Run a job in the session's world of ``size`` ranks (starting one if there is none, or it was lost) and
+    return each rank's results, in rank order (our own files: loaded whole, not ``weights_only``)."""
+    import torch
+
+    world = _WORLDS.get(size)
+    if world is None or not world.alive():
+        world = _WORLDS[size] = World(size)
+    world.run(target, out, [str(a) for a in args], timeout=timeout)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(size)]
+
+
+def close_all() -> None:
+    for world in _WORLDS.values():
+        world.close()
+    _WORLDS.clear()
+
+
+def serve(control: Path) -> None:
+    """A rank of a world: join it, then run each job as it arrives until told to stop."""
+    import torch
+    import torch.distributed as dist
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+    fresh_seed = torch.initial_seed()
+    for line in sys.stdin:
+        order = json.loads(line)
+        job = order["job"]
+        print(f"=== job {job}: {order['target']} {order['args']}", flush=True)
+        try:
+            module, _, name = order["target"].partition(":")
+            body = getattr(importlib.import_module(module), name)
+            torch.manual_seed(fresh_seed)
+            result: Any = body(rank, size, *order["args"])
+            torch.save(result, os.path.join(order["out"], f"rank{rank}.pt"))
+        except BaseException:
+            traceback.print_exc()
+            sys.stdout.flush()
+            (control / f"failed-{job}-{rank}").touch()
+            os._exit(1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        (control / f"done-{job}-{rank}").touch()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    serve(Path(sys.argv[1]))
