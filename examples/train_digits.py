@@ -52,7 +52,7 @@ DEFAULT_LR = {  # learning rates that train this MLP on digits in 30 epochs
 }
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", default="fused_allreduce", help=f"one of {', '.join(modes())} or a pipeline spec")
     parser.add_argument("--epochs", type=int, default=30)
@@ -95,7 +95,7 @@ def parse_args() -> argparse.Namespace:
         "-O max_grad_norm=1, -O compress=fp16, -O sparsify=0.05, -O freeze_groups=3 (with --optimizer sgd), "
         "-O save_trajectory=DIR (any mode), -O pca_path=FILE (dim_reduce)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.cuda_graph and args.device != "cuda":
         parser.error("--cuda-graph captures the step on a GPU: add --device cuda")
     return args
@@ -109,13 +109,17 @@ def load_data(seed: int):
     return x_train, x_test, y_train, y_test
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    """Train and evaluate with the command line ``argv`` (the script's own by default). Under torchrun it joins
+    the world; called where a process group already exists, it trains in that one and leaves it as it was."""
+    args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device("cpu")
-    if args.device == "cuda":  # NCCL, also for one process: a captured step needs it
+    own_group = not dist.is_initialized()
+    if args.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    if args.device == "cuda" and own_group:  # NCCL, also for one process: a captured step needs it
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         dist.init_process_group(
@@ -125,7 +129,7 @@ def main() -> None:
             timeout=timedelta(seconds=args.timeout),
             device_id=device,
         )
-    elif world > 1:
+    elif world > 1 and own_group:
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(args.seed)  # every rank builds the same model; broadcast-params makes sure
@@ -201,7 +205,7 @@ def main() -> None:
         print(
             f"trained {args.epochs} epochs in {seconds:.1f}s; train loss {train_loss:.4f}; test accuracy {accuracy:.4f}"
         )
-    if dist.is_initialized():
+    if own_group and dist.is_initialized():
         dist.destroy_process_group()
 
 

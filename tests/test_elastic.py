@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import ROOT, launch
+from tests.distributed import ROOT
 from tests.hosts import Hosts, namespaces_unavailable, torchrun, wait_all
+from tests.worlds import run_in_world
 from transpiler import DataPosition
 
 REASON = namespaces_unavailable()
@@ -35,11 +36,12 @@ JOB = ["--mode", "fused_allreduce", "--epochs", str(EPOCHS), "--global-batch", s
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict:
-    """The job without a failure, at W=4: its final weights and test accuracy."""
+    """The job without a failure, at W=4 (in the session's world of four, tests/worlds.py): its final weights and
+    test accuracy."""
     out = tmp_path_factory.mktemp("uninterrupted")
     model = out / "model.pt"
-    procs = launch(EXAMPLE, 4, [*JOB, "--save-model", str(model)], timeout=240)
-    return {"model": torch.load(model), **final_scores(procs[0].stdout)}
+    ranks = run_in_world(4, "tests.example_job:train", out, [*JOB, "--save-model", model], timeout=240)
+    return {"model": torch.load(model), **final_scores(ranks[0]["stdout"])}
 
 
 def final_scores(output: str) -> dict[str, float]:

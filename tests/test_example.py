@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.distributed import ROOT, launch
+from tests.worlds import run_in_world
 
 SCRIPT = ROOT / "examples" / "train_digits.py"
 README = (ROOT / "README.md").read_text()
@@ -24,7 +25,9 @@ FOUR = {
 
 
 def accuracy_of(ranks) -> float:
-    return float(ranks[0].stdout.split("test accuracy")[1].split()[0])
+    """What rank 0 printed last, from a launched world (processes) or the session's (``stdout`` results)."""
+    printed = ranks[0].stdout if hasattr(ranks[0], "stdout") else ranks[0]["stdout"]
+    return float(printed.split("test accuracy")[1].split()[0])
 
 
 def test_the_readme_main_job_reaches_its_accuracy():
@@ -34,17 +37,19 @@ def test_the_readme_main_job_reaches_its_accuracy():
 
 
 @pytest.mark.parametrize("name", list(FOUR))
-def test_each_four_process_mode_of_the_readme_reaches_its_accuracy(name):
+def test_each_four_process_mode_of_the_readme_reaches_its_accuracy(name, tmp_path):
+    """The script's main, in the session's world of four (the main job above runs it as a script)."""
     assert f"`{FOUR[name]}`" in README or f"examples/train_digits.py {FOUR[name]}`" in README, FOUR[name]
-    ranks = launch(SCRIPT, 4, FOUR[name].split(), timeout=200)
-    assert accuracy_of(ranks) >= 0.96, ranks[0].stdout[-2000:]
+    ranks = run_in_world(4, "tests.example_job:train", tmp_path, FOUR[name].split(), timeout=200)
+    assert accuracy_of(ranks) >= 0.96, ranks[0]["stdout"][-2000:]
 
 
 def test_digits_example_trains_evaluates_and_saves_under_zero3(tmp_path):
     """Two epochs: this checks the script's zero3 path, not the README's accuracy (the tests above do)."""
     saved = tmp_path / "model.pt"
-    ranks = launch(SCRIPT, 2, ["--mode", "zero3", "--epochs", "2", "--save-model", str(saved)], timeout=120)
-    assert accuracy_of(ranks) > 0.5, ranks[0].stdout[-2000:]
+    argv = ["--mode", "zero3", "--epochs", "2", "--save-model", saved]
+    ranks = run_in_world(2, "tests.example_job:train", tmp_path, argv, timeout=120)
+    assert accuracy_of(ranks) > 0.5, ranks[0]["stdout"][-2000:]
     plain = torch.nn.Sequential(
         torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
     )

@@ -2,6 +2,7 @@
 layer importing only the layers below it, any module importable first, and a wheel that carries both packages."""
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -193,7 +194,7 @@ FIRST_IMPORT_DRIVER = textwrap.dedent(
     import os, sys, traceback
     # What the project imports from outside, loaded once; each statement then runs in a forked child that has
     # none of the project's modules loaded: to the import system, a fresh interpreter.
-    import torch, torch._dynamo, torch.distributed, torch.fx, networkx, rich
+    import torch, torch._dynamo, torch.distributed, torch.fx, networkx, pydot
     assert not any(m.split(".")[0] in ("transpiler", "passes") for m in sys.modules)
     def child(statement):
         try:
@@ -246,6 +247,28 @@ def test_any_module_can_be_imported_first():
     )
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     assert "FAILED: []" in done.stdout
+
+
+def test_each_runtime_dependency_is_one_the_package_imports():
+    """What ``pip install`` brings for the package (``[project] dependencies``) is what its modules import; the
+    example's and the tests' libraries are extras."""
+    import tomllib
+
+    declared = {
+        re.split(r"[<>=!~ \[]", spec, maxsplit=1)[0].lower()
+        for spec in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    }
+    imported = set()
+    for name in project_modules():
+        path = ROOT / (name.replace(".", "/") + ".py")
+        tree = ast.parse((path if path.exists() else ROOT / name.replace(".", "/") / "__init__.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module.split(".")[0])
+    assert "torch" in declared and declared <= imported, declared - imported
+    assert "rich" not in imported and "sklearn" not in imported
 
 
 def test_the_wheel_installs_exactly_transpiler_and_passes(tmp_path):

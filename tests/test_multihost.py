@@ -13,8 +13,9 @@ import re
 import pytest
 import torch
 
-from tests.distributed import ROOT, launch
+from tests.distributed import ROOT
 from tests.hosts import Hosts, namespaces_unavailable, torchrun, wait_all
+from tests.worlds import run_in_world
 
 REASON = namespaces_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespac
 def test_two_hosts_of_two_match_one_host_of_four_bitwise(tmp_path):
     one_host, two_hosts = tmp_path / "one", tmp_path / "two"
     one_host.mkdir(), two_hosts.mkdir()
-    launch(ROOT / "tests" / "multihost_worker.py", 4, [str(one_host)], timeout=240)
+    reference = run_in_world(4, "tests.multihost_worker:checks", one_host)  # one host: the session's world of four
     with Hosts(2) as hosts:
         endpoint = f"{hosts[0].address}:29411"
         agents = [
@@ -43,7 +44,6 @@ def test_two_hosts_of_two_match_one_host_of_four_bitwise(tmp_path):
     logs = "\n".join((tmp_path / f"host{i}.log").read_text()[-3000:] for i in range(2))
     assert codes == [0, 0], logs
     ours = [torch.load(two_hosts / f"rank{r}.pt") for r in range(4)]
-    reference = [torch.load(one_host / f"rank{r}.pt") for r in range(4)]
     interfaces = {r["where"]["GLOO_SOCKET_IFNAME"] for r in ours}
     assert len(interfaces) == 2 and all(r["where"]["LOCAL_WORLD_SIZE"] == "2" for r in ours), [r["where"] for r in ours]
     for rank, (mine, theirs) in enumerate(zip(ours, reference, strict=True)):

@@ -1,9 +1,8 @@
 """Ranks that disagree, stall or die fail loudly and fast; models that failed before match DDP at world size 2.
 
-Real gloo processes (tests/safety_worker.py). One world runs every check that
-leaves its process group healthy; each fault (a stalled rank, a rank that
-changes its setup alone, a rank that dies) breaks its group, so it gets a world
-of its own with a 3 s timeout.
+Real gloo processes (tests/safety_worker.py). The session's world of two ranks (tests/worlds.py) runs every
+check that leaves its process group healthy; each fault (a stalled rank, a rank that changes its setup alone, a
+rank that dies) breaks its group, so it gets a world of its own with a 3 s timeout.
 
 Parity against DDP(broadcast_buffers=False) (our modes keep buffers local
 after the startup broadcast, so DDP must not re-broadcast rank 0's BatchNorm
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from tests.distributed import ROOT, launch
+from tests.worlds import run_in_world
 
 WORKER = ROOT / "tests" / "safety_worker.py"
 
@@ -30,7 +30,7 @@ def _run(kind: str, tmp_path_factory) -> list:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    return _run("world", tmp_path_factory)
+    return run_in_world(2, "tests.safety_worker:checks", tmp_path_factory.mktemp("world"), ("world",))
 
 
 @pytest.mark.parametrize(
