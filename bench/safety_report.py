@@ -72,7 +72,7 @@ def median_us(fn, n: int = 2000) -> float:
 
 def check_cost_rows() -> list[str]:
     from tests.safety_worker import tiny_gpt2
-    from transpiler.runtime.distributed_step import structure_key
+    from transpiler.runtime.program_cache import structure_key
 
     rows = []
     for label, model, batch, loss_fn in (
