@@ -100,10 +100,17 @@ def test_the_contracts_fail_on_a_broken_tree(tmp_path, kind):
         assert phrase in report, report
 
 
-def test_the_public_api_is_imported_not_loaded_lazily():
+def test_the_public_api_is_imported_and_every_pass_is_named_by_the_package():
+    """``transpiler``'s API is imported, not loaded lazily; ``passes`` gives each pass by its class's name through
+    the registry (so importing the package loads none), and lists them all."""
     assert "transpile" in vars(transpiler) and "DistributedStep" in vars(transpiler)
+    assert not hasattr(transpiler, "__getattr__")
     assert "PASSES" in vars(passes)
-    assert not hasattr(transpiler, "__getattr__") and not hasattr(passes, "__getattr__")
+    named = {cls.__name__: cls for cls in passes.PASSES.values()}
+    assert set(named) <= set(dir(passes)) and set(named) <= set(passes.__all__)
+    assert all(getattr(passes, name) is cls for name, cls in named.items())
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchPass'"):
+        passes.NoSuchPass  # noqa: B018
 
 
 def test_the_registry_loads_a_pass_when_it_is_first_named():
@@ -232,7 +239,7 @@ def test_any_module_can_be_imported_first():
     card's ``import passes``, every module of ``passes/`` and of ``transpiler/``, and the public API."""
     statements = [
         "import passes",
-        "from passes import PASSES",
+        "from passes import PASSES, FuseAllReduce",
         "import transpiler",
         "from transpiler import transpile",
         *(f"import {name}" for name in project_modules()),
