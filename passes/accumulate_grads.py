@@ -59,9 +59,15 @@ class AccumulateGrads(Pass):
     @property
     def requires(self) -> frozenset[Fact]:  # before the reduction; or, reduced, right after it
         done = Fact.REDUCED if self.reduced else Fact.UNREDUCED
-        return frozenset({Fact.FUNCTIONAL, Fact.UNACCUMULATED, Fact.UNTOUCHED, done})
+        return frozenset({Fact.FUNCTIONAL, Fact.UNACCUMULATED, Fact.UNTOUCHED, Fact.UNFLATTENED, done})
 
-    invalidates = frozenset({Fact.UNACCUMULATED})
+    @property
+    def ensures(self) -> frozenset[Fact]:  # a micro-step updates nothing: the parameters pass through whole
+        return frozenset(() if self.apply else {Fact.WHOLE_PARAMETERS})
+
+    @property
+    def invalidates(self) -> frozenset[Fact]:  # a micro-step: the update goes (dead code elimination drops it)
+        return frozenset({Fact.UNACCUMULATED} if self.apply else {Fact.UNACCUMULATED, Fact.UPDATING})
 
     def run(self, program: StepProgram) -> bool:
         if any(p.kind == "extra" and p.name.startswith(ACCUMULATOR) for p in program.inputs):

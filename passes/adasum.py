@@ -148,9 +148,8 @@ class AdaSum(Pass):
 
     @property
     def requires(self) -> frozenset[Fact]:  # of gradients: a reduction; of deltas, after the local update
-        return frozenset(
-            {Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNTOUCHED} if self.target == "grads" else {Fact.FUNCTIONAL}
-        )
+        needs = {Fact.FUNCTIONAL, Fact.UNFLATTENED}
+        return frozenset(needs | {Fact.UNREDUCED, Fact.UNTOUCHED} if self.target == "grads" else needs)
 
     @property
     def ensures(self) -> frozenset[Fact]:

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import node_bytes
-from transpiler.graph.pipeline import Fact
+from transpiler.graph.pipeline import Fact, ReducingPass
 from transpiler.graph.ports import Port
 from transpiler.graph.program import StepProgram
 
@@ -43,7 +43,7 @@ aten = torch.ops.aten
 class AllGatherGrads(BucketedGradientPass):
     name = "allgather-grads"
     # it applies the traced update once per rank's gradient, so it needs that update per parameter
-    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNTOUCHED, Fact.PER_PARAMETER})
+    requires = ReducingPass.requires | {Fact.PER_PARAMETER}
     summary = "all-gather gradients and apply the optimizer once per rank's gradient (Paddle all-gather mode)"
 
     def reduce(self, program: StepProgram, grads: list[fx.Node]) -> None:

@@ -44,6 +44,7 @@ EPS = 1e-6  # clip_grad_norm_'s guard against a zero norm
 @dataclass(frozen=True)
 class ClipGradNorm(Pass):
     name = "clip-grad-norm"
+    requires = frozenset({Fact.FUNCTIONAL, Fact.UNFLATTENED, Fact.UPDATING})  # it rewrites what each update reads
     invalidates = frozenset({Fact.UNTOUCHED})
     summary = "clip the gradients the optimizer reads to a global norm (clip_grad_norm_)"
     max_norm: float = option(1.0, minimum=0, help="the largest total norm the gradients may have")

@@ -34,7 +34,7 @@ import torch.fx as fx
 from transpiler.errors import ConfigurationError
 from transpiler.graph.edit import Cursor, ancestors, fake_mode, refresh_value
 from transpiler.graph.options import option
-from transpiler.graph.pipeline import Pass
+from transpiler.graph.pipeline import Fact, Pass
 from transpiler.graph.ports import GLOBAL, IN_FLIGHT, OUTER, ExtraInit, Port, PortKind, is_input
 from transpiler.graph.program import StepProgram
 
@@ -52,6 +52,8 @@ COMM = {"role": "communication"}
 @dataclass(frozen=True)
 class DiLoCoOuterStep(Pass):
     name = "diloco-outer-step"
+    requires = frozenset({Fact.FUNCTIONAL, Fact.UNFLATTENED})  # it reads each parameter's new value
+    invalidates = frozenset({Fact.UPDATED_LOCALLY})  # and replaces it with the outer step's
     summary = "DiLoCo sync: all-reduce pseudo-gradients θ_global - θ, outer optimizer on θ_global, write back"
     fragments: int = option(1, minimum=1, help="split the parameters into this many fragments (streaming)")
     fragment: int = option(0, minimum=0, help="the fragment this program syncs (0 .. fragments-1)")

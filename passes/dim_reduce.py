@@ -95,7 +95,7 @@ def _f32(value: float) -> float:
 @dataclass(frozen=True)
 class DimReduce(Pass):
     name = "dim-reduce"
-    requires = frozenset({Fact.FUNCTIONAL, Fact.REDUCED, Fact.PER_PARAMETER})
+    requires = frozenset({Fact.FUNCTIONAL, Fact.REDUCED, Fact.PER_PARAMETER, Fact.UNFLATTENED})
     summary = "MindSpore Boost DimReduce: BFGS step in a PCA subspace with a line search, plus residual momentum"
     pca_path: str = option("", help="basis written by 'transpiler pca'")
     n_components: int = option(0, minimum=0, help="use the first k rows of the basis (0: all)")

@@ -62,6 +62,7 @@ aten = torch.ops.aten
 class FlattenUpdate(Pass):
     name = "flatten-update"
     requires = frozenset({Fact.FUNCTIONAL, Fact.PER_PARAMETER})
+    invalidates = frozenset({Fact.UNFLATTENED})
     summary = "one update per bucket: parameters and optimizer state as views of flat buffers"
     lay_out_gradients: bool = option(
         True,

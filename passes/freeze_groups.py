@@ -27,7 +27,7 @@ from .partitions import check_part, group_bounds
 @dataclass(frozen=True)
 class FreezeGroups(Pass):
     name = "freeze-groups"
-    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNACCUMULATED, Fact.UNTOUCHED})
+    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNACCUMULATED, Fact.UNTOUCHED, Fact.UNFLATTENED})
     summary = "gradient freeze: parameter groups before `index` get no gradient, reduction or update"
     groups: int = option(2, minimum=1, help="consecutive parameter groups in model order")
     index: int = option(0, minimum=0, help="groups 0..index-1 are frozen in this variant")

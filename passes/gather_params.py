@@ -33,6 +33,7 @@ aten = torch.ops.aten
 class GatherParams(Pass):
     name = "gather-params"
     requires = frozenset({Fact.FUNCTIONAL, Fact.STATE_SHARDED})
+    ensures = frozenset({Fact.WHOLE_PARAMETERS})
     summary = "all-gather each bucket's updated parameter shards and copy them into the parameters"
 
     def run(self, program: StepProgram) -> bool:

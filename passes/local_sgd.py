@@ -42,6 +42,7 @@ aten = torch.ops.aten
 class LocalSGDAverage(Pass):
     name = "local-sgd-average"
     requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED})
+    invalidates = frozenset({Fact.UPDATED_LOCALLY})  # the new values are averaged across ranks
     summary = "LocalSGD sync: average parameters through snapshot deltas (Paddle LocalSGD)"
     average_state: bool = option(False, help="also average optimizer state and floating-point buffers")
     report_loss: bool = option(False, help="also all-reduce the loss, for adaptive LocalSGD")

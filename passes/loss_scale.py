@@ -66,7 +66,8 @@ class LossScale(Pass):
 
     @property
     def requires(self) -> frozenset[Fact]:  # unscales the gradients as reduced, before clipping reads them
-        return frozenset({Fact.FUNCTIONAL, Fact.UNTOUCHED} if self.apply else {Fact.FUNCTIONAL})
+        updating = {Fact.FUNCTIONAL, Fact.UNTOUCHED, Fact.UNFLATTENED, Fact.UPDATING}
+        return frozenset(updating if self.apply else {Fact.FUNCTIONAL})
 
     @property
     def invalidates(self) -> frozenset[Fact]:

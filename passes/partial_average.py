@@ -32,7 +32,8 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class PartialAverage(Pass):
     name = "partial-average"
-    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED})
+    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNFLATTENED})
+    invalidates = frozenset({Fact.UPDATED_LOCALLY})  # the new values are averaged across ranks
     summary = "average one partition of the parameters after the local update (SINGA partial update)"
     partitions: int = option(2, minimum=1, help="partitions of the parameters; one is averaged per step")
     index: int = option(0, minimum=0, help="the partition this variant averages")

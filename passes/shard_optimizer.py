@@ -41,7 +41,7 @@ from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads
 from transpiler.graph.collectives import C10D, WAIT, is_collective
 from transpiler.graph.edit import Cursor, node_bytes, position, refresh_value, repair_order
 from transpiler.graph.options import option
-from transpiler.graph.pipeline import Fact
+from transpiler.graph.pipeline import Fact, ReducingPass
 from transpiler.graph.ports import Port
 from transpiler.graph.program import StepProgram
 
@@ -65,8 +65,9 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class ShardOptimizer(BucketedGradientPass):
     name = "shard-optimizer"
-    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNTOUCHED, Fact.PER_PARAMETER})
+    requires = ReducingPass.requires | {Fact.PER_PARAMETER, Fact.UPDATED_LOCALLY}
     ensures = frozenset({Fact.REDUCED, Fact.STATE_SHARDED})
+    invalidates = frozenset({Fact.UNREDUCED, Fact.WHOLE_PARAMETERS})  # each rank updates its slices
     summary = "reduce-scatter gradients in buckets, update this rank's shard of parameters and state, all-gather"
     shards_state = True
     keep_gradient_buckets: bool = option(

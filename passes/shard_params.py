@@ -51,7 +51,8 @@ RECOMPUTED = frozenset({aten._to_copy.default, aten.clone.default, aten.detach.d
 @dataclass(frozen=True)
 class ShardParams(Pass):
     name = "shard-params"
-    requires = frozenset({Fact.FUNCTIONAL, Fact.STATE_SHARDED})
+    requires = frozenset({Fact.FUNCTIONAL, Fact.STATE_SHARDED, Fact.UNFLATTENED})
+    ensures = frozenset({Fact.WHOLE_PARAMETERS})
     summary = "hold parameters as this rank's shards; all-gather each bucket right before the forward uses it"
     shards_params = True
     reshard_after_forward: bool = option(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +22,10 @@ from passes import PASSES
 from passes.bucketing import MB, assign_buckets
 from tests.helpers import assert_rewrite_is_final, run_by_ports
 from transpiler.build import rewrite
+from transpiler.errors import PipelineSpecError
 from transpiler.graph.bucket_layout import BUCKET_READY, slot_offsets
 from transpiler.graph.collectives import collective_sequence, is_collective
+from transpiler.graph.pipeline import check_order
 from transpiler.runtime.process_group import LOCAL_GROUP, Placement, ensure_local_group
 from transpiler.strategies.modes import build_passes
 from transpiler.trace.tracer import trace_step
@@ -365,3 +368,55 @@ def test_ranks_together_compute_the_whole_batch_step(gloo_worlds, widths, world,
             assert torch.equal(results[0][port], other[port]), f"{port}: ranks differ"
         diff = (results[0][port].double() - whole[port].double()).abs().max().item()
         assert diff <= 1e-6, f"{port}: {diff} from one process's step on the whole batch"
+
+
+# passes that rewrite a plain traced step for two ranks with no basis file, outer optimizer or subgroups
+ORDERABLE = {
+    "broadcast-params": [{}],
+    "scale-loss-grad": [{}],
+    "freeze-groups": [{"groups": 2, "index": 1}],
+    "accumulate-grads": [{"apply": a, "reduced": r} for a in (True, False) for r in (True, False)],
+    "allreduce-grads": [{}],
+    "fuse-allreduce": [{}],
+    "sparse-allreduce": [{}],
+    "allgather-grads": [{}],
+    "shard-optimizer": [
+        {"keep_gradient_buckets": k, "module_buckets": m} for k in (True, False) for m in (True, False)
+    ],
+    "local-sgd-average": [{}],
+    "partial-average": [{}],
+    "loss-scale": [{"apply": True}, {"apply": False}],
+    "clip-grad-norm": [{"max_norm": 1.0}],
+    "gather-params": [{}],
+    "shard-params": [{}],
+    "flatten-update": [{}],
+    "foreach-update": [{}],
+    "schedule-collectives": [{}],
+    "reinplace-optimizer": [{}],
+}
+
+
+@functools.cache
+def _plain_traced():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    return trace_step(model, optimizer, nn.CrossEntropyLoss(), batch)[0]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(sorted(ORDERABLE)), min_size=1, max_size=6, unique=True), st.booleans(), st.data())
+def test_a_pipeline_the_order_check_accepts_builds_and_verifies(names, in_order, data):
+    """The facts each pass declares are enough: any pipeline ``check_order`` accepts rewrites a traced step for
+    two ranks and passes every verifier (one it refuses is a PipelineSpecError that names one of its passes).
+    Half the pipelines keep the registry's order, the one modes use, so that many are accepted."""
+    if in_order:
+        names = sorted(names, key=list(PASSES).index)
+    passes = [PASSES[name](**data.draw(st.sampled_from(ORDERABLE[name]), label=name)) for name in names]
+    try:
+        check_order(passes)
+    except PipelineSpecError as refused:
+        assert any(f"'{name}'" in str(refused) for name in names), refused
+        return
+    rewrite(_plain_traced(), passes, Placement(2, 0, "world", False))

@@ -7,9 +7,9 @@ options, written in a spec as ``name{field-name=value,...}``, e.g.
 
 A pass also states the facts about the graph it ``requires``, those it ``ensures`` and those it
 ``invalidates``, as torch.fx's pass infrastructure has ``requires``/``ensures`` hooks. A traced program starts
-with the facts of :data:`TRACED`; :func:`check_order` walks a pipeline before anything runs, and a pass whose
-fact an earlier pass took away, or that only a later pass provides, is a :class:`PipelineSpecError` that names
-both passes.
+with the facts of :data:`TRACED` and a pipeline must end with those of :data:`COMPLETE`; :func:`check_order`
+walks a pipeline before anything runs, and a pass whose fact an earlier pass took away, or that only a later
+pass provides, is a :class:`PipelineSpecError` that names both passes.
 """
 
 from __future__ import annotations
@@ -36,13 +36,30 @@ class Fact(str, enum.Enum):
     UNACCUMULATED = "gradients not yet accumulated over micro-steps"
     UNTOUCHED = "gradients as reduced, not yet unscaled or clipped"
     PER_PARAMETER = "an optimizer update per parameter (not yet grouped into multi-tensor ops)"
+    UNFLATTENED = "parameters, gradients and updates one by one (not yet in flat buffers)"
+    UPDATING = "an optimizer update that reads the gradients (not an accumulation micro-step)"
+    UPDATED_LOCALLY = "each parameter's new value is its own update's (not yet averaged with other ranks')"
+    WHOLE_PARAMETERS = "every parameter's new value whole, or held as this rank's slice by shard-params"
     REDUCED = "gradients reduced across ranks"
     STATE_SHARDED = "the optimizer state sharded over the ranks"
 
     __str__ = str.__str__
 
 
-TRACED = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNACCUMULATED, Fact.UNTOUCHED, Fact.PER_PARAMETER})
+TRACED = frozenset(
+    {
+        Fact.FUNCTIONAL,
+        Fact.UNREDUCED,
+        Fact.UNACCUMULATED,
+        Fact.UNTOUCHED,
+        Fact.PER_PARAMETER,
+        Fact.UNFLATTENED,
+        Fact.UPDATING,
+        Fact.UPDATED_LOCALLY,
+        Fact.WHOLE_PARAMETERS,
+    }
+)
+COMPLETE = frozenset({Fact.WHOLE_PARAMETERS})  # what must hold when a pipeline ends
 
 
 @dataclass(frozen=True)
@@ -86,7 +103,7 @@ class ReducingPass(Pass):
     that): it comes before anything unscales, clips or reduces them again."""
 
     reduces_gradients = True
-    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNTOUCHED})
+    requires = frozenset({Fact.FUNCTIONAL, Fact.UNREDUCED, Fact.UNTOUCHED, Fact.UNFLATTENED, Fact.UPDATING})
     ensures = frozenset({Fact.REDUCED})
     invalidates = frozenset({Fact.UNREDUCED})
 
@@ -132,7 +149,8 @@ def parse_spec(spec: str, registry: dict[str, type[Pass]]) -> list[Pass]:
 
 def check_order(passes: Sequence[Pass]) -> None:
     """Every pass finds the facts it requires: held since tracing or ensured by an earlier pass, and taken away by
-    none in between. Otherwise a PipelineSpecError names the pass and the one to move, or to add."""
+    none in between; and the pipeline ends with the facts of a complete step. Otherwise a PipelineSpecError names
+    the pass and the one to move, or to add."""
     held = set(TRACED)
     for i, p in enumerate(passes):
         for fact in sorted(p.requires - held):
@@ -146,6 +164,12 @@ def check_order(passes: Sequence[Pass]) -> None:
                 how = "and no pass before it ensures it: add one that does"
             raise PipelineSpecError(f"pass '{p.name}' requires {fact.value}; {how}.")
         held = (held - p.invalidates) | p.ensures
+    for fact in sorted(COMPLETE - held):
+        taker = next(q for q in reversed(passes) if fact in q.invalidates)
+        raise PipelineSpecError(
+            f"a step needs {fact.value} when its pipeline ends; '{taker.name}' takes that away and no pass after it "
+            "gives it back: add one that does (after shard-optimizer: gather-params, or shard-params)."
+        )
 
 
 Verifier = Callable[[StepProgram, bool], None]
