@@ -27,26 +27,13 @@ class Elementwise:
     mode: str
 
     def __call__(self, optimizer: torch.optim.Optimizer) -> None:
-        for member in getattr(optimizer, "members", [optimizer]):
-            why = next((why for name, why in WHOLE_TENSOR.items() if type(member).__name__ == name), None)
-            if why is not None:
-                raise ConfigurationError(
-                    f"mode '{self.mode}' updates each rank's slice of every parameter, so the optimizer must be "
-                    f"element-wise; {type(member).__name__} is not: {why}. Use fused_allreduce, or put the matrices "
-                    "that need it in fused_allreduce and the rest in an element-wise optimizer."
-                )
-
-
-@dataclass(frozen=True)
-class HasTwin:
-    """The all-gather mode copies the optimizer's update once per rank's gradient: it needs a functional twin."""
-
-    def __call__(self, optimizer: torch.optim.Optimizer) -> None:
-        if type(optimizer) not in TWINS:
+        members = getattr(optimizer, "members", [optimizer])  # a chain of optimizers: each of them
+        whole = [type(m).__name__ for m in members if type(m).__name__ in WHOLE_TENSOR]
+        if whole:
             raise ConfigurationError(
-                f"mode 'allgather' applies the optimizer once per rank's gradient, by copying its functional twin; "
-                f"{type(optimizer).__name__} has none (only torch.optim.SGD, Adam and AdamW do). Use another mode, "
-                "or one of those optimizers."
+                f"mode '{self.mode}' updates each rank's slice of every parameter, so the optimizer must be "
+                f"element-wise; {whole[0]} is not: {WHOLE_TENSOR[whole[0]]}. Use fused_allreduce, or put the "
+                "matrices that need it in fused_allreduce and the rest in an element-wise optimizer."
             )
 
 
@@ -81,23 +68,33 @@ class BasisReadable:
 
 
 @dataclass(frozen=True)
-class OneStepCount:
-    """SGD only, for a strategy that would split a step count kept per param group: gradient freeze (frozen
-    groups skip steps), Streaming DiLoCo's outer optimizer (each fragment steps at its own step)."""
+class OptimizerIn:
+    """The optimizer is of one of the classes ``allowed``, or refused with ``why`` (which names it ``{name}``)."""
 
-    why: str  # the refusal, to which the optimizer's name is added
+    allowed: frozenset[type]
+    why: str
 
     def __call__(self, optimizer: torch.optim.Optimizer) -> None:
-        if type(optimizer) is not torch.optim.SGD:
+        if type(optimizer) not in self.allowed:
             raise ConfigurationError(self.why.format(name=type(optimizer).__name__))
 
 
-FREEZE_SGD = OneStepCount(
-    "gradient freeze (freeze_groups) works with torch.optim.SGD; {name} keeps one step count per param group, "
-    "which frozen parameters would split. Use SGD, or no freeze."
+# the all-gather mode copies the optimizer's update once per rank's gradient: it needs a functional twin
+HAS_TWIN = OptimizerIn(
+    frozenset(TWINS),
+    "mode 'allgather' applies the optimizer once per rank's gradient, by copying its functional twin; {name} has "
+    "none (only torch.optim.SGD, Adam and AdamW do). Use another mode, or one of those optimizers.",
 )
-STREAMING_OUTER_SGD = OneStepCount(
+# SGD only, where a step count kept per param group would be split: gradient freeze (frozen groups skip steps),
+# Streaming DiLoCo's outer optimizer (each fragment steps at its own step)
+FREEZE_SGD = OptimizerIn(
+    frozenset({torch.optim.SGD}),
+    "gradient freeze (freeze_groups) works with torch.optim.SGD; {name} keeps one step count per param group, "
+    "which frozen parameters would split. Use SGD, or no freeze.",
+)
+STREAMING_OUTER_SGD = OptimizerIn(
+    frozenset({torch.optim.SGD}),
     "mode 'streaming_diloco' updates one fragment's global weights at a time, so its outer optimizer must keep no "
     "step count per param group; {name} does. Use torch.optim.SGD (the paper's outer optimizer is SGD with "
-    "Nesterov momentum), or mode 'diloco'."
+    "Nesterov momentum), or mode 'diloco'.",
 )

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.rank_layouts import AdaSumLayout
 
-from .checks import BasisReadable, Elementwise, HasTwin, PlainSGD
+from .checks import HAS_TWIN, BasisReadable, Elementwise, PlainSGD
 from .options import make
 from .strategy import Recipe
 
@@ -60,7 +60,7 @@ def adasum(target: str) -> Callable[..., Recipe]:
 
 def allgather(bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:
     gather = make("allgather-grads", bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
-    return Recipe({"step": [gather]}, prefix(), [make("scale-loss-grad")], tail(), checks=(HasTwin(),))
+    return Recipe({"step": [gather]}, prefix(), [make("scale-loss-grad")], tail(), checks=(HAS_TWIN,))
 
 
 def zero(stage: int) -> Callable[..., Recipe]:
