@@ -23,7 +23,7 @@ from transpiler import transpile  # noqa: E402
 # stage: (world size, the stage whose checkpoint it reads, modes whose same-size resume it checks, the mode whose
 # checkpoint it leaves for the next stage). W=3's checkpoint is written by its zero3 reader after 2 more steps.
 STAGES = {
-    "w2": (2, None, ("zero1", "zero2"), "zero2"),
+    "w2": (2, None, ("zero1", "zero2", "zero1+accumulate"), "zero2"),
     "w4": (4, "w2", ("zero3",), "zero3"),
     "w3": (3, "w4", (), "zero3"),
     "w2_from_w3": (2, "w3", (), None),
@@ -40,10 +40,16 @@ def whole_state(model, optimizer) -> dict[str, torch.Tensor]:
 
 
 def fresh_tied(mode: str, example: tuple | None = None):
+    """``mode``, or ``<mode>+accumulate``: with two micro-steps per update (a first variant, ``accumulate``, that
+    holds no slices under zero1: the checkpoint must take them from the variant that updates)."""
     torch.manual_seed(4321)  # other weights than the checkpoint's: loading must overwrite them all
     model = build_model("tied")
     optimizer = OPTIMIZERS["adamw"](model.parameters())
-    step = transpile(model, optimizer, mode=mode, loss_fn=torch.nn.CrossEntropyLoss(), example_inputs=example, **CAPS)
+    mode, _, accumulate = mode.partition("+")
+    options = {**CAPS, **({"accumulate_steps": 2} if accumulate else {})}
+    step = transpile(
+        model, optimizer, mode=mode, loss_fn=torch.nn.CrossEntropyLoss(), example_inputs=example, **options
+    )
     return model, optimizer, step
 
 
@@ -62,15 +68,16 @@ def same_size_resume(mode: str, rank: int, world: int, path: str) -> tuple[dict,
     model, optimizer, step = fresh_tied(mode)
     torch.manual_seed(1234)
     model.load_state_dict(build_model("tied").state_dict())
-    for x, y in data[:3]:
+    cut = 2 if mode.endswith("+accumulate") else 3  # after a whole accumulation cycle
+    for x, y in data[:cut]:
         step(x[shard], y[shard])
     step.save_checkpoint(path)
     saved = held(model, optimizer, step)
-    for x, y in data[3:]:
+    for x, y in data[cut:]:
         step(x[shard], y[shard])
     model2, optimizer2, step2 = fresh_tied(mode)
     step2.load_checkpoint(path)
-    for x, y in data[3:]:
+    for x, y in data[cut:]:
         step2(x[shard], y[shard])
     compared = {
         "params": largest(dict(model.named_parameters()), dict(model2.named_parameters())),

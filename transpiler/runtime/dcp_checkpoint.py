@@ -24,7 +24,7 @@ from .global_weights import global_parameters
 from .lending import held_whole
 from .process_group import live_group
 from .sharded_params import LentParameters
-from .step_state import StepState
+from .step_state import StepState, parameter_names
 
 if TYPE_CHECKING:
     from .sharded_checkpoint import Ranks
@@ -86,7 +86,7 @@ def save(state: StepState, lent: LentParameters, path: str | Path) -> None:
     ranks = _ranks(state)
     with failures_named(f"saving the checkpoint {path}", state.placement):
         shards, whole = _shards(state) or {}, held_whole(state, lent)
-        names = state.parameter_names()
+        names = parameter_names(state.model)
         checkpoint = {
             "model": sharded_checkpoint.model_state(state.model, whole, shards, ranks),
             "optim": sharded_checkpoint.optimizer_state(state.optimizer, names, shards, ranks, whole),
@@ -153,7 +153,7 @@ def _load_in_step(state: StepState, lent: LentParameters, path: str | Path) -> N
     """The checkpoint of a mode that keeps ranks in step: this rank's slices of what is sharded."""
     sharded_checkpoint = _sharded_checkpoint()
     ranks = _ranks(state)
-    names = state.parameter_names()
+    names = parameter_names(state.model)
     shards, whole = _shards(state), held_whole(state, lent)
     model = sharded_checkpoint.model_state(state.model, whole, shards or {}, ranks)
     template, slices = sharded_checkpoint.load_template(
@@ -182,6 +182,5 @@ def _replica(state: StepState) -> Any:  # replica_checkpoint.Replica (imported w
 
 
 def _shards(state: StepState) -> Shards | None:
-    """This rank's ``[lo, hi)`` of each sharded parameter, once the step is built (the same in every variant);
-    None before."""
-    return state.built.first.shards if state.built is not None else None
+    """This rank's ``[lo, hi)`` of each sharded parameter, once the step is built; None before."""
+    return state.built.shards if state.built is not None else None

@@ -12,7 +12,7 @@ from transpiler.errors import ConfigurationError
 from transpiler.graph.collectives import WAIT
 from transpiler.graph.ports import GLOBAL, IN_FLIGHT
 
-from .step_state import StepState
+from .step_state import StepState, parameter_names
 
 
 def global_parameters(state: StepState) -> dict[str, torch.Tensor]:
@@ -24,7 +24,7 @@ def global_parameters(state: StepState) -> dict[str, torch.Tensor]:
             "'diloco' and 'streaming_diloco' do."
         )
     land_in_flight(state.extra)  # the run may end with an exchange in flight: nothing is left unwaited
-    names = state.parameter_names()
+    names = parameter_names(state.model)
     held = {name.removeprefix(GLOBAL): t for name, t in state.extra.items() if name.startswith(GLOBAL)}
     params = state.model.named_parameters()
     return {n: held.get(n, p.detach()) for n, p in params if names[id(p)] == n and p.requires_grad}

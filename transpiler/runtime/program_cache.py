@@ -50,6 +50,9 @@ class Built:
     positions: dict[str, int] = field(init=False)
     extra_init: dict[str, ExtraInit] = field(init=False)  # pass-added state of every variant -> its rule
     whole: dict[str, torch.Size] = field(init=False)  # ZeRO-3: each parameter held as a slice -> its whole shape
+    # a sharded mode: each parameter -> this rank's [lo, hi) of it, from every variant (under zero1 an accumulation
+    # micro-step's program holds none: the variant that updates says)
+    shards: dict[str, tuple[int, int]] = field(init=False)
     digest: bytes = field(init=False)  # of the setup: equal digests need no new handshake
 
     def __post_init__(self) -> None:
@@ -61,6 +64,7 @@ class Built:
         self.whole = {
             n: torch.Size(s) for p in self.programs.values() for b in p.param_buckets for n, s in zip(b.names, b.shapes)
         }
+        self.shards = {n: bounds for p in self.programs.values() for n, bounds in p.shards.items()}
         self.runners = {v: self.runners.get(v, p.graph_module) for v, p in self.programs.items()}
         self.digest = hashlib.sha256(pickle.dumps(self.setup)).digest()
 
@@ -68,11 +72,6 @@ class Built:
     def main(self) -> StepProgram:
         """The program of the variant that runs most often: ``step``, else the last variant listed."""
         return self.programs.get("step") or self.programs[next(reversed(self.programs))]
-
-    @property
-    def first(self) -> StepProgram:
-        """The first variant's program: what every variant shares (shards, parameter buckets) is read here."""
-        return next(iter(self.programs.values()))
 
     @property
     def device(self) -> torch.device:

@@ -51,10 +51,6 @@ class StepState:
                 "lent to the block: leave the block first."
             )
 
-    def parameter_names(self) -> dict[int, str]:
-        """Each parameter's name in the model (a tied one under its first name), by ``id``."""
-        return parameter_names(self.model)
-
 
 def parameter_names(model: torch.nn.Module) -> dict[int, str]:
     """Each parameter's name in ``model`` (a tied one under its first name), by ``id``."""
