@@ -76,7 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=10, help="steps between checkpoints (--checkpoint-dir)")
     parser.add_argument("--keep", type=int, default=2, help="checkpoints kept (--checkpoint-dir)")
     parser.add_argument(
-        "--log-samples", metavar="DIR", help="each rank appends the sample ids of every step to DIR/rank<r>.jsonl"
+        "--log-samples",
+        metavar="DIR",
+        help="each rank appends the sample ids and loss of every step to DIR/rank<r>.jsonl",
     )
     parser.add_argument("--timeout", type=float, default=120, help="process-group timeout in seconds")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL")
@@ -183,9 +185,10 @@ def main(argv: list[str] | None = None) -> None:
         while position.epoch < args.epochs:
             total, count = 0.0, 0
             for idx in position.epoch_batches(rank, world):
-                total, count = total + step(x_train[idx], y_train[idx]).item(), count + 1
+                loss = step(x_train[idx], y_train[idx]).item()
+                total, count = total + loss, count + 1
                 if log is not None:
-                    log.write(checkpointer.steps + 1 if checkpointer else None, position, idx)
+                    log.write(checkpointer.steps + 1 if checkpointer else None, position, idx, loss)
                 if checkpointer is not None:
                     checkpointer.step_done()
             metrics = " ".join(f"{k} {v:.4g}" for k, v in step.last_metrics.items())  # grad_norm, loss_scale...
@@ -223,10 +226,11 @@ class SampleLog:
             dist.broadcast_object_list(box, src=0)
         self.attempt = box[0]
 
-    def write(self, step: int | None, position: DataPosition, idx: torch.Tensor) -> None:
+    def write(self, step: int | None, position: DataPosition, idx: torch.Tensor, loss: float) -> None:
+        """One step: its samples and this rank's loss (JSON keeps a float's every bit)."""
         record = {"attempt": self.attempt, "world": self.world, "rank": self.rank, "pid": os.getpid(), "step": step}
         record["time"] = time.time()
-        record.update(epoch=position.epoch, offset=position.offset, ids=idx.tolist())
+        record.update(epoch=position.epoch, offset=position.offset, ids=idx.tolist(), loss=loss)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 

@@ -100,7 +100,8 @@ def test_faults_fail_within_the_timeout_naming_what_failed(kind, tmp_path_factor
         assert "all_reduce" in survivor["message"] and "bucket" in survivor["message"]
         assert "waited for ranks 1," in survivor["message"], survivor["message"]  # the stalled or dead peer
     # no bound on how fast: a hang would have ended the world at launch()'s timeout, not in an error; a stalled
-    # peer wakes after 4 x the timeout, and had the survivor waited for it the step would have raised nothing
+    # peer stays silent until rank 0 has saved its outcome, or 4 x the timeout: had the survivor waited for it, the
+    # step would have raised nothing (tests/safety_worker.py stay_silent)
 
 
 def test_a_rank_silent_while_a_checkpoint_is_written_fails_within_the_steps_timeout(tmp_path_factory):

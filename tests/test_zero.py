@@ -46,7 +46,9 @@ ATOL_W4, ATOL_SINGLE = 1e-5, 1e-5  # the sums in another order (W=4, sharded acc
 ATOL_COMPILED = 1e-7  # Inductor fuses the update's arithmetic: README and docs/strategies/zero.md, 1.5e-8 measured
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+@pytest.fixture(
+    scope="module", params=[2, pytest.param(4, marks=pytest.mark.within_tolerance)], ids=lambda w: f"world{w}"
+)
 def runs(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"zero{world}")
