@@ -16,7 +16,6 @@ programs cannot be counted (Dynamo refuses a dispatch mode around them). Nothing
 from __future__ import annotations
 
 import copy
-import json
 import os
 import platform
 import statistics
@@ -34,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.models import NARROW, narrow_batch  # noqa: E402
 from bench.op_count import count_ops  # noqa: E402
-from bench.two_ranks import two_rank_results, write_section  # noqa: E402
+from bench.two_ranks import entry, finish_rank, two_rank_results, write_section  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 PER_RANK = {"gpt": 4, "cnn": 8}
@@ -113,12 +112,7 @@ def rank_main(out: str) -> None:
                 counts[label] = {"work": counter.work, "views": counter.views}
         times = interleaved_ms(runs)
         result[name] = {"counts": counts, "ms": {label: statistics.median(t) for label, t in times.items()}}
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        Path(out).write_text(json.dumps(gathered))
-    sys.stdout.flush()
-    os._exit(0)  # no destroy_process_group(): torch 2.13 can deadlock there (bench/memory.py)
+    finish_rank(out, result)
 
 
 def table(ranks: list[dict]) -> str:
@@ -158,7 +152,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:
-        rank_main(sys.argv[1])
-    else:
-        main()
+    entry(rank_main, main)

@@ -42,8 +42,9 @@ from transpiler.graph.memory import peak_transient_bytes  # noqa: E402
 from transpiler.runtime.memory_report import StorageCounter  # noqa: E402
 
 MODEL, PER_RANK, WARMUP, STEPS, ROUNDS = "mlp_5m", 32, 2, 5, 9
-# label -> (mode, options); zero3's default buckets are about a layer each (bucket_cap_mb=layer: the MLP's big
-# layers are 8 MiB); with DDP's 25 MB cap its two big layers share one bucket, gathered whole
+# label -> (mode, options); zero3's default units are a layer each here (bucket_cap_mb=cost: the MLP's layers of
+# 2 and 8 MiB are above the n½ measured on 2 cores, so each starts a unit); with DDP's 25 MB cap its two big
+# layers share one bucket, gathered whole
 VARIANTS: dict[str, tuple[str, dict]] = {
     "ddp": ("ddp", {}),
     "fused_allreduce": ("fused_allreduce", {}),

@@ -38,3 +38,24 @@ def write_section(doc: Path, begin: str, end: str, body: str) -> None:
     if begin in text:
         head, _, rest = text.partition(begin)
         doc.write_text(head + begin + "\n" + body + end + rest.partition(end)[2])
+
+
+def entry(rank_main: Callable[[str], None], main: Callable[[], None]) -> None:
+    """A two-rank bench's ``__main__``: under torchrun a rank (``rank_main(result_path)``), else the driver."""
+    if "RANK" in os.environ:
+        rank_main(sys.argv[1])
+    else:
+        main()
+
+
+def finish_rank(out: str, result: Any) -> None:
+    """A bench rank's end: every rank's ``result`` gathered, rank 0 writes them as JSON to ``out``, and the
+    process exits without ``destroy_process_group()`` (torch 2.13 can deadlock there, bench/memory.py)."""
+    import torch.distributed as dist
+
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(gathered))
+    sys.stdout.flush()
+    os._exit(0)

@@ -28,15 +28,16 @@ from .gradient_flow import unreduced_gradients
 DEFAULT_CAP_MB = 25.0  # DDP's bucket_cap_mb
 
 
-def bucket_cap_option(word: str = "", meaning: str = "") -> float:
-    """The ``bucket-cap-mb`` field of a bucketing pass (DDP's default cap); ``word`` names a value that the pass
-    chooses itself (``auto``, ``layer``), which ``meaning`` explains in the help."""
+def bucket_cap_option(*words: tuple[str, str]) -> float:
+    """The ``bucket-cap-mb`` field of a bucketing pass (DDP's default cap); each of ``words`` is a ``(word,
+    meaning)`` pair naming a value that the pass chooses itself (``auto``, ``layer``, ``cost``), which the help
+    explains."""
     return option(
         DEFAULT_CAP_MB,
         minimum=0,
-        words=((word, word),) if word else (),
+        words=tuple((word, word) for word, _ in words),
         help="bucket size cap in MiB; 0 puts each gradient in its own bucket"
-        + (f"; {word}: {meaning}" if word else ""),
+        + "".join(f"; {word}: {meaning}" for word, meaning in words),
     )
 
 
@@ -73,13 +74,18 @@ def caps_in_bytes(bucket_cap_mb: float, first_bucket_mb: float) -> tuple[int, in
 
 
 def placed_buckets(
-    program: StepProgram, nodes: list[fx.Node], cap: int, first_cap: int, groups: list[str] | None = None
+    program: StepProgram,
+    nodes: list[fx.Node],
+    cap: int,
+    first_cap: int,
+    groups: list[str] | None = None,
+    alone_from: float = float("inf"),
 ) -> Iterator[tuple[int, list[int], Cursor]]:
     """The buckets of ``nodes`` (:func:`assign_buckets` by their bytes, dtype and device, never splitting a run
     of one of ``groups``): each one's index, its members' indices in ``nodes``, and a cursor just after its last
     member in graph order."""
     sizes, keys = [node_bytes(n) for n in nodes], [bucket_key(n) for n in nodes]
-    buckets = assign_buckets(sizes, keys, cap, first_cap, groups)
+    buckets = assign_buckets(sizes, keys, cap, first_cap, groups, alone_from)
     order = position(program.graph)  # computed once, for linear time; new nodes are never members
     for index, members in enumerate(buckets):
         yield index, members, Cursor(program.graph, max((nodes[i] for i in members), key=order.__getitem__))
@@ -109,7 +115,12 @@ class BucketedGradientPass(ReducingPass):
 
 
 def assign_buckets(
-    sizes: list[int], keys: list[tuple], cap_bytes: int, first_cap_bytes: int, groups: list[str] | None = None
+    sizes: list[int],
+    keys: list[tuple],
+    cap_bytes: int,
+    first_cap_bytes: int,
+    groups: list[str] | None = None,
+    alone_from: float = float("inf"),
 ) -> list[list[int]]:
     """Partition item indices into buckets, in order, one open bucket per key.
 
@@ -117,7 +128,8 @@ def assign_buckets(
     first bucket of each key has ``first_cap_bytes``. ``cap_bytes <= 0`` puts
     every item alone. With ``groups`` (say each item's module), a run of items of one group and key is
     never split: the cap is checked when the run starts, against the whole run (a run larger than the cap
-    is a bucket of its own). Buckets come back ordered by their last item.
+    is a bucket of its own), and a run of at least ``alone_from`` bytes starts a bucket, which the smaller runs
+    after it join (ZeRO-3's units by cost). Buckets come back ordered by their last item.
     """
     runs = _run_bytes(sizes, keys, groups) if groups is not None else sizes
     open_bucket: dict[tuple, list[int]] = {}
@@ -130,7 +142,7 @@ def assign_buckets(
             continue
         cap = first_cap_bytes if closed.get(key, 0) == 0 else cap_bytes
         same_run = groups is not None and key in open_bucket and groups[open_bucket[key][-1]] == groups[i]
-        if key in open_bucket and not same_run and open_bytes[key] + runs[i] > cap:
+        if key in open_bucket and not same_run and (open_bytes[key] + runs[i] > cap or runs[i] >= alone_from):
             done.append(open_bucket.pop(key))
             closed[key] = closed.get(key, 0) + 1
         if key not in open_bucket:

@@ -45,7 +45,7 @@ from .gradient_flow import replace_gradient, unreduced_gradients
 class FuseAllReduce(ReducingPass):
     name = "fuse-allreduce"
     summary = "coalesce gradients into dtype/size buckets, one all-reduce per bucket"
-    bucket_cap_mb: float | str = bucket_cap_option("auto", "picks both caps from a cost model measured at startup")
+    bucket_cap_mb: float | str = bucket_cap_option(("auto", "picks both caps from a cost model measured at startup"))
     first_bucket_mb: float = first_bucket_option()
     compress: str = compress_option()
     gradient_as_bucket_view: bool = option(

@@ -52,6 +52,21 @@ def _only_between(node: fx.Node, reader: fx.Node, allowed: set[fx.Node]) -> bool
     return True
 
 
+def _move(graph: fx.Graph, order: dict[fx.Node, float], node: fx.Node, before: fx.Node) -> None:
+    """Move ``node`` right before ``before``, keeping ``order`` (each node's position) up to date: halfway
+    between its new neighbours, or, where no float lies between them any more, every position counted again.
+    Many nodes moved before one reader halve one gap each time (a multi-tensor update reads the gradient slices
+    of every bucket: 50 of them exhaust a float's 52 bits), and tied positions would put a value after its
+    reader."""
+    low, high = order[before.prev], order[before]
+    before.prepend(node)
+    middle = (low + high) / 2
+    if low < middle < high:
+        order[node] = middle
+    else:
+        order.update(position(graph))
+
+
 def _updates_in_completion_order(graph: fx.Graph) -> None:
     """Stable-sort the optimizer's nodes by the last collective each depends on (its issue index)."""
     issued: dict[fx.Node, int] = {}
@@ -98,8 +113,7 @@ class ScheduleCollectives(Pass):
             # only nodes hoisted before it in between: already where the first run put it (a second run must
             # find nothing to do)
             if latest.next is not node and not _only_between(latest, node, placed):
-                order[node] = (order[latest] + order[latest.next]) / 2
-                latest.append(node)
+                _move(graph, order, node, latest.next)
             placed.add(node)
             previous = [node] if is_collective(node) else previous
         _updates_in_completion_order(graph)
@@ -109,8 +123,7 @@ class ScheduleCollectives(Pass):
                 continue
             first = min(node.users, key=order.__getitem__)
             if not _only_between(node, first, completion):
-                order[node] = (order[first.prev] + order[first]) / 2
-                first.prepend(node)
+                _move(graph, order, node, first)
         _host_all_gathers_alone(graph)
         return list(graph.nodes) != before
 

@@ -31,6 +31,7 @@ pass refuse, naming the op and the parameter.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ import torch.fx as fx
 from transpiler.errors import UnsupportedOptimizerError
 from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads
 from transpiler.graph.collectives import C10D, WAIT, is_collective
+from transpiler.graph.cost_model import LinkCost
 from transpiler.graph.edit import Cursor, node_bytes, position, refresh_value, repair_order
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Fact, ReducingPass
@@ -76,7 +78,12 @@ class ShardOptimizer(BucketedGradientPass):
         "reduce-scattered (ZeRO-2)",
     )
     bucket_cap_mb: float | str = bucket_cap_option(
-        "layer", "the largest module's gradients, at most 25 MiB (zero3's default: about one layer gathered at a time)"
+        ("layer", "the largest module's gradients, at most 25 MiB"),
+        (
+            "cost",
+            "whole modules, a unit started by each module whose bytes are worth a collective of their own (on the "
+            "all-gather cost measured at startup), at most 25 MiB (zero3's default)",
+        ),
     )
     module_buckets: bool = option(
         False,
@@ -92,32 +99,46 @@ class ShardOptimizer(BucketedGradientPass):
                 "1-D slices. Make it a 1-element tensor (nn.Parameter(torch.tensor([v]))), or use fused_allreduce."
             )
         modules = [g.meta["grad_of"].rpartition(".")[0] for g in grads]
-        cap, first = self._caps(program, grads, modules)
+        cap, first, alone_from = self._caps(program, grads, modules)
         groups = modules if self.module_buckets else None
-        for index, members, cursor in placed_buckets(program, grads, cap, first, groups):
+        for index, members, cursor in placed_buckets(program, grads, cap, first, groups, alone_from):
             nodes = [grads[i] for i in members]
             order = in_group_order(program, [n.meta["grad_of"] for n in nodes])
             self._reduce_scatter(program, [nodes[i] for i in order], index, cursor)
         _update_shards(program)
 
-    def _caps(self, program: StepProgram, grads: list[fx.Node], modules: list[str]) -> tuple[int, int]:
-        """The caps in bytes: as given, or with ``layer`` the bytes of the module with the most gradient bytes,
-        at most DDP's 25 MiB, for the first bucket too. ZeRO-3 then gathers about one layer at a time, as FSDP
-        wraps one block per unit and DeepSpeed's ``auto`` prefetch bucket is 0.9 hidden² elements; one bucket
-        for a small model would hold it whole in every step."""
-        if self.bucket_cap_mb != "layer":
-            return caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb)
+    @property
+    def wants_link_cost(self) -> bool:
+        return self.bucket_cap_mb == "cost"
+
+    def _caps(self, program: StepProgram, grads: list[fx.Node], modules: list[str]) -> tuple[int, int, float]:
+        """The caps in bytes, and the bytes from which a module starts a bucket of its own: as given; with
+        ``cost`` a module starts a unit where its bytes are worth a collective (:func:`unit_threshold`, on the
+        measured all-gather cost), at most 25 MiB a unit, and ``layer`` where there is nothing to measure; with
+        ``layer`` the bytes of the module with the most gradient bytes, at most DDP's 25 MiB, for the first bucket
+        too. Either way ZeRO-3 gathers whole modules; one bucket for a large model would hold it whole in every
+        step."""
+        never = float("inf")
+        if self.bucket_cap_mb == "cost" and program.link_cost is not None:
+            threshold, why = unit_threshold(program.link_cost)
+            program.decisions[self.name] = why
+            bound = int(DEFAULT_CAP_MB * MB)
+            return bound, bound, threshold
+        if self.bucket_cap_mb not in ("layer", "cost"):
+            return (*caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb), never)
         per_module: dict[str, int] = {}
         for grad, module in zip(grads, modules):
             per_module[module] = per_module.get(module, 0) + node_bytes(grad)
         module, largest = max(per_module.items(), key=lambda item: item[1])
         cap_mb = min(DEFAULT_CAP_MB, largest / MB)
+        fallback = "bucket_cap_mb=cost fell back to layer (no all-gather cost: it is measured only in a world of more "
         program.decisions[self.name] = (
-            f"bucket_cap_mb=layer: {cap_mb:.3g} MiB, the gradients of '{module or '(the model)'}', the largest "
+            (fallback + "than one process); " if self.bucket_cap_mb == "cost" else "")
+            + f"bucket_cap_mb=layer: {cap_mb:.3g} MiB, the gradients of '{module or '(the model)'}', the largest "
             f"module (at most {DEFAULT_CAP_MB:g} MiB)"
         )
         cap, first = caps_in_bytes(cap_mb, self.first_bucket_mb)
-        return cap, min(first, cap)
+        return cap, min(first, cap), never
 
     def _reduce_scatter(self, program: StepProgram, nodes: list[fx.Node], index: int, cursor: Cursor) -> None:
         world, rank = program.world_size, program.rank
@@ -274,3 +295,19 @@ def _check_elementwise(node: fx.Node, name: str, owner: dict[fx.Node, str]) -> N
         "Adagrad, NAdam...) run there, and those that also take whole-tensor norms (LAMB, LARS). Use "
         "fused_allreduce for this optimizer."
     )
+
+
+def unit_threshold(link: LinkCost) -> tuple[int, str]:
+    """ZeRO-3's gather units on the measured all-gather cost: consecutive whole modules share a unit until the
+    next one is worth a collective of its own, that is until one more collective (alpha) costs less than moving
+    the bytes it would hold (beta per byte): a module of at least Hockney's n½ = alpha / beta bytes starts a
+    unit, and the smaller modules after it join that unit, at most 25 MiB a unit. n½ is rounded to a power of
+    two, so that timing noise seldom moves it. Returns it in bytes and the decision, in words."""
+    half = link.half_bytes
+    threshold = 1 << round(math.log2(max(half, 1.0))) if math.isfinite(half) else int(DEFAULT_CAP_MB * MB)
+    why = (
+        f"bucket_cap_mb=cost: an all-gather costs {link.alpha * 1e6:.0f} us + {link.beta * 1e9:.3g} ns per byte, "
+        f"so a module of {threshold / 1024:.4g} KiB or more (n½ = {half / 1024:.0f} KiB, rounded to a power of "
+        f"two) starts a gather unit and smaller ones join the unit before them, at most {DEFAULT_CAP_MB:g} MiB a unit"
+    )
+    return threshold, why

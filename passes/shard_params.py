@@ -16,8 +16,9 @@ Guarantees:
   every gather to the top would hold the whole model;
 - with ``reshard-after-forward`` the backward gathers each bucket again, in backward order with the same
   prefetch, and recomputes from it the views and casts of the parameters it reads (``t``, ``view``,
-  ``_to_copy``...), so no gathered buffer lives from the forward into the backward; without it the forward's
-  buffers are kept until the backward's last use;
+  ``_to_copy``...), so no gathered buffer lives from the forward into the backward, except the last bucket the
+  forward reads: the backward reads it first, right away, so its forward gather is kept (FSDP2 keeps its root
+  the same way). Without it every forward buffer is kept until the backward's last use;
 - the gradients are reduce-scattered in the same buckets by ``shard-optimizer``, so the slice of the reduced
   gradient this rank receives is the slice of the parameters it holds.
 """
@@ -76,16 +77,26 @@ class ShardParams(Pass):
             sides = [_as_slice(program, p) for p in params]
             forward[index] = [u for f, _ in sides for u in f]
             backward[index] = [u for _, b in sides for u in b]
-        if not self.reshard_after_forward:  # one gather per bucket, kept until the backward is done with it
-            forward = {i: forward[i] + backward[i] for i in forward}
+        # one gather per bucket, kept until the backward is done with it: every bucket without
+        # reshard-after-forward, else the last the forward reads, which the backward reads first (FSDP2's root)
+        kept = set(forward) if not self.reshard_after_forward else {_last_read(program, forward)} - {None}
+        for index in kept:
+            forward[index], backward[index] = forward[index] + backward[index], []
         first = _place(program, forward, "forward")
         if self.reshard_after_forward:
-            _regather_for_backward(program, first, backward)
+            _regather_for_backward(program, {i: v for i, v in first.items() if i not in kept}, backward)
         for node in reversed(program.graph.nodes):  # views of parameters a phase does not read
             gathered = node.meta.get("bucket", ("",))[0] == "params"
             if gathered and node.target in (aten.view.default, aten.slice.Tensor) and not node.users:
                 program.graph.erase_node(node)
         return True
+
+
+def _last_read(program: StepProgram, forward: dict[int, list[fx.Node]]) -> int | None:
+    """The bucket whose first forward reader comes last: the backward reads it first, right after the forward."""
+    order = position(program.graph)
+    firsts = {i: min(order[r] for r in readers) for i, readers in forward.items() if readers}
+    return max(firsts, key=firsts.__getitem__) if firsts else None
 
 
 def _as_slice(program: StepProgram, param: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:

@@ -51,11 +51,13 @@ def test_before_and_print_between_passes(capsys):
 
 
 def test_dump_says_what_a_pass_chose(capsys):
-    """zero3's default cap is the largest module's gradients: dump names the cap and the module on stderr; a cap
-    given as a number leaves nothing to say."""
+    """zero3's default cap, ``cost``, has no all-gather to time in a dump (no processes): dump says it fell back
+    to the largest module's gradients and names the cap and the module on stderr; a cap given as a number leaves
+    nothing to say."""
     assert main(["dump", FACTORY, "--mode", "zero3", "--world-size", "2"]) == 0
     captured = capsys.readouterr()
-    assert "# shard-optimizer: bucket_cap_mb=layer:" in captured.err and "the largest module" in captured.err
+    assert "# shard-optimizer: bucket_cap_mb=cost fell back to layer" in captured.err
+    assert "bucket_cap_mb=layer:" in captured.err and "the largest module" in captured.err
     assert main(["dump", FACTORY, "--mode", "zero3", "--world-size", "2", "-O", "bucket_cap_mb=25"]) == 0
     assert "shard-optimizer" not in capsys.readouterr().err
 

@@ -12,11 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from passes.shard_optimizer import owned
+from passes.shard_optimizer import owned, unit_threshold
 from tests.helpers import eager_step
 from tests.models import MLP, Lamb, TiedLM, make_batch
 from tests.test_boost_properties import assert_all_gathers_run_alone
 from transpiler import transpile
+from transpiler.build import StepBuilder
 from transpiler.errors import (
     CheckpointError,
     ConfigurationError,
@@ -32,6 +33,7 @@ from transpiler.graph.bucket_layout import (
     slot_offsets,
 )
 from transpiler.graph.collectives import WAIT
+from transpiler.graph.cost_model import LinkCost
 from transpiler.graph.verify import check_shards
 from transpiler.graph.views import flat_range, is_view
 from transpiler.runtime.sharded_checkpoint import flat_boxes
@@ -225,27 +227,33 @@ def test_zero3_refusals_say_what_to_do():
 
 def test_zero3_programs_gather_before_use_and_free_before_the_backward():
     """Every rank's zero3 program (W=4, checked statically): each bucket is gathered for the forward, and again
-    for the backward where it reads it; no backward node reads the forward's gathered buffers (with
-    ``reshard_after_forward``), and every all-gather runs alone (CPU)."""
+    for the backward where it reads it, except the last the forward reads, whose gather the backward reads first
+    and keeps (FSDP2's root); no backward node reads another forward gather (with ``reshard_after_forward``), and
+    every all-gather runs alone (CPU)."""
     for reshard in (True, False):
         for program in _world_programs("zero3", 4, reshard_after_forward=reshard):
             gathers = [n for n in program.graph.nodes if n.meta.get("collective", {}).get("kind") == "all_gather"]
             phases = [n.meta["collective"]["phase"] for n in gathers]
             assert phases.count("forward") == len(program.param_buckets)
             assert ("backward" in phases) == reshard
+            kept = [n for n in gathers if n.meta["collective"]["phase"] == "forward"][-1]
+            again = {n.meta["collective"]["bucket"] for n in gathers if n.meta["collective"]["phase"] == "backward"}
+            assert kept.meta["collective"]["bucket"] not in again
             for gather in gathers:
                 aliases, readers = {gather}, set()
                 for node in program.graph.nodes:
                     if any(i in aliases for i in node.all_input_nodes):
                         (aliases if is_view(node) or node.target is WAIT else readers).add(node)
                 late = {r.name for r in readers if r.meta.get("role") in ("loss_grad", "backward")}
-                assert not late if reshard and gather.meta["collective"]["phase"] == "forward" else True, late
+                if reshard and gather.meta["collective"]["phase"] == "forward":
+                    assert bool(late) == (gather is kept), (gather.name, late)
             assert_all_gathers_run_alone(program.graph)
     check_shards(_world_programs("zero3", 4))
 
 
 def test_zero3_default_buckets_are_one_layer_each():
-    """``bucket_cap_mb="layer"``, zero3's default: the cap is the gradient bytes of the largest module, so each of
+    """``bucket_cap_mb="layer"``, what zero3's default ``cost`` falls back to with no all-gather to time (a program
+    built without processes): the cap is the gradient bytes of the largest module, so each of
     the MLP's layers is one bucket (its weight and bias together, one gather), and ``decisions`` says so; the
     other modes keep DDP's 25 MB (the whole MLP in one bucket)."""
     model = MLP()
@@ -262,6 +270,78 @@ def test_zero3_default_buckets_are_one_layer_each():
         n for n in zero2.program.graph.nodes if n.meta.get("collective", {}).get("kind") == "reduce_scatter"
     ]
     assert len(reduce_scatters) == 1 and "shard-optimizer" not in zero2.program.decisions
+
+
+@settings(max_examples=300, deadline=None)
+@given(alpha=st.floats(1e-7, 1e-2), beta=st.floats(1e-14, 1e-6))
+def test_the_unit_threshold_is_n_half_rounded_to_a_power_of_two(alpha, beta):
+    """Hockney's n½ = alpha / beta, rounded to a power of two (within a factor √2 of it), and the decision says
+    what was measured and chosen."""
+    threshold, why = unit_threshold(LinkCost(alpha, beta))
+    half = max(alpha / beta, 1.0)  # at least one byte
+    assert threshold & (threshold - 1) == 0 and half / 2**0.5 <= threshold <= half * 2**0.5, (half, threshold)
+    assert why.startswith(f"bucket_cap_mb=cost: an all-gather costs {alpha * 1e6:.0f} us") and "25 MiB" in why
+
+
+class Blocks(torch.nn.Module):
+    """``n`` blocks of modules of three sizes (a LayerNorm of 128 bytes, Linears of 4352 and 4160 bytes), a head
+    of 680 bytes."""
+
+    def __init__(self, n: int = 6) -> None:
+        super().__init__()
+        block = lambda: torch.nn.Sequential(  # noqa: E731
+            torch.nn.LayerNorm(16), torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)
+        )
+        self.blocks = torch.nn.Sequential(*(block() for _ in range(n)))
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+@pytest.mark.parametrize("half", [100, 2000, 4300, 10**6])
+def test_cost_units_start_at_modules_worth_a_collective_and_hold_whole_modules(half, monkeypatch):
+    """With a given all-gather cost (a link of n½ = ``half`` bytes), zero3's default units: every module's
+    parameters in one unit, units of consecutive modules in production order; a unit starts at a module of at
+    least the threshold (n½ as a power of two), and every later module of it is smaller; a model of small modules
+    is one unit. A number for ``bucket_cap_mb`` still overrides the choice."""
+    beta = 1e-9
+    link = LinkCost(half * beta, beta)
+    monkeypatch.setattr(StepBuilder, "_link_cost", lambda self: link)
+    torch.manual_seed(0)
+    model = Blocks()
+    example = (torch.randn(4, 16), torch.randint(0, 10, (4,)))
+    step = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, world_size=2, rank=0)
+    threshold, why = unit_threshold(link)
+    assert step.program.decisions["shard-optimizer"] == why
+    produced = [n for n, _ in reversed(list(model.named_parameters()))]  # the backward makes gradients last first
+    modules = list(dict.fromkeys(n.rpartition(".")[0] for n in produced))
+    units = [list(dict.fromkeys(n.rpartition(".")[0] for n in b.names)) for b in step.program.param_buckets]
+    assert [m for unit in units for m in unit] == modules  # whole modules, consecutive, in production order
+    size = {m: sum(p.numel() * 4 for n, p in model.named_parameters() if n.rpartition(".")[0] == m) for m in modules}
+    assert all(size[unit[0]] >= threshold for unit in units[1:]), (threshold, units)
+    assert all(size[m] < threshold for unit in units for m in unit[1:]), (threshold, units)
+    assert len(units) == (1 if half > 5000 else len([m for m in modules[1:] if size[m] >= threshold]) + 1)
+    other = Blocks()
+    given = transpile(
+        other, torch.optim.AdamW(other.parameters()), "zero3", LOSS, example, world_size=2, rank=0, bucket_cap_mb=0.004
+    )
+    assert "shard-optimizer" not in given.program.decisions
+
+
+def test_zero3_updates_as_multi_tensor_ops_across_many_buckets():
+    """zero3's update runs as ``_foreach_*`` ops over every parameter, whatever the number of gather units: 61
+    modules in 42 units (``layer``: a LayerNorm joins the Linear beside it). Each op reads a gradient slice of
+    every bucket, so schedule-collectives moves every bucket's unpacking right before one op; it used to run out
+    of float positions between two nodes there and put a sum after the slice that reads it (issue 42)."""
+    torch.manual_seed(0)
+    model = Blocks(20)
+    example = (torch.randn(4, 16), torch.randint(0, 10, (4,)))
+    options = {"world_size": 2, "rank": 1, "bucket_cap_mb": "layer"}
+    step = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, **options)
+    assert len(step.program.param_buckets) == 42
+    count = len(list(model.parameters()))
+    assert step.program.decisions["foreach-update"].startswith(f"{count} parameters"), step.program.decisions
 
 
 @pytest.mark.parametrize("mode", ["zero2", "zero3"])

@@ -148,6 +148,7 @@ def scenario(
     record["shards"] = dict(step.program.shards)
     record["kinds"] = [n.meta["collective"]["kind"] for n in step.graph_module.graph.nodes if "collective" in n.meta]
     record["captures"] = step.captures
+    record["decisions"] = dict(step.program.decisions)
     return record
 
 
@@ -319,6 +320,8 @@ SCENARIOS = {
         # (the MLP, not GPT-2: gloo's heap bug, docs/strategies/zero.md, shows around GPT-2's many small buckets)
         ("mlp", "adamw", "zero1", 1, {"cuda_graph": True}),
         ("mlp", "sgd", "zero2", 1, {"cuda_graph": True}),
+        # zero3's default gather units, sized on the all-gather cost the ranks measure at startup
+        ("gpt2", "adamw", "zero3", 1, {"bucket_cap_mb": "cost"}),
     ],
     4: [
         ("tied", "adamw", "zero1", 1),
@@ -331,6 +334,7 @@ SCENARIOS = {
         ("tied", "lamb", "zero3", 1),  # the tied model, not GPT-2: the same paths, a tenth of the time
         ("gpt2", "nadam", "zero1", 1),
         ("mlp", "lion", "zero2", 1),
+        ("tied", "adamw", "zero3", 1, {"bucket_cap_mb": "cost"}),
     ],
 }
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from transpiler.graph.collectives import communication_plan
-from transpiler.graph.cost_model import CostModel
+from transpiler.graph.cost_model import CostModel, LinkCost
 from transpiler.graph.pipeline import Pass, Pipeline
 from transpiler.graph.program import Axis, StepProgram
 from transpiler.graph.verify import (
@@ -82,6 +82,7 @@ class StepBuilder:
         if self.outer is not None:
             traced.outer_update, outer_plan = trace_outer_update(self.outer, state)
         traced.cost_model = self._cost_model(batch)
+        traced.link_cost = self._link_cost()
         programs = {
             variant: rewrite(
                 traced,
@@ -117,6 +118,14 @@ class StepBuilder:
         if key not in self.measured:
             self.measured[key] = cost_probe.measure(self.model, self.loss_fn, batch, self.placement.group_name)
         return self.measured[key]
+
+    def _link_cost(self) -> LinkCost | None:
+        """What an all-gather costs on the step's group, where a pass asks (zero3's ``bucket_cap_mb="cost"``)."""
+        wanted = any(getattr(p, "wants_link_cost", False) for p in self.strategy.passes())
+        if not (wanted and self.placement.live and self.placement.world_size > 1):
+            return None
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        return cost_probe.measure_link(device, self.placement.group_name, self.placement.world_size)
 
     def _setup(self, batch: tuple, programs: dict[str, StepProgram]) -> Setup:
         """What every rank compares before these programs first run (``handshake.py``)."""

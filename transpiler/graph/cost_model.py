@@ -66,3 +66,18 @@ def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> tuple[float, fl
     var = sum((x - mean_x) ** 2 for x in nbytes)
     beta = max(sum((x - mean_x) * (y - mean_y) for x, y in zip(nbytes, seconds)) / var, 0.0) if var else 0.0
     return max(mean_y - beta * mean_x, 0.0), beta
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """What one all-gather of ``n`` bytes costs on the step's group, ``alpha + beta * n`` seconds, as the ranks
+    agreed on it (``runtime/cost_probe.py``); ZeRO-3's gather units are sized on it (``bucket_cap_mb="cost"``)."""
+
+    alpha: float
+    beta: float
+
+    @property
+    def half_bytes(self) -> float:
+        """The bytes whose transfer takes as long as starting the collective (``alpha / beta``, Hockney's n½):
+        a unit smaller than this spends most of its time on the start, one larger on its bytes."""
+        return self.alpha / self.beta if self.beta > 0 else float("inf")

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from transpiler.errors import ConfigurationError
 
-from .cost_model import CostModel
+from .cost_model import CostModel, LinkCost
 from .op_counts import OpCounts, op_counts
 from .ports import ExtraInit, Port
 
@@ -99,6 +99,7 @@ class StepProgram:
     subgroups: dict[tuple[int, ...], str] = field(default_factory=dict)  # ranks -> process-group name
     sources: dict[str, str] = field(default_factory=dict)  # data files baked into the graph -> content digest
     cost_model: CostModel | None = None  # measured at startup when a pass asks (bucket_cap_mb="auto")
+    link_cost: LinkCost | None = None  # measured at startup when a pass asks (zero3's bucket_cap_mb="cost")
     decisions: dict[str, str] = field(default_factory=dict)  # pass -> what it chose from measurements, in words
     shards: dict[str, tuple[int, int]] = field(default_factory=dict)  # param -> flat [lo, hi) this rank updates
     param_buckets: list[ParamBucket] = field(default_factory=list)  # parameters held as shards (ZeRO-3)

@@ -1,4 +1,5 @@
-"""Measures the cost model behind ``bucket_cap_mb="auto"``: when each gradient is ready, what an all-reduce costs.
+"""Measures the cost model behind ``bucket_cap_mb="auto"``: when each gradient is ready, what an all-reduce costs;
+and, for ZeRO-3's ``bucket_cap_mb="cost"``, what an all-gather costs (:func:`measure_link`).
 
 Measured once per traced program, on every rank, when a pass asks for it:
 
@@ -28,7 +29,7 @@ import torch
 
 from transpiler.errors import ConfigurationError
 from transpiler.graph.collectives import C10D, WAIT
-from transpiler.graph.cost_model import CostModel, fit_alpha_beta
+from transpiler.graph.cost_model import CostModel, LinkCost, fit_alpha_beta
 
 TIMED_RUNS = 3  # backward timings per measurement; their median is kept
 PROBE_ELEMENTS = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)  # float32: 4 KiB .. 16 MiB
@@ -52,6 +53,40 @@ def measure(model: torch.nn.Module, loss_fn, batch: tuple, group_name: str) -> C
     alpha, beta = fit_alpha_beta([4.0 * n for n in PROBE_ELEMENTS], timings)
     contention, backward, *rest = agreed[2 + len(probes) :]
     return CostModel(alpha, beta, dict(zip(names, rest)), backward, contention)
+
+
+def measure_link(device: torch.device, group_name: str, world_size: int) -> LinkCost:
+    """What an all-gather costs on ``group_name``: all-gathers of 4 KiB to 16 MiB (the gathered bytes), the
+    median of five timed after a warm-up per size; the ranks agree on the element-wise maximum of their timings.
+    ``beta`` is the slope between the two largest sizes and ``alpha`` what the smallest costs beyond its bytes:
+    a least-squares intercept would carry the large sizes' noise into ``alpha``, which their timings swamp.
+    Measured once per group in a process (a second step on the same group reuses it), so that steps built one
+    after another in a process cut the same gather units."""
+    key = (group_name, str(device), world_size)
+    if key not in _LINKS:
+        timings = [_all_gather_seconds(n, device, group_name, world_size) for n in PROBE_ELEMENTS]
+        agreed = _all_reduce(torch.tensor(timings, dtype=torch.float64, device=device), "max", group_name).tolist()
+        nbytes = [4.0 * n for n in PROBE_ELEMENTS]
+        beta = max((agreed[-1] - agreed[-2]) / (nbytes[-1] - nbytes[-2]), 0.0)
+        _LINKS[key] = LinkCost(max(agreed[0] - beta * nbytes[0], 0.0), beta)
+    return _LINKS[key]
+
+
+_LINKS: dict[tuple[str, str, int], LinkCost] = {}  # (group, device, world size) -> the agreed cost, kept
+
+
+def _all_gather_seconds(elements: int, device: torch.device, group_name: str, world_size: int) -> float:
+    shard = torch.ones(max(elements // world_size, 1), device=device)
+    gather = C10D.all_gather_into_tensor.default
+    WAIT(gather(shard, world_size, group_name))  # warm-up: connections, buffers
+    seconds = []
+    for _ in range(5):
+        _synchronize(device)
+        start = time.perf_counter()
+        WAIT(gather(shard, world_size, group_name))
+        _synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 def _all_reduce(tensor: torch.Tensor, op: str, group_name: str) -> torch.Tensor:

@@ -40,7 +40,11 @@ def partial_sync(partitions: int, bucket_cap_mb: float, first_bucket_mb: float) 
     caps = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb}
     return Recipe(
         {
-            f"sync{i}": [make("partial-average", partitions=partitions, index=i, **caps), make("schedule-collectives")]
+            f"sync{i}": [
+                make("partial-average", partitions=partitions, index=i, **caps),
+                make("foreach-update"),  # after the average, which reads each parameter's new value
+                make("schedule-collectives"),
+            ]
             for i in range(partitions)
         },
         prefix(),

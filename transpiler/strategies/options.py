@@ -83,9 +83,10 @@ def fused_buckets() -> dict[str, OptionSpec]:
 
 @functools.cache
 def zero3_buckets() -> dict[str, OptionSpec]:
-    """``bucket_cap_mb`` takes ``"layer"`` here, its default: about one layer gathered at a time."""
+    """``bucket_cap_mb`` takes ``"cost"`` here, its default (gather units sized on the measured all-gather cost),
+    and ``"layer"`` (about one layer gathered at a time)."""
     return {
-        "bucket_cap_mb": pass_option("shard-optimizer", "bucket_cap_mb", default="layer"),
+        "bucket_cap_mb": pass_option("shard-optimizer", "bucket_cap_mb", default="cost"),
         "first_bucket_mb": buckets()["first_bucket_mb"],
     }
 
