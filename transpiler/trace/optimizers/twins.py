@@ -191,12 +191,18 @@ class OptimizerPlan:
 
     def _group_step(self, g: GroupPlan) -> float:
         """The step count of a group's parameters, which must agree. Read once where they are lanes of one flat
-        buffer (``runtime/flat_storage.py`` checks that the lanes agree before every step), else from each; a
-        parameter with no state yet (a flat step creates it, as eager does) counts 0."""
+        buffer (``runtime/flat_storage.py`` checks that the lanes agree before every step), else from one stacked
+        read of them all (a per-parameter ``.item()`` cost each step an op per parameter, and a device sync each
+        on a GPU); a parameter with no state yet (a flat step creates it, as eager does) counts 0."""
         counts = [self.optimizer.state[self.params[i]].get("step") for i in g.param_positions]
         lanes = counts[0]._base if counts and counts[0] is not None else None
         if lanes is not None and all(t is not None and t._base is lanes for t in counts):
             return float(counts[0])
+        alike = all(t is not None and t.shape == () for t in counts) and len({(t.dtype, t.device) for t in counts}) == 1
+        if len(counts) > 1 and alike:
+            low, high = torch.stack(counts).aminmax()  # one read for the group, not one per parameter
+            if bool(low == high):
+                return float(low)
         steps = {0.0 if t is None else float(t) for t in counts}  # no state yet: eager's first step makes it 0
         if len(steps) > 1:
             raise UnsupportedOptimizerError(
