@@ -131,12 +131,12 @@ class ShardOptimizer(BucketedGradientPass):
             per_module[module] = per_module.get(module, 0) + node_bytes(grad)
         module, largest = max(per_module.items(), key=lambda item: item[1])
         cap_mb = min(DEFAULT_CAP_MB, largest / MB)
-        fallback = "bucket_cap_mb=cost fell back to layer (no all-gather cost: it is measured only in a world of more "
-        program.decisions[self.name] = (
-            (fallback + "than one process); " if self.bucket_cap_mb == "cost" else "")
-            + f"bucket_cap_mb=layer: {cap_mb:.3g} MiB, the gradients of '{module or '(the model)'}', the largest "
-            f"module (at most {DEFAULT_CAP_MB:g} MiB)"
-        )
+        said = f"bucket_cap_mb=layer: {cap_mb:.3g} MiB, the gradients of '{module or '(the model)'}', the largest "
+        said += f"module (at most {DEFAULT_CAP_MB:g} MiB)"
+        if self.bucket_cap_mb == "cost":
+            fell_back = "bucket_cap_mb=cost fell back to layer (no all-gather cost: it is measured only in a world of "
+            said = fell_back + "more than one process); " + said
+        program.decisions[self.name] = said
         cap, first = caps_in_bytes(cap_mb, self.first_bucket_mb)
         return cap, min(first, cap), never
 
