@@ -8,6 +8,12 @@ result, never the buffer, and the check below makes sure of it. Each program is 
 ``fullgraph=True`` and ``dynamic=False``, on its first call: a program that cannot be compiled fails
 then, before any of its collectives runs, with a :class:`ConfigurationError` that names it. A new
 batch shape is a new program and compiles again.
+
+Every compile runs with the CPU capability ATen dispatches to (``ATEN_CPU_CAPABILITY``) in torch's cache key
+(:func:`capability_tag`). Inductor writes its C++ loops for the vector width of that capability, but torch 2.13's
+FX graph cache leaves the width out of its key: a process under ``ATEN_CPU_CAPABILITY=avx2`` loaded the step an
+AVX-512 process had cached, rebuilt its source for 8 lanes while the loops stepped by 16, and left every other 8
+values of each buffer unwritten (NaN parameters, issue 42).
 """
 
 from __future__ import annotations
@@ -96,6 +102,13 @@ def _into_bucket(dest: fx.Node) -> bool:
     return "bucket" in root.meta and (root.op == "get_attr" or root.target is aten.empty.memory_format)
 
 
+def capability_tag() -> str:
+    """torch's compile cache tag with the CPU capability added (the user's own tag, if any, kept in front)."""
+    mark = f"cpu-capability={torch.backends.cpu.get_cpu_capability()}"
+    user = torch.compiler.config.cache_key_tag
+    return f"{user}|{mark}" if user else mark
+
+
 class CompiledProgram:
     """A program compiled on its first call; ``seconds`` is how long that call took (compiling included)."""
 
@@ -103,8 +116,13 @@ class CompiledProgram:
         self.variant = variant
         self.fn: Callable = torch.compile(functional_copy(gm), dynamic=False, fullgraph=True)
         self.seconds: float | None = None
+        self.cache_tag = capability_tag()
 
     def __call__(self, *inputs):
+        with torch.compiler.config.patch(cache_key_tag=self.cache_tag):  # a recompile may happen on any call
+            return self._call(*inputs)
+
+    def _call(self, *inputs):
         if self.seconds is not None:
             try:
                 return self.fn(*inputs)
