@@ -357,6 +357,42 @@ COMPOSED = {
 }
 
 
+def against_fsdp2(rank: int, world: int) -> dict:
+    """``zero3`` with its defaults against FSDP2 wrapped as torchtitan wraps a model (every block, then the root;
+    foreach AdamW) on GPT-2, 5 steps from the same weights and batches. Beside them, two of torch's own: FSDP2
+    wrapped at the root alone (another bucketing of the same reduce-scatters) and DDP (all-reduce). Each step,
+    ``largest`` of each one's whole parameters against the per-block FSDP2's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(1234)
+    base = build_model("gpt2")
+    ours, per_block, root_only, replicated = (copy.deepcopy(base) for _ in range(4))
+    mesh = init_device_mesh("cpu", (world,))
+    for block in per_block.model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(per_block, mesh=mesh)
+    fully_shard(root_only, mesh=mesh)
+    models = (ours, per_block, root_only, DDP(replicated))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01, foreach=True) for m in models]
+    step = transpile(ours, optimizers[0], mode="zero3")
+    shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    record: dict = {"zero3": [], "root_only": [], "ddp": []}
+    for (ids,) in batches("gpt2", world):
+        step(ids[shard])
+        for model, optimizer in zip(models[1:], optimizers[1:]):
+            optimizer.zero_grad()
+            model(ids[shard]).backward()
+            optimizer.step()
+        wholes = [{n: p.full_tensor() for n, p in m.named_parameters()} for m in models[1:3]]
+        with step.gathered():
+            record["zero3"].append(largest({n: p.detach().clone() for n, p in ours.named_parameters()}, wholes[0]))
+        record["root_only"].append(largest(wholes[1], wholes[0]))
+        record["ddp"].append(largest({n: p.detach() for n, p in replicated.named_parameters()}, wholes[0]))
+    record["decision"] = step.program.decisions.get("shard-optimizer", "")
+    return record
+
+
 def checks(rank: int, world: int) -> dict:
     results = {
         ",".join(map(str, s)): scenario(*s[:3], rank, world, accumulate=s[3], **(s[4] if len(s) > 4 else {}))
@@ -364,6 +400,7 @@ def checks(rank: int, world: int) -> dict:
     }
     results["composed"] = {",".join(map(str, c)): composed(*c, rank, world) for c in COMPOSED[world]}
     results["resume"] = {mode: resume(rank, world, mode) for mode in ("zero1", "zero2", "zero3")}
+    results["fsdp2"] = against_fsdp2(rank, world)
     if world == 2:
         results["refusals"] = refusals(rank, world)
         if os.environ.get("ATEN_CPU_CAPABILITY") != "default":  # Inductor's C++ does not build under it
