@@ -15,19 +15,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_two_ranks(script: str, args: list[str], port: int, timeout: float = 1800) -> None:
-    """``script`` under ``torchrun --nproc-per-node 2`` with ``args``, from the repository root."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
+def run_two_ranks(script: str, args: list[str], port: int, timeout: float = 1800, world: int = 2) -> None:
+    """``script`` under ``torchrun --nproc-per-node <world>`` (2 unless given) with ``args``, from the repository
+    root."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port", str(port)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     subprocess.run([*cmd, script, *args], check=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def two_rank_results(script: str, args: Callable[[str, str], list[str]], port: int) -> Any:
-    """Run ``script`` at W=2 with ``args(result_path, scratch_dir)`` and return the JSON its rank 0 wrote to
-    ``result_path``; the scratch folder is deleted afterwards."""
+def two_rank_results(script: str, args: Callable[[str, str], list[str]], port: int, world: int = 2) -> Any:
+    """Run ``script`` at W=2 (or ``world``) with ``args(result_path, scratch_dir)`` and return the JSON its rank 0
+    wrote to ``result_path``; the scratch folder is deleted afterwards."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        run_two_ranks(script, args(str(out), tmp), port)
+        run_two_ranks(script, args(str(out), tmp), port, world=world)
         return json.loads(out.read_text())
 
 

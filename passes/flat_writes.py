@@ -43,8 +43,9 @@ def laid_out(
 ) -> fx.Node:
     """Elements ``[lo, hi)`` of a flat layout whose ranges ``[a, b)`` hold ``pieces`` (in order, not
     overlapping), cut to the range, zeros between them: one piece alone where it covers it all, else a ``cat``.
-    ``like`` gives the zeros' dtype and device where no piece does."""
-    parts: list[fx.Node] = []
+    The gaps are views of one zero buffer as long as the longest (a bucket's aligned slots leave a gap after
+    most parameters: one allocation, not one per gap). ``like`` gives the zeros' dtype and device."""
+    parts: list[fx.Node | int] = []  # a piece, or the length of a gap
     end = lo
     for a, b, value in pieces:
         if b <= lo or a >= hi or b == a:
@@ -52,9 +53,18 @@ def laid_out(
         if a < lo or b > hi:
             value = cursor.emit(aten.slice.Tensor, (value, 0, max(lo - a, 0), min(hi, b) - a), **meta)
         if max(a, lo) > end:
-            parts.append(cursor.emit(aten.new_zeros.default, (value, [max(a, lo) - end]), **meta))
+            parts.append(max(a, lo) - end)
         parts.append(value)
         end = min(b, hi)
     if hi > end:
-        parts.append(cursor.emit(aten.new_zeros.default, (parts[-1] if parts else like, [hi - end]), **meta))
+        parts.append(hi - end)
+    gaps = [p for p in parts if isinstance(p, int)]
+    if gaps:
+        zeros = cursor.emit(aten.new_zeros.default, (like, [max(gaps)]), **meta)
+        parts = [p if not isinstance(p, int) else _first(cursor, zeros, p, max(gaps), meta) for p in parts]
     return parts[0] if len(parts) == 1 else cursor.emit(aten.cat.default, (parts,), **meta)
+
+
+def _first(cursor: Cursor, zeros: fx.Node, n: int, length: int, meta: dict) -> fx.Node:
+    """The first ``n`` of ``length`` zeros (the buffer itself where that is all of it)."""
+    return zeros if n == length else cursor.emit(aten.slice.Tensor, (zeros, 0, 0, n), **meta)

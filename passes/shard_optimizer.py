@@ -299,15 +299,28 @@ def _check_elementwise(node: fx.Node, name: str, owner: dict[fx.Node, str]) -> N
 
 def unit_threshold(link: LinkCost) -> tuple[int, str]:
     """ZeRO-3's gather units on the measured all-gather cost: consecutive whole modules share a unit until the
-    next one is worth a collective of its own, that is until one more collective (alpha) costs less than moving
-    the bytes it would hold (beta per byte): a module of at least Hockney's n½ = alpha / beta bytes starts a
-    unit, and the smaller modules after it join that unit, at most 25 MiB a unit. n½ is rounded to a power of
-    two, so that timing noise seldom moves it. Returns it in bytes and the decision, in words."""
+    next one is worth a collective of its own, at most 25 MiB a unit. Returns the bytes from which a module
+    starts a unit, and the decision, in words.
+
+    Where collectives run behind the compute (a GPU), one more unit costs its collectives' starts (alpha) and
+    lets the next gather overlap: a module of at least Hockney's n½ = alpha / beta bytes starts a unit, and the
+    smaller modules after it join that unit. n½ is rounded to a power of two, so that timing noise seldom moves
+    it. Where nothing overlaps (the CPU: every all-gather runs alone), one more unit only adds its three
+    collectives' starts and the waits for the slower rank to the step (about 2.5 ms a unit on the wide GPT of
+    ``bench/fsdp.py``, against the probe's 0.3 ms per start), so modules join a unit up to the bound."""
+    bound = int(DEFAULT_CAP_MB * MB)
+    cost = f"bucket_cap_mb=cost: an all-gather costs {link.alpha * 1e6:.0f} us + {link.beta * 1e9:.3g} ns per byte"
+    if not link.overlaps:
+        why = (
+            f"{cost}, and here nothing runs behind it (every all-gather alone, on the CPU), so one more gather unit "
+            f"only adds its collectives' starts to the step: modules share a unit up to {DEFAULT_CAP_MB:g} MiB"
+        )
+        return bound, why
     half = link.half_bytes
-    threshold = 1 << round(math.log2(max(half, 1.0))) if math.isfinite(half) else int(DEFAULT_CAP_MB * MB)
+    threshold = 1 << round(math.log2(max(half, 1.0))) if math.isfinite(half) else bound
     why = (
-        f"bucket_cap_mb=cost: an all-gather costs {link.alpha * 1e6:.0f} us + {link.beta * 1e9:.3g} ns per byte, "
-        f"so a module of {threshold / 1024:.4g} KiB or more (n½ = {half / 1024:.0f} KiB, rounded to a power of "
-        f"two) starts a gather unit and smaller ones join the unit before them, at most {DEFAULT_CAP_MB:g} MiB a unit"
+        f"{cost}, so a module of {threshold / 1024:.4g} KiB or more (n½ = {half / 1024:.0f} KiB, rounded to a "
+        f"power of two) starts a gather unit and smaller ones join the unit before them, at most "
+        f"{DEFAULT_CAP_MB:g} MiB a unit"
     )
     return threshold, why

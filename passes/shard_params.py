@@ -61,6 +61,12 @@ class ShardParams(Pass):
         help="gather each bucket again for the backward, freeing it after the forward (false: keep the forward's "
         "gathered buckets until the backward is done with them: less communication, more memory)",
     )
+    prefetch: int = option(
+        1,
+        minimum=0,
+        help="on a GPU, how many buckets' all-gathers are issued ahead of the one being read (each holds one more "
+        "bucket gathered; 0: each is issued where it is needed); on the CPU every all-gather runs alone",
+    )
 
     def run(self, program: StepProgram) -> bool:
         if program.param_buckets:
@@ -82,9 +88,9 @@ class ShardParams(Pass):
         kept = set(forward) if not self.reshard_after_forward else {_last_read(program, forward)} - {None}
         for index in kept:
             forward[index], backward[index] = forward[index] + backward[index], []
-        first = _place(program, forward, "forward")
+        first = _place(program, forward, "forward", self.prefetch)
         if self.reshard_after_forward:
-            _regather_for_backward(program, {i: v for i, v in first.items() if i not in kept}, backward)
+            _regather_for_backward(program, {i: v for i, v in first.items() if i not in kept}, backward, self.prefetch)
         for node in reversed(program.graph.nodes):  # views of parameters a phase does not read
             gathered = node.meta.get("bucket", ("",))[0] == "params"
             if gathered and node.target in (aten.view.default, aten.slice.Tensor) and not node.users:
@@ -119,10 +125,12 @@ def _as_slice(program: StepProgram, param: fx.Node) -> tuple[list[fx.Node], list
     return forward, [u for u in readers if u.meta.get("role") in BACKWARD]
 
 
-def _place(program: StepProgram, readers: dict[int, list[fx.Node]], phase: str) -> dict[int, dict[str, fx.Node]]:
-    """Emit each bucket's all-gather right before its first reader (on a GPU the next bucket's is issued right
-    after this one is waited) and re-point the readers at views of the gathered parameters; returns the views,
-    by bucket and parameter name."""
+def _place(
+    program: StepProgram, readers: dict[int, list[fx.Node]], phase: str, prefetch: int
+) -> dict[int, dict[str, fx.Node]]:
+    """Emit each bucket's all-gather right before its first reader (on a GPU the next ``prefetch`` buckets' are
+    issued right after this one is waited) and re-point the readers at views of the gathered parameters; returns
+    the views, by bucket and parameter name."""
     order = position(program.graph)
     firsts = {i: min(r, key=order.__getitem__) for i, r in readers.items() if r}
     sequence = sorted(firsts, key=lambda i: order[firsts[i]])
@@ -139,8 +147,9 @@ def _place(program: StepProgram, readers: dict[int, list[fx.Node]], phase: str) 
         for name, start, shape in zip(bucket.names, bucket.starts, bucket.shapes):
             part = cursor.emit(aten.slice.Tensor, (full, 0, start, start + math.prod(shape)), **comm)
             views[index][name] = cursor.emit(aten.view.default, (part, list(shape)), **comm)
-        if k + 1 < len(sequence) and full.meta["val"].device.type != "cpu":
-            issued[sequence[k + 1]] = _issue(program, cursor, sequence[k + 1], phase)
+        ahead = sequence[k + 1 : k + 1 + prefetch] if full.meta["val"].device.type != "cpu" else []
+        for later in [i for i in ahead if i not in issued]:
+            issued[later] = _issue(program, cursor, later, phase)
         params = {input_node(program, Port("param", name)): view for name, view in views[index].items()}
         for reader in readers[index]:
             for param, view in params.items():
@@ -168,7 +177,7 @@ def _issue(program: StepProgram, cursor: Cursor, index: int, phase: str) -> fx.N
 
 
 def _regather_for_backward(
-    program: StepProgram, forward: dict[int, dict[str, fx.Node]], direct: dict[int, list[fx.Node]]
+    program: StepProgram, forward: dict[int, dict[str, fx.Node]], direct: dict[int, list[fx.Node]], prefetch: int
 ) -> None:
     """The backward's readers of a bucket (of its parameters, or of views and casts of them the forward made)
     read a second gather of it, and those views and casts recomputed from it."""
@@ -181,7 +190,7 @@ def _regather_for_backward(
         readers[index] = list(dict.fromkeys(direct[index] + sorted(later, key=lambda u: u.name)))
     for index in direct.keys() - forward.keys():
         readers[index] = direct[index]
-    again = _place(program, readers, "backward")
+    again = _place(program, readers, "backward", prefetch)
     order = position(program.graph)
     for index, bucket_views in again.items():
         env = {forward[index][name]: view for name, view in bucket_views.items()} if index in forward else {}

@@ -111,6 +111,25 @@ def test_zero3_prefetches_the_next_bucket_on_the_gpu():
     assert overlapped >= 2, overlapped
 
 
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_zero3_prefetch_depth_is_the_gathers_in_flight_during_compute(prefetch):
+    """``prefetch=k``: while the forward or backward computes, at most k all-gathers are in flight beyond the
+    bucket being read, and k of them somewhere (0: each gather is issued where its bucket is needed)."""
+    caps = {"bucket_cap_mb": 0.004, "first_bucket_mb": 0.001, "prefetch": prefetch}
+    model = make_model("mlp").to(DEVICE)
+    batch = tuple(t.to(DEVICE) for t in make_batch("mlp", 16, torch.Generator().manual_seed(1)))
+    step = transpile(model, OPTIMIZERS["sgd"](model.parameters()), "zero3", nn.CrossEntropyLoss(), batch, **caps)
+    in_flight, most = set(), 0
+    for node in step.program.graph.nodes:
+        if node.meta.get("collective", {}).get("kind") == "all_gather":
+            in_flight.add(node)
+        elif node.target is torch.ops._c10d_functional.wait_tensor.default:
+            in_flight.discard(node.args[0])
+        elif node.meta.get("role") in ("forward", "backward"):
+            most = max(most, len(in_flight))
+    assert most == prefetch, most
+
+
 def test_adamw_against_eager_foreach_within_rounding():
     """Eager takes the foreach path on CUDA by default, which rounds Adam's update in another order."""
     param, _ = _train_both("mlp", "adamw_foreach", "fused_allreduce", None)

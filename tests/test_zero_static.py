@@ -277,10 +277,36 @@ def test_zero3_default_buckets_are_one_layer_each():
 def test_the_unit_threshold_is_n_half_rounded_to_a_power_of_two(alpha, beta):
     """Hockney's n½ = alpha / beta, rounded to a power of two (within a factor √2 of it), and the decision says
     what was measured and chosen."""
-    threshold, why = unit_threshold(LinkCost(alpha, beta))
+    threshold, why = unit_threshold(LinkCost(alpha, beta, overlaps=True))
     half = max(alpha / beta, 1.0)  # at least one byte
     assert threshold & (threshold - 1) == 0 and half / 2**0.5 <= threshold <= half * 2**0.5, (half, threshold)
     assert why.startswith(f"bucket_cap_mb=cost: an all-gather costs {alpha * 1e6:.0f} us") and "25 MiB" in why
+
+
+def test_prefetch_issues_nothing_ahead_on_the_cpu_and_takes_a_count():
+    """On the CPU every all-gather runs alone, so the prefetch depth leaves the program as it is (on a GPU it is
+    the gathers in flight during compute: tests/test_gpu.py); a negative depth is a clear error."""
+    graphs = []
+    for prefetch in (0, 3):
+        torch.manual_seed(0)
+        model = Blocks()
+        example = (torch.randn(4, 16), torch.randint(0, 10, (4,)))
+        options = {"world_size": 2, "rank": 0, "bucket_cap_mb": 0.004, "prefetch": prefetch}
+        step = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, **options)
+        graphs.append(step.program.graph.python_code("self").src)
+    assert graphs[0] == graphs[1]
+    with pytest.raises(ConfigurationError, match="prefetch"):
+        transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, world_size=2, prefetch=-1)
+
+
+@settings(max_examples=50, deadline=None)
+@given(alpha=st.floats(1e-7, 1e-2), beta=st.floats(1e-14, 1e-6))
+def test_where_nothing_overlaps_units_fill_to_the_bound(alpha, beta):
+    """On the CPU every all-gather runs alone: one more unit only adds its collectives' starts, so no module
+    below the 25 MiB bound starts a unit, whatever n½ is, and the decision says why."""
+    threshold, why = unit_threshold(LinkCost(alpha, beta, overlaps=False))
+    assert threshold == 25 * 2**20
+    assert why.startswith(f"bucket_cap_mb=cost: an all-gather costs {alpha * 1e6:.0f} us") and "nothing runs" in why
 
 
 class Blocks(torch.nn.Module):
@@ -306,7 +332,7 @@ def test_cost_units_start_at_modules_worth_a_collective_and_hold_whole_modules(h
     least the threshold (n½ as a power of two), and every later module of it is smaller; a model of small modules
     is one unit. A number for ``bucket_cap_mb`` still overrides the choice."""
     beta = 1e-9
-    link = LinkCost(half * beta, beta)
+    link = LinkCost(half * beta, beta, overlaps=True)
     monkeypatch.setattr(StepBuilder, "_link_cost", lambda self: link)
     torch.manual_seed(0)
     model = Blocks()

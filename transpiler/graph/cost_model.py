@@ -71,10 +71,13 @@ def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> tuple[float, fl
 @dataclass(frozen=True)
 class LinkCost:
     """What one all-gather of ``n`` bytes costs on the step's group, ``alpha + beta * n`` seconds, as the ranks
-    agreed on it (``runtime/cost_probe.py``); ZeRO-3's gather units are sized on it (``bucket_cap_mb="cost"``)."""
+    agreed on it (``runtime/cost_probe.py``), and whether the step's collectives can run behind its compute
+    (``overlaps``: on a GPU; on the CPU every all-gather runs alone, ``schedule-collectives``). ZeRO-3's gather
+    units are sized on it (``bucket_cap_mb="cost"``)."""
 
     alpha: float
     beta: float
+    overlaps: bool
 
     @property
     def half_bytes(self) -> float:

@@ -68,7 +68,7 @@ def measure_link(device: torch.device, group_name: str, world_size: int) -> Link
         agreed = _all_reduce(torch.tensor(timings, dtype=torch.float64, device=device), "max", group_name).tolist()
         nbytes = [4.0 * n for n in PROBE_ELEMENTS]
         beta = max((agreed[-1] - agreed[-2]) / (nbytes[-1] - nbytes[-2]), 0.0)
-        _LINKS[key] = LinkCost(max(agreed[0] - beta * nbytes[0], 0.0), beta)
+        _LINKS[key] = LinkCost(max(agreed[0] - beta * nbytes[0], 0.0), beta, overlaps=device.type != "cpu")
     return _LINKS[key]
 
 

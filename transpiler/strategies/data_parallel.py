@@ -64,7 +64,9 @@ def allgather(bucket_cap_mb: float, first_bucket_mb: float) -> Recipe:
 
 
 def zero(stage: int) -> Callable[..., Recipe]:
-    def build(bucket_cap_mb: float | str, first_bucket_mb: float, reshard_after_forward: bool = True) -> Recipe:
+    def build(
+        bucket_cap_mb: float | str, first_bucket_mb: float, reshard_after_forward: bool = True, prefetch: int = 1
+    ) -> Recipe:
         shard = make(
             "shard-optimizer",
             bucket_cap_mb=bucket_cap_mb,
@@ -76,7 +78,7 @@ def zero(stage: int) -> Callable[..., Recipe]:
         # then the updated shards gathered (ZeRO-1, 2); or keep the slices and gather the parameters where the
         # forward and backward read them, the update as multi-tensor ops over the slices (ZeRO-3 holds parameters
         # as slices, which the flat buffers of flatten-update do not bind yet)
-        shard_params = make("shard-params", reshard_after_forward=reshard_after_forward)
+        shard_params = make("shard-params", reshard_after_forward=reshard_after_forward, prefetch=prefetch)
         gather = [shard_params, make("foreach-update")] if stage == 3 else [*update(), make("gather-params")]
         tail_ = [*gather, make("schedule-collectives"), make("reinplace-optimizer")]
         # ZeRO-1 accumulates whole gradients (no communication in a micro-step, as DDP's no_sync); ZeRO-2/3

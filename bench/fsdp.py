@@ -1,0 +1,244 @@
+"""ZeRO-3 against FSDP2, the wrapper a user would pick instead, against DDP and against the serial limit, in one run
+per world size.
+
+    python bench/fsdp.py                # worlds of 2 and 4 over gloo; writes docs/strategies/zero.md's section
+    python bench/fsdp.py --worlds 2     # one world size
+
+FSDP2 is applied as torchtitan applies it: ``fully_shard`` on every block, then on the root, with foreach AdamW,
+once with ``reshard_after_forward=True`` (its default) and once with ``False``. ``zero3`` runs with its defaults
+and with ``reshard_after_forward=False``; ``zero2`` (whole parameters, sharded state and gradients) beside them.
+DDP (foreach AdamW, gradients as bucket views) is the replicated reference. Per variant: the median step time over
+interleaved rounds (the slowest rank), the work ops and view ops one step dispatches and its all-gathers and
+reduce-scatters (``bench/op_count.py``), and the bytes a rank holds between steps: its parameters (local shards),
+gradients (``.grad`` as left by the step; DDP's are views of its buckets) and optimizer state, each storage once;
+for ours ``step.memory_report().held``. The serial limit is this rank's step with no communication (the same
+traced forward and backward, the update on flat buffers: ``LOCAL``) plus the least any ZeRO-3 must move, each
+timed in the same run: one all-gather of all the parameters and one reduce-scatter of all the gradients, one flat
+collective each. After the timed steps every variant has taken the same steps from the same weights: the text
+gives the largest difference between ``zero3``'s parameters and FSDP2's (0: the same bits), and DDP's beside it
+(at W=4 the sums run in another order, and ~100 AdamW steps on one batch carry that far).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.host_ops import ROUNDS, STEPS, interleaved_ms  # noqa: E402
+from bench.models import NarrowGPT, NarrowResNet, narrow_batch  # noqa: E402
+from bench.op_count import count_ops  # noqa: E402
+from bench.two_ranks import entry, finish_rank, two_rank_results, write_section  # noqa: E402
+from transpiler import transpile  # noqa: E402
+
+COMMAND = "python bench/fsdp.py"
+PER_RANK = 4
+MODELS: dict[str, tuple[str, str, Callable[[], nn.Module]]] = {  # key -> (title, batch kind, model)
+    "narrow": ("narrow GPT (12 blocks, d=16)", "gpt", lambda: NarrowGPT()),
+    "wide": ("wide GPT (4 blocks, d=256)", "gpt", lambda: NarrowGPT(blocks=4, dim=256, heads=4)),
+    "cnn": ("narrow CNN (16 residual blocks of 8 channels, BatchNorm)", "cnn", lambda: NarrowResNet()),
+}
+LIMIT = "serial limit"
+LOCAL = "flatten-update,foreach-update,reinplace-optimizer"  # the step alone, with the fewest update ops
+NO_RESHARD = ", no reshard"  # reshard_after_forward=False
+VARIANTS = ("DDP", "FSDP2", "FSDP2" + NO_RESHARD, "zero3", "zero3" + NO_RESHARD, "zero2", LIMIT)
+DOC = ROOT / "docs" / "strategies" / "zero.md"
+BEGIN, END = "<!-- fsdp -->", "<!-- /fsdp -->"
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+
+
+def eager_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple) -> Callable[[], None]:
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        optimizer.zero_grad()
+        loss_fn(model(batch[0]), batch[1]).backward()
+        optimizer.step()
+
+    return step
+
+
+def fsdp2(model: nn.Module, reshard: bool) -> nn.Module:
+    """torchtitan's wrapping: every block, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class Variant:
+    """One variant's step on this rank, what it holds between steps, and its parameters whole afterwards."""
+
+    def __init__(self, label: str, base: nn.Module, batch: tuple):
+        model = copy.deepcopy(base)
+        self.model, self.transpiled, self.optimizer = model, None, None
+        if label == "DDP":
+            ddp = DDP(model, gradient_as_bucket_view=True)
+            self.optimizer = adamw(ddp.parameters())
+            self.run = eager_step(ddp, self.optimizer, batch)
+        elif label.startswith("FSDP2"):
+            wrapped = fsdp2(model, reshard=NO_RESHARD not in label)
+            self.optimizer = adamw(model.parameters())
+            self.run = eager_step(wrapped, self.optimizer, batch)
+        elif label == LIMIT:
+            self.run = self._limit(model, batch)
+        else:
+            mode, options = label.split(",")[0], {"reshard_after_forward": False} if NO_RESHARD in label else {}
+            loss_fn = nn.CrossEntropyLoss()
+            self.transpiled = transpile(model, adamw(model.parameters()), mode, loss_fn, batch, **options)
+            self.run = lambda: self.transpiled(*batch)
+
+    @staticmethod
+    def _limit(model: nn.Module, batch: tuple) -> Callable[[], None]:
+        """No communication in the step, then the least bytes ZeRO-3 moves, as two flat collectives."""
+        alone = transpile(model, adamw(model.parameters()), LOCAL, nn.CrossEntropyLoss(), batch)
+        world = dist.get_world_size()
+        numel = -(-sum(p.numel() for p in model.parameters()) // world) * world
+        whole, shard = torch.zeros(numel), torch.zeros(numel // world)
+
+        def run() -> None:
+            alone(*batch)
+            dist.all_gather_into_tensor(whole, shard)
+            dist.reduce_scatter_tensor(shard, whole)
+
+        return run
+
+    def held_bytes(self) -> int | None:
+        """Bytes held between steps: parameters, gradients and optimizer state, each storage once (None for the
+        serial limit, which holds the local step's state and no shards)."""
+        if self.transpiled is not None:
+            return self.transpiled.memory_report().held
+        if self.optimizer is None:
+            return None
+        tensors = [local(p) for p in self.model.parameters()]
+        tensors += [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        tensors += [local(v) for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters whole (FSDP2's DTensors gathered, zero3's inside ``gathered()``)."""
+        if self.transpiled is not None:
+            with self.transpiled.gathered():
+                return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        out = {}
+        for name, p in self.model.named_parameters():
+            value = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name.removeprefix("module.")] = value.detach().clone()
+        return out
+
+
+def collectives(counter) -> dict[str, int]:
+    """All-gathers and reduce-scatters among the ops counted: functional (``_c10d_functional``) or eager
+    (``c10d``); on the CPU zero3's reduce-scatter is an all-to-all and a local sum (``shard_optimizer.py``)."""
+    names = [(str(func).split(".")[1] if "." in str(func) else str(func), n) for func, n in counter.counts.items()]
+    return {
+        "gathers": sum(n for name, n in names if "all_gather" in name or "allgather" in name),
+        "scatters": sum(n for name, n in names if "reduce_scatter" in name or "all_to_all" in name),
+    }
+
+
+def largest_gap(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
+    assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
+    return max((ours[n].double() - theirs[n].double()).abs().max().item() for n in ours)
+
+
+def worker(out: str) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    result: dict[str, dict] = {}
+    for key, (_, kind, make) in MODELS.items():
+        torch.manual_seed(0)
+        base = make()
+        batch = narrow_batch(kind, PER_RANK, torch.Generator().manual_seed(rank))
+        variants = {label: Variant(label, base, batch) for label in VARIANTS}
+        counts = {}
+        for label, variant in variants.items():
+            variant.run()
+            counter = count_ops(variant.run)
+            counts[label] = {"work": counter.work, "views": counter.views, **collectives(counter)}
+        times = interleaved_ms({label: variant.run for label, variant in variants.items()})
+        theirs = variants["FSDP2"].parameters()
+        gap = {label: largest_gap(variants[label].parameters(), theirs) for label in ("zero3", "DDP")}
+        result[key] = {
+            "counts": counts,
+            "ms": {label: statistics.median(t) for label, t in times.items()},
+            "held": {label: variant.held_bytes() for label, variant in variants.items()},
+            "gap": gap,
+            "decision": variants["zero3"].transpiled.program.decisions.get("shard-optimizer", ""),
+        }
+    finish_rank(out, result)
+
+
+def render(worlds: dict[int, list[dict]]) -> str:
+    cpu = platform.processor() or platform.machine()
+    lines = [
+        f"`{COMMAND}` (gloo, one thread per rank, AdamW, {PER_RANK} samples per rank, torch {torch.__version__}, "
+        f"{os.cpu_count()} cores, {cpu}; step ms: median over {ROUNDS} rounds of {STEPS} steps, the slowest rank; "
+        "ops and collectives: one step, rank 0; held: bytes rank 0 holds between steps):",
+        "",
+    ]
+    for world, ranks in worlds.items():
+        for key, (title, _, _) in MODELS.items():
+            first = ranks[0][key]
+            ms = {label: max(r[key]["ms"][label] for r in ranks) for label in VARIANTS}
+            gap = {label: max(r[key]["gap"][label] for r in ranks) for label in ("zero3", "DDP")}
+            said = {label: "bit for bit" if g == 0 else f"within {g:.2g}" for label, g in gap.items()}
+            lines += [
+                f"**W={world}, {title}**: zero3 chose {first['decision'] or 'its caps as given'}. After the same steps "
+                f"its parameters are FSDP2's {said['zero3']} (DDP's: {said['DDP']}).",
+                "",
+                "| variant | step ms | × FSDP2 | work ops | × FSDP2 | views | all-gathers | reduce-scatters "
+                "| held KiB | × FSDP2 |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            ]
+            held_fsdp = first["held"]["FSDP2"]
+            for label in VARIANTS:
+                c, held = first["counts"][label], first["held"][label]
+                held_cells = f"{held / 1024:.0f} | {held / held_fsdp:.2f}" if held is not None else "– | –"
+                lines.append(
+                    f"| {label} | {ms[label]:.1f} | {ms[label] / ms['FSDP2']:.2f} | {c['work']} | "
+                    f"{c['work'] / first['counts']['FSDP2']['work']:.2f} | {c['views']} | {c['gathers']} | "
+                    f"{c['scatters']} | {held_cells} |"
+                )
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    worlds = {w: two_rank_results(__file__, lambda out, _: [out], port=29591, world=w) for w in args.worlds}
+    body = render(worlds)
+    print(body)
+    write_section(DOC, BEGIN, END, body)
+
+
+if __name__ == "__main__":
+    entry(worker, main)
