@@ -3,6 +3,7 @@ per world size.
 
     python bench/fsdp.py                # worlds of 2 and 4 over gloo; writes docs/strategies/zero.md's section
     python bench/fsdp.py --worlds 2     # one world size
+    PYTHONPATH=$PWD python3 bench/fsdp.py --device cuda --out fsdp_gpu.md   # one GPU, a world of one over NCCL
 
 FSDP2 is applied as torchtitan applies it: ``fully_shard`` on every block, then on the root, with foreach AdamW,
 once with ``reshard_after_forward=True`` (its default) and once with ``False``. ``zero3`` runs with its defaults
@@ -19,12 +20,19 @@ collective each (the reduce-scatter as ``zero3`` runs it on gloo: an all-to-all 
 the same weights: the text gives the largest difference between ``zero3``'s parameters and FSDP2's (0: the same
 bits), and DDP's beside it (at W=4 the sums run in another order, and ~100 AdamW steps on one batch carry that
 far).
+
+``--device cuda`` is the single-device variant: one process, a world of one over NCCL (gloo on a machine without
+CUDA, a dry run), the same variants with plain eager AdamW (no wrapper) in place of the serial limit, and a
+larger GPT beside the narrow ones. Per variant: the median step time (CUDA-synchronised, interleaved), kernels and
+device time per step (``torch.profiler``), and the device memory the variant takes at its peak: ``max_memory_allocated``
+over its third step, less what the variants built before it hold, with the bytes it holds between steps beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import platform
 import statistics
@@ -57,6 +65,9 @@ LIMIT = "serial limit"
 LOCAL = "flatten-update,foreach-update,reinplace-optimizer"  # the step alone, with the fewest update ops
 NO_RESHARD = ", no reshard"  # reshard_after_forward=False
 VARIANTS = ("DDP", "FSDP2", "FSDP2" + NO_RESHARD, "zero3", "zero3" + NO_RESHARD, "zero2", LIMIT)
+EAGER = "eager, no wrapper"
+DEVICE_MODELS = {**MODELS, "large": ("GPT (8 blocks, d=1024)", "gpt", lambda: NarrowGPT(blocks=8, dim=1024, heads=16))}
+DEVICE_VARIANTS = (EAGER,) + VARIANTS[:-1]
 DOC = ROOT / "docs" / "strategies" / "zero.md"
 BEGIN, END = "<!-- fsdp -->", "<!-- /fsdp -->"
 
@@ -81,7 +92,8 @@ def fsdp2(model: nn.Module, reshard: bool) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    device = next(model.parameters()).device.type
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
@@ -95,10 +107,13 @@ def local(t: torch.Tensor) -> torch.Tensor:
 class Variant:
     """One variant's step on this rank, what it holds between steps, and its parameters whole afterwards."""
 
-    def __init__(self, label: str, base: nn.Module, batch: tuple):
-        model = copy.deepcopy(base)
+    def __init__(self, label: str, base: nn.Module, batch: tuple, device: str = "cpu"):
+        model = copy.deepcopy(base).to(device)
         self.model, self.transpiled, self.optimizer = model, None, None
-        if label == "DDP":
+        if label == EAGER:
+            self.optimizer = adamw(model.parameters())
+            self.run = eager_step(model, self.optimizer, batch)
+        elif label == "DDP":
             ddp = DDP(model, gradient_as_bucket_view=True)
             self.optimizer = adamw(ddp.parameters())
             self.run = eager_step(ddp, self.optimizer, batch)
@@ -234,10 +249,102 @@ def render(worlds: dict[int, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def built_on_device(label: str, base: nn.Module, batch: tuple, device: torch.device) -> tuple[Variant, float]:
+    """The variant built on ``device`` and run twice, with the MiB it takes at its peak during a third step: the
+    peak allocated less what the variants built before it hold (0 without CUDA)."""
+    cuda = device.type == "cuda"
+    gc.collect()  # the last model's variants, held in cycles, freed now rather than while this one is built
+    others = torch.cuda.memory_allocated() if cuda else 0
+    variant = Variant(label, base, batch, device.type)
+    for _ in range(2):
+        variant.run()
+    if not cuda:
+        return variant, 0.0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    variant.run()
+    torch.cuda.synchronize()
+    return variant, (torch.cuda.max_memory_allocated() - others) / 2**20
+
+
+def host_profile(label: str, run: Callable[[], None]) -> str:
+    """Where one variant's host time goes: torch.profiler's ops by self CPU time over 3 steps."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            run()
+    return f"{label}:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
+
+
+def single_device(models: list[str], out: str | None, profile: bool) -> None:
+    """The variants in a world of one on this process's device, written as a markdown table (with ``profile``,
+    the host profile of zero3 and FSDP2 on the first model after it)."""
+    from bench.gpu import profiled, timed
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29593")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, timeout=timedelta(seconds=300))
+    name = torch.cuda.get_device_name(device) if cuda else "CPU (dry run)"
+    lines = [
+        f"`{COMMAND} --device cuda` ({name}, torch {torch.__version__}, a world of one over {dist.get_backend()}, "
+        f"fp32, AdamW, {PER_RANK * 8} samples; step ms: median over rounds, variants interleaved; kernels and device "
+        "ms: per step, torch.profiler; peak MiB: max_memory_allocated over the variant's third step, less the "
+        "other variants' bytes; "
+        "held: bytes held between steps):",
+        "",
+    ]
+    for title, kind, make in (DEVICE_MODELS[m] for m in models):
+        torch.manual_seed(0)
+        base = make()
+        batch = tuple(t.to(device) for t in narrow_batch(kind, PER_RANK * 8, torch.Generator().manual_seed(0)))
+        built = {label: built_on_device(label, base, batch, device) for label in DEVICE_VARIANTS}
+        variants, peak = {k: v for k, (v, _) in built.items()}, {k: mib for k, (_, mib) in built.items()}
+        ms = timed({label: v.run for label, v in variants.items()}, device)
+        theirs = variants["FSDP2"].parameters()
+        gap = {label: largest_gap(variants[label].parameters(), theirs) for label in ("zero3", "DDP")}
+        said = {label: "bit for bit" if g == 0 else f"within {g:.2g}" for label, g in gap.items()}
+        lines += [
+            f"**{title}**: zero3 chose {variants['zero3'].transpiled.program.decisions.get('shard-optimizer', '')}. "
+            f"After the same steps its parameters are FSDP2's {said['zero3']} (DDP's: {said['DDP']}).",
+            "",
+            "| variant | step ms | × FSDP2 | kernels | × FSDP2 | device ms | peak MiB | × FSDP2 | held MiB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        kernels = {label: profiled(v.run, device) for label, v in variants.items()}
+        for label, variant in variants.items():
+            k, dev_ms = kernels[label]
+            lines.append(
+                f"| {label} | {ms[label]:.2f} | {ms[label] / ms['FSDP2']:.2f} | {k:.0f} | "
+                f"{k / max(kernels['FSDP2'][0], 1):.2f} | {dev_ms:.2f} | {peak[label]:.0f} | "
+                f"{peak[label] / max(peak['FSDP2'], 1e-9):.2f} | {variant.held_bytes() / 2**20:.1f} |"
+            )
+        lines.append("")
+        print("\n".join(lines[-len(variants) - 5 :]), flush=True)
+        if profile:
+            print("\n".join(host_profile(label, variants[label].run) for label in ("zero3", "FSDP2")), flush=True)
+            profile = False
+        del variants, built
+        torch.cuda.empty_cache() if cuda else None
+    body = "\n".join(lines)
+    if out:
+        Path(out).write_text(body + "\n")
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--device", choices=["cuda"], help="the single-device variant, a world of one")
+    parser.add_argument("--out", help="with --device: write the table there too")
+    parser.add_argument("--profile", action="store_true", help="with --device: zero3's and FSDP2's host profile")
+    parser.add_argument("--models", nargs="+", choices=list(DEVICE_MODELS), default=list(DEVICE_MODELS))
     args = parser.parse_args()
+    if args.device:
+        single_device(args.models, args.out, args.profile)
+        return
     worlds = {w: two_rank_results(__file__, lambda out, _: [out], port=29591, world=w) for w in args.worlds}
     body = render(worlds)
     print(body)

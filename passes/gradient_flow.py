@@ -120,9 +120,19 @@ def set_output_values(program: StepProgram, values: list[fx.Node]) -> None:
 
 
 def fake_tensor(program: StepProgram, dtype: torch.dtype, shape: tuple[int, ...] = ()) -> torch.Tensor:
-    """A fake tensor in the graph's fake mode (0-d by default), for the value of a new input."""
+    """A fake tensor in the graph's fake mode (0-d by default), for the value of a new input: on the parameters'
+    device, where ``ExtraInit.make`` puts the real one (a CUDA capture refuses CPU values that feed the device)."""
     with fake_mode(program.graph):
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device=parameters_device(program))
+
+
+def parameters_device(program: StepProgram) -> torch.device:
+    """The device of the program's parameters (the CPU for a program without any)."""
+    for node in program.graph.nodes:
+        port = node.meta.get("port")
+        if node.op == "placeholder" and port is not None and port.kind == "param":
+            return node.meta["val"].device
+    return torch.device("cpu")
 
 
 def before_output(program: StepProgram) -> Cursor:

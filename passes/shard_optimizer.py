@@ -114,15 +114,21 @@ class ShardOptimizer(BucketedGradientPass):
     def _caps(self, program: StepProgram, grads: list[fx.Node], modules: list[str]) -> tuple[int, int, float]:
         """The caps in bytes, and the bytes from which a module starts a bucket of its own: as given; with
         ``cost`` a module starts a unit where its bytes are worth a collective (:func:`unit_threshold`, on the
-        measured all-gather cost), at most 25 MiB a unit, and ``layer`` where there is nothing to measure; with
-        ``layer`` the bytes of the module with the most gradient bytes, at most DDP's 25 MiB, for the first bucket
-        too. Either way ZeRO-3 gathers whole modules; one bucket for a large model would hold it whole in every
-        step."""
+        measured all-gather cost), at most 25 MiB a unit; in a world of one, where nothing moves, units fill to
+        that bound; ``layer`` where there is nothing to measure; with ``layer`` the bytes of the module with the
+        most gradient bytes, at most DDP's 25 MiB, for the first bucket too. Either way ZeRO-3 gathers whole
+        modules; one bucket for a large model would hold it whole in every step."""
         never = float("inf")
+        bound = int(DEFAULT_CAP_MB * MB)
+        if self.bucket_cap_mb == "cost" and program.world_size == 1:
+            program.decisions[self.name] = (
+                "bucket_cap_mb=cost in a world of one: nothing moves between ranks, so one more gather unit only "
+                f"adds its collectives' dispatch to the step: modules share a unit up to {DEFAULT_CAP_MB:g} MiB"
+            )
+            return bound, bound, never
         if self.bucket_cap_mb == "cost" and program.link_cost is not None:
             threshold, why = unit_threshold(program.link_cost)
             program.decisions[self.name] = why
-            bound = int(DEFAULT_CAP_MB * MB)
             return bound, bound, threshold
         if self.bucket_cap_mb not in ("layer", "cost"):
             return (*caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb), never)

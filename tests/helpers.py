@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import weakref
 
 import numpy as np
 import torch
@@ -56,21 +57,43 @@ def assert_rewrite_is_final(program, passes, where: str = "") -> None:
 
 class ReplayByCalling:
     """Stands in for torch.cuda's capture on the CPU (``cuda_graph.CAPTURER``): a replay calls the captured
-    function, which is what a correct capture means, so everything around the capture runs without a GPU."""
+    function, which is what a correct capture means, so everything around the capture runs without a GPU. It keeps
+    torch's rule for memory pools: a pool whose graphs were all freed takes no new capture (the caching allocator
+    asserts ``use_count > 0``), so a capture that replaces another must hold the old graph until it is done."""
 
     host_split = False  # on the CPU every tensor is on the host
 
-    @staticmethod
-    def new_pool() -> tuple:
-        return ("cpu-test-pool",)
+    def __init__(self) -> None:
+        self.pools = 0
+        self.graphs: dict[tuple, weakref.WeakSet] = {}  # pool -> its graphs still alive
+        self.used: set[tuple] = set()  # pools captured into
+
+    def new_pool(self) -> tuple:
+        self.pools += 1
+        return ("cpu-test-pool", self.pools)
 
     @staticmethod
     def warm_up(fn):
         return fn()
 
-    @staticmethod
-    def capture(fn, pool):
-        return fn  # a real capture runs no kernel now either
+    def capture(self, fn, pool):
+        graphs = self.graphs.setdefault(pool, weakref.WeakSet())
+        if pool in self.used and not graphs:
+            raise RuntimeError(f"it->second->use_count > 0 INTERNAL ASSERT FAILED (stand-in): pool {pool} was freed")
+        self.used.add(pool)
+        replay = Replay(fn)  # a real capture runs no kernel now either
+        graphs.add(replay)
+        return replay
+
+
+class Replay:
+    """A stand-in graph: replaying it calls the captured function."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        self.fn()
 
 
 def capture_by_calling(setattr_) -> None:

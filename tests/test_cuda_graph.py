@@ -2,7 +2,7 @@
 
 A CUDA graph can only be captured on a GPU (``tests/test_gpu.py`` does that, with NCCL). Everything around
 it is plain Python and runs here: the warm-up steps, the static batch buffers, the outputs landed in their
-inputs' storage, the address check that captures again after ``optimizer.load_state_dict``, the per-variant
+inputs' storage, the address check that captures again when a tensor it reads gets new storage, the per-variant
 runners of a retrace, the loss handed out as a copy. For that, the capture is replaced by one that replays
 by calling the captured function (what a correct capture means), and the setup check (a GPU, NCCL) is
 skipped. The split into host and device parts is checked on graphs whose device values live on ``meta``.
@@ -106,6 +106,21 @@ def test_new_state_tensors_are_copied_into_the_capture_and_a_retrace_has_its_own
     assert captured[2].captures == {"step": 1}
 
 
+def test_a_buffer_given_new_storage_is_captured_again_in_the_same_pool():
+    """``bn.running_mean.data = ...`` between steps moves what the capture reads, so the step captures again. It
+    must hold the graph it replaces until the new one exists: a pool whose graphs were all freed takes no capture
+    (torch asserts; the stand-in keeps that rule). Both stay bitwise the uncaptured step."""
+    plain, captured = _pair("cnn", "sgd", "fused_allreduce", {})
+    gen = torch.Generator().manual_seed(4)
+    _run_both(plain, captured, "cnn", 4, gen)
+    assert captured[2].captures == {"step": 1}
+    for model, _, _ in (plain, captured):
+        bn = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+        bn.running_mean.data = bn.running_mean.clone()
+    _run_both(plain, captured, "cnn", 3, gen)
+    assert captured[2].captures == {"step": 2}
+
+
 def test_zero3_gathered_between_steps_keeps_the_capture():
     """zero3 between steps: ``step.gathered()`` makes the parameters whole (an evaluation, an edit written back)
     and puts each rank's slice back into the tensor it was, so the captured program keeps reading its inputs
@@ -175,6 +190,7 @@ def test_host_nodes_run_apart_from_the_captured_part():
     step, x = torch.zeros(()), torch.empty(4, device="meta")
     assert host(step, x)[0] is step and step.item() == 1
     assert device(step, x)[1] is None and step.item() == 1  # the device part leaves the counter alone
+    assert cg.device_inputs(device) == {1}  # so a new counter tensor each step is no reason to capture again
 
 
 @pytest.mark.parametrize(

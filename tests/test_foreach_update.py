@@ -140,3 +140,28 @@ def test_the_number_of_update_ops_does_not_grow_with_the_model():
         ]
         counts.append(len(update))
     assert counts[0] == counts[1] == len(foreach_ops(step)), counts
+
+
+@pytest.mark.parametrize("device, dtype, cast", [("meta", torch.float32, True), ("cpu", torch.float32, False)])
+def test_a_float64_operand_is_cast_once_to_the_tensors_dtype_off_the_cpu(device, dtype, cast):
+    """CUDA's multi-tensor kernels take a 0-d operand only in the tensors' dtype, else they run one kernel per
+    tensor: off the CPU (here the meta device) the per-step float64 scalar is cast once to the tensors' dtype; on
+    the CPU, where every ``_foreach_*`` op runs per tensor anyway, the call stays as it was. (That the cast keeps
+    the bits is checked on a GPU: tests/test_gpu.py.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from passes.foreach_update import _operand_in_the_tensors_dtype
+    from transpiler.graph.edit import Cursor
+
+    graph = torch.fx.Graph()
+    a, b, s = (graph.placeholder(name) for name in ("a", "b", "s"))
+    with FakeTensorMode():
+        a.meta["val"], b.meta["val"] = (torch.empty(4, device=device, dtype=dtype) for _ in range(2))
+        s.meta["val"] = torch.empty((), device=device, dtype=torch.float64)
+    args = _operand_in_the_tensors_dtype(Cursor(graph, s), ([a, b], s))
+    assert args[0] == [a, b]
+    if cast:
+        assert args[1].target is torch.ops.aten._to_copy.default and args[1].args == (s,)
+        assert args[1].meta["val"].dtype == dtype and args[1].meta["val"].dim() == 0
+    else:
+        assert args[1] is s

@@ -355,6 +355,31 @@ def test_cost_units_start_at_modules_worth_a_collective_and_hold_whole_modules(h
     assert "shard-optimizer" not in given.program.decisions
 
 
+def test_zero3_in_a_world_of_one_fills_units_to_the_bound():
+    """In a world of one nothing moves between ranks, so a gather unit only adds its collectives' dispatch: zero3's
+    default ``cost`` puts the modules in one unit up to 25 MiB (on the GPU the narrow GPT had 50 units and 100
+    all-gathers a step, where FSDP2 has 13 units), and ``decisions`` says why. ``layer`` still overrides it."""
+    torch.manual_seed(0)
+    model = Blocks(20)
+    example = (torch.randn(4, 16), torch.randint(0, 10, (4,)))
+    step = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, world_size=1, rank=0)
+    assert len(step.program.param_buckets) == 1
+    assert "in a world of one" in step.program.decisions["shard-optimizer"]
+    other = Blocks(20)
+    given = transpile(
+        other,
+        torch.optim.AdamW(other.parameters()),
+        "zero3",
+        LOSS,
+        example,
+        world_size=1,
+        rank=0,
+        bucket_cap_mb="layer",
+    )
+    assert len(given.program.param_buckets) > 1
+    assert given.program.decisions["shard-optimizer"].startswith("bucket_cap_mb=layer")
+
+
 def test_zero3_updates_as_multi_tensor_ops_across_many_buckets():
     """zero3's update runs as ``_foreach_*`` ops over every parameter, whatever the number of gather units: 61
     modules in 42 units (``layer``: a LayerNorm joins the Linear beside it). Each op reads a gradient slice of

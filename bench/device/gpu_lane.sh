@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # The GPU test lane, the example captured, the GPU benchmark and the CPU suite on the GPU machine's torch
 # (issue 17). Run through the device tool with carry [".whl"] (pydot's wheel); logs land in $OUT.
-# Sections: lane, example, bench, cpu (default: lane example bench), e.g. `bash bench/device/gpu_lane.sh cpu`.
+# Sections: lane, fsdp, example, bench, cpu (default: lane fsdp example bench), in that order, e.g.
+# `bash bench/device/gpu_lane.sh cpu`. fsdp: zero3 against FSDP2 on one GPU (issue 42), bench/fsdp.py --device cuda.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site
-sections=${*:-lane example bench}
+sections=${*:-lane fsdp example bench}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "import torch, transformers, torchvision; print('torch', torch.__version__, 'transformers', transformers.__version__, 'torchvision', torchvision.__version__)" | tee -a $OUT/gpu.txt
 if [[ $sections == *lane* ]]; then
   echo "== GPU lane"
-  timeout 300 python3 -m pytest -m gpu -s -rA -p no:cacheprovider -o addopts="" tests/test_gpu.py >$OUT/gpu_lane.txt 2>&1
+  timeout 290 python3 -m pytest -m gpu -s -rA --durations=8 -p no:cacheprovider -o addopts="" tests/test_gpu.py >$OUT/gpu_lane.txt 2>&1
   grep -E "GPU |PASSED|FAILED|passed|failed|^E " $OUT/gpu_lane.txt | head -80
+fi
+if [[ $sections == *fsdp* ]]; then
+  echo "== zero3 against FSDP2, one GPU"
+  timeout 200 python3 bench/fsdp.py --device cuda --out $OUT/fsdp_gpu.md >$OUT/fsdp.log 2>&1
+  grep -v Warning $OUT/fsdp.log | grep -v "^  " | tail -50
 fi
 if [[ $sections == *example* ]]; then
   echo "== example, captured"
-  timeout 120 python3 examples/train_digits.py --device cuda --cuda-graph --epochs 10 2>&1 | tail -3 | tee $OUT/example.txt
+  timeout 60 python3 examples/train_digits.py --device cuda --cuda-graph --epochs 10 2>&1 | tail -3 | tee $OUT/example.txt
 fi
 if [[ $sections == *bench* ]]; then
   echo "== bench"

@@ -170,6 +170,13 @@ def host_and_device(
     return fx.GraphModule(gm, host_graph), fx.GraphModule(gm, device_graph), host_positions
 
 
+def device_inputs(device_gm: fx.GraphModule) -> set[int]:
+    """The positions of the inputs that the device part reads (its placeholders are the program's inputs, in
+    order; those only the host part reads have no user here)."""
+    placeholders = [n for n in device_gm.graph.nodes if n.op == "placeholder"]
+    return {i for i, node in enumerate(placeholders) if node.users}
+
+
 class CudaCapturer:
     """How :class:`CapturedProgram` warms up, captures and replays: torch.cuda's streams and graphs. The one
     thing a CPU test replaces (``tests/test_cuda_graph.py`` replays by calling the captured function), so
@@ -232,6 +239,7 @@ class CapturedProgram:
                     )
                 self.lands_in[o] = index[(port.kind, port.name)]
         self.loss_position = next((o for o, p in enumerate(program.outputs) if p.kind == "loss"), None)
+        self.device_reads = device_inputs(device_gm)
         self.calls = 0
         self.replay: Callable[[], None] | None = None
         self.static_inputs: list = []
@@ -254,8 +262,12 @@ class CapturedProgram:
         return self._outputs(self.static_outputs, host_outputs, self.static_inputs)
 
     def _addresses(self, inputs) -> list[int]:
+        """Where the captured part reads each input. The batch is copied into static buffers, and an input only the
+        host part reads (Adam's step count, a new tensor each step) is not the capture's concern."""
         return [
-            t.data_ptr() if isinstance(t, torch.Tensor) and i not in self.batch_positions else 0
+            t.data_ptr()
+            if isinstance(t, torch.Tensor) and i in self.device_reads and i not in self.batch_positions
+            else 0
             for i, t in enumerate(inputs)
         ]
 
@@ -284,7 +296,7 @@ class CapturedProgram:
     def _capture(self, inputs: list) -> None:
         """Capture the device part on these inputs (the batch copied into static buffers)."""
         start = time.perf_counter()
-        self.replay = None
+        replaced, self.replay = self.replay, None  # held until the new graph exists: see below
         self.static_inputs = [t.clone() if i in self.batch_positions else t for i, t in enumerate(inputs)]
 
         def body() -> None:
@@ -299,6 +311,9 @@ class CapturedProgram:
                 f"cuda_graph=True: capturing the '{self.variant}' program failed ({first}). Something in it "
                 "synchronises with the host or allocates outside the graph's pool; leave cuda_graph off for it."
             ) from exc
+        # The graph replaced lives until here: a pool whose graphs were all freed takes no capture (torch's caching
+        # allocator asserts `use_count > 0`), and the variants of a program share one pool.
+        del replaced
         self.replay = replay
         self.addresses = self._addresses(inputs)
         self.captures += 1
@@ -311,14 +326,16 @@ class CapturedProgram:
         )
 
     def _outputs(self, outputs, host_outputs, inputs) -> tuple:
-        """What the runtime writes back: stateful outputs as their inputs' tensors, host values where the host
-        part made them, and the loss as a copy of the static output."""
+        """What the runtime writes back: stateful outputs as their inputs' tensors (a new host value, such as
+        Adam's step count, copied into its input first, so the user's state tensors stay where they are), other
+        host values as the host part made them, and the loss as a copy of the static output."""
         out = list(outputs)
         for position, value in zip(self.host_positions, host_outputs):
             out[position] = value
         for o, i in self.lands_in.items():
-            if o not in self.host_positions:
-                out[o] = inputs[i]
+            if o in self.host_positions and out[o].data_ptr() != inputs[i].data_ptr():
+                inputs[i].copy_(out[o])
+            out[o] = inputs[i]
         if self.loss_position is not None:
             out[self.loss_position] = out[self.loss_position].detach().clone()
         return tuple(out)
