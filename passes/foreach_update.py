@@ -75,8 +75,12 @@ def _merge(program: StepProgram, nodes: list[fx.Node], reach: dict[fx.Node, str]
         return False
     target, args, kwargs = call
     order = position(program.graph)
-    inputs = [i for n in nodes for i in n.all_input_nodes]
-    cursor = Cursor(program.graph, max(inputs, key=order.__getitem__))
+    last_input = max((i for n in nodes for i in n.all_input_nodes), key=order.__getitem__)
+    before_first_reader = min((u for n in nodes for u in n.users), key=order.__getitem__).prev
+    # as late as its readers allow, not right after its inputs: a weight decay reads only the parameters and would
+    # run before the forward, its results held through the step (and never written in place, since the gathers
+    # read the parameters after it)
+    cursor = Cursor(program.graph, max(last_input, before_first_reader, key=order.__getitem__))
     args = _operand_in_the_tensors_dtype(cursor, args)
     joined = cursor.emit(target, args, kwargs, role="optimizer")
     for j, node in enumerate(nodes):

@@ -15,6 +15,7 @@ after it needs to see the functional form.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,14 @@ INPLACE = {
     aten.sqrt.default: aten.sqrt_.default,
     aten.neg.default: aten.neg_.default,
 }
+# the multi-tensor twins of those ops (``foreach-update``), every overload that has an in-place one
+FOREACH_INPLACE = {
+    getattr(functional, overload): getattr(getattr(aten, name + "_"), overload)
+    for name in ("_foreach_add", "_foreach_mul", "_foreach_lerp", "_foreach_addcmul", "_foreach_addcdiv")
+    + ("_foreach_div", "_foreach_sqrt", "_foreach_neg")
+    for functional in (getattr(aten, name),)
+    for overload in getattr(aten, name + "_").overloads()
+}
 WRITABLE_INPUTS = ("param", "state", "flat")
 
 
@@ -53,7 +62,20 @@ def _same_layout(a: fx.Node, b: fx.Node) -> bool:
 def _writable(node: fx.Node) -> bool:
     if node.op == "placeholder":
         return node.meta.get("port") is not None and node.meta["port"].kind in WRITABLE_INPUTS
-    return node.meta.get("role") == "optimizer" and node.target in set(INPLACE) | set(INPLACE.values())
+    if node.meta.get("role") != "optimizer":
+        return False
+    if node.target is operator.getitem:  # a tensor of a multi-tensor op's result: a temporary of the update
+        return isinstance(node.args[0], fx.Node) and node.args[0].target in FOREACH_INPLACE
+    return node.target in set(INPLACE) | set(INPLACE.values())
+
+
+def _foreach_results(node: fx.Node) -> list[fx.Node] | None:
+    """The ``getitem`` of each tensor a multi-tensor op computes, in its list's order; None when something else
+    reads the op's result or a tensor is not read."""
+    items = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+    if len(items) != len(node.users) or sorted(items) != list(range(len(node.args[0]))):
+        return None
+    return [items[j] for j in range(len(items))]
 
 
 class _Storage:
@@ -129,7 +151,35 @@ class ReinplaceOptimizer(Pass):
             node.meta["inplace_of"] = region[0].name
             storage.written(node, region)
             written.add(node)
+        for node in list(program.graph.nodes):
+            if (
+                node.meta.get("role") == "optimizer"
+                and node.target in FOREACH_INPLACE
+                and _reinplace_foreach(node, storage)
+            ):
+                written.add(node)
         return _drop_self_copies(program, storage) or bool(written)
+
+
+def _reinplace_foreach(node: fx.Node, storage: _Storage) -> bool:
+    """A multi-tensor op in place, when every tensor of its first list may be overwritten (as for one op): its
+    readers then read the tensors it wrote, since the in-place op returns nothing. All or none of the list."""
+    results = _foreach_results(node)
+    targets = node.args[0]
+    if results is None or not all(isinstance(t, fx.Node) and _same_layout(t, r) for t, r in zip(targets, results)):
+        return False
+    regions = [storage.of(t) for t in targets]
+    if any(r is None or storage.read_later(r, node) for r in regions):
+        return False
+    spans = sorted((storage.order[root], lo, hi) for root, lo, hi in regions)
+    if any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:])):
+        return False  # two tensors of the list share elements: each would see the other's write
+    node.target = FOREACH_INPLACE[node.target]
+    node.meta["inplace_of"] = [root.name for root, _, _ in regions]
+    for target, result in zip(targets, results):
+        result.replace_all_uses_with(target)
+        result.graph.erase_node(result)
+    return True
 
 
 def _drop_self_copies(program: StepProgram, storage: _Storage) -> bool:

@@ -2,10 +2,11 @@
 
 A GraphModule's code drops every value after its last reader (``x = None``), so the tensors alive after a node
 are those made by it or before it that something later still reads. A node makes a new tensor unless its op
-returns an alias of an input (views, in-place ops, ``out=`` forms, ``wait_tensor``); an alias keeps its base
-alive. Inputs and constants are held by the runtime and not counted here. The values are the fake tensors each
-node carries, whose shapes and dtypes are the real ones, so this is the program's own count of what it
-allocates, in its order (the CUDA allocator's measured peak is reported beside it on a GPU).
+returns an alias of an input (views, in-place ops, ``out=`` forms, ``wait_tensor``) or nothing (in-place
+multi-tensor ops); an alias keeps its base alive. Inputs and constants are held by the runtime and not counted
+here. The values are the fake tensors each node carries, whose shapes and dtypes are the real ones, so this is
+the program's own count of what it allocates, in its order (the CUDA allocator's measured peak is reported
+beside it on a GPU).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
         if argument.alias_info is not None and argument.alias_info.before_set & alias_set:
             return value if isinstance(value, fx.Node) else None
     return None
+
+
+def _returns_nothing(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and not schema.returns
 
 
 def _bytes(value: object) -> int:
@@ -63,6 +69,9 @@ def peak_transient_bytes(graph: fx.Graph, counted: Callable[[fx.Node], bool] | N
             if base is not None:
                 last[base] = i
         if node.op != "call_function":
+            continue
+        if _returns_nothing(node):  # an in-place multi-tensor op: it writes its inputs, it allocates nothing
+            root[node] = None
             continue
         alias = _aliased_input(node)
         if alias is not None:
