@@ -11,9 +11,10 @@ the twin takes one, and repeated in a list where it takes a list. What stays per
 groups, are in ``decisions``.
 
 On the CPU a ``_foreach_*`` op applies the per-tensor kernel to each tensor in turn, so the bits are the
-for-loop's, in every dtype (tested); on CUDA its fused kernels are those torch's foreach optimizers run. The
-ops stay functional (``reinplace-optimizer`` does not rewrite multi-tensor ops), so each allocates its
-results, as a functional update does.
+for-loop's, in every dtype (tested); on CUDA its fused kernels are those torch's foreach optimizers run (a 0-d
+operand cast to the tensors' dtype, so that they take the fused path). Each op goes as late as its readers
+allow, and is functional here; ``reinplace-optimizer`` then runs it in place where it would run the single ops
+(every tensor of its list, or none), so only the temporaries eager's foreach update also makes are new.
 """
 
 from __future__ import annotations

@@ -6,9 +6,12 @@ Guarantees: an out-of-place optimizer op (``add``, ``mul``, ``lerp``,
 when the tensor it would overwrite is a parameter, an optimizer-state input, a
 flat buffer (``flatten-update``) or a view of one, or an optimizer temporary of
 the same shape and dtype, and nothing reads those elements later (the graph's
-outputs count as later; a ``copy_`` into them writes, it does not read). The
-kernels are the same, so results are bitwise unchanged; what goes away is a
-fresh allocation per parameter and state tensor each step. A ``copy_`` that
+outputs count as later; a ``copy_`` into them writes, it does not read). Their
+multi-tensor twins (``foreach-update``) likewise, when every tensor of the list
+may be overwritten; the in-place form returns nothing, so its readers then read
+the tensors it wrote. The kernels are the same, so results are bitwise
+unchanged; what goes away is a fresh allocation per parameter and state tensor
+each step. A ``copy_`` that
 then writes a value back where it already is goes too. Runs last: no pass
 after it needs to see the functional form.
 """
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from transpiler.graph.edit import position
+from transpiler.graph.edit import AFTER, position
 from transpiler.graph.pipeline import Fact, Pass
 from transpiler.graph.program import StepProgram
 from transpiler.graph.views import contiguous_views, flat_range
@@ -177,6 +180,9 @@ def _reinplace_foreach(node: fx.Node, storage: _Storage) -> bool:
     node.target = FOREACH_INPLACE[node.target]
     node.meta["inplace_of"] = [root.name for root, _, _ in regions]
     for target, result in zip(targets, results):
+        for reader in result.users:  # no value of the op says that it ran first
+            if node not in reader.meta.setdefault(AFTER, []):
+                reader.meta[AFTER].append(node)
         result.replace_all_uses_with(target)
         result.graph.erase_node(result)
     return True

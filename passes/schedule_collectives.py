@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from transpiler.graph.collectives import C10D, is_collective, is_wait
-from transpiler.graph.edit import position, repair_order
+from transpiler.graph.edit import dependencies, position, repair_order
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import StepProgram
 
@@ -36,7 +36,7 @@ from transpiler.graph.program import StepProgram
 def _completion_side(nodes: list[fx.Node]) -> set[fx.Node]:
     after: set[fx.Node] = set()
     for node in nodes:
-        if is_wait(node) or any(i in after for i in node.all_input_nodes):
+        if is_wait(node) or any(i in after for i in dependencies(node)):
             after.add(node)
     return after
 
@@ -72,7 +72,7 @@ def _updates_in_completion_order(graph: fx.Graph) -> None:
     issued: dict[fx.Node, int] = {}
     for node in graph.nodes:
         own = [len(issued)] if is_collective(node) else []
-        issued[node] = max([issued[i] for i in node.all_input_nodes] + own, default=-1)
+        issued[node] = max([issued[i] for i in dependencies(node)] + own, default=-1)
     updates = [n for n in graph.nodes if n.meta.get("role") == "optimizer" and n.op == "call_function"]
     ordered = sorted(updates, key=lambda n: issued[n])  # stable: ties keep their order
     if ordered == updates:
@@ -105,11 +105,11 @@ class ScheduleCollectives(Pass):
                 previous = [node] if is_collective(node) else previous
                 continue
             bound = previous if is_collective(node) else []
-            if not bound and all(i.op in ("placeholder", "get_attr") or i in fixed for i in node.all_input_nodes):
+            if not bound and all(i.op in ("placeholder", "get_attr") or i in fixed for i in dependencies(node)):
                 fixed.add(node)
                 previous = [node] if is_collective(node) else previous
                 continue
-            latest = max(node.all_input_nodes + bound, key=order.__getitem__)
+            latest = max(dependencies(node) + bound, key=order.__getitem__)
             # only nodes hoisted before it in between: already where the first run put it (a second run must
             # find nothing to do)
             if latest.next is not node and not _only_between(latest, node, placed):

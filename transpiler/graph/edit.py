@@ -120,6 +120,16 @@ def position(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
+AFTER = "after"  # meta: the nodes that must run before this one though it reads no value of theirs
+
+
+def dependencies(node: fx.Node) -> list[fx.Node]:
+    """What ``node`` must come after: the nodes it reads, and those ``meta["after"]`` names (an in-place
+    multi-tensor op returns nothing, so a reader of the tensors it wrote reads no value of it:
+    ``reinplace-optimizer`` records the order there). What reorders nodes keeps these."""
+    return node.all_input_nodes + [n for n in node.meta.get(AFTER, ()) if n.graph is node.graph]
+
+
 def repair_order(graph: fx.Graph, keep: list[fx.Node] | None = None) -> bool:
     """Reorder nodes so each comes after its inputs, moving as little as possible; whether anything moved.
 
@@ -133,11 +143,11 @@ def repair_order(graph: fx.Graph, keep: list[fx.Node] | None = None) -> bool:
     if keep is None:
         keep = [n for n in graph.nodes if is_collective(n) or is_exchange(n)]
     order = position(graph)
-    if all(order[i] < order[n] for n in graph.nodes for i in n.all_input_nodes):
+    if all(order[i] < order[n] for n in graph.nodes for i in dependencies(n)):
         return False
     dag = nx.DiGraph()
     dag.add_nodes_from(graph.nodes)
-    dag.add_edges_from((i, n) for n in graph.nodes for i in n.all_input_nodes)
+    dag.add_edges_from((i, n) for n in graph.nodes for i in dependencies(n))
     chain = sorted(keep or [], key=order.__getitem__)
     dag.add_edges_from(zip(chain, chain[1:]))
     result = list(nx.lexicographical_topological_sort(dag, key=order.__getitem__))
