@@ -186,3 +186,23 @@ def test_zero3s_multi_tensor_update_runs_in_place():
     )
     assert functional == ["_foreach_mul.Tensor", "_foreach_sqrt.default"], functional
     assert peak_transient_bytes(step.program.graph) <= 1.3 * param_bytes
+
+
+def test_a_second_schedule_keeps_in_place_updates_before_their_readers():
+    """An in-place multi-tensor op returns nothing, so a reader of the tensors it wrote records it (``meta
+    ["after"]``) and the schedule keeps that order: run again on zero3's finished AdamW program, it moves nothing
+    (it used to move ``exp_avg_sq``'s update after the square root that reads it)."""
+    from transpiler.build import rewrite
+    from transpiler.runtime.process_group import Placement
+    from transpiler.strategies.modes import build_strategy
+    from transpiler.trace.tracer import trace_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2))
+    batch = (torch.randn(4, 2), torch.randn(4, 2))
+    traced, *_ = trace_step(model, torch.optim.Adam(model.parameters(), lr=0.1), nn.MSELoss(), batch)
+    passes = build_strategy("zero3", {"reshard_after_forward": False}).variants["step"]
+    program = rewrite(traced, passes, Placement(1, 0, "world", False))
+    square_root = next(n for n in program.graph.nodes if n.target is torch.ops.aten._foreach_sqrt.default)
+    assert [n.target for n in square_root.meta["after"]] == [torch.ops.aten._foreach_addcmul_.Scalar]
+    assert next(p for p in passes if p.name == "schedule-collectives").run(program) is False
