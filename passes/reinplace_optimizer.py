@@ -9,11 +9,11 @@ the same shape and dtype, and nothing reads those elements later (the graph's
 outputs count as later; a ``copy_`` into them writes, it does not read). Their
 multi-tensor twins (``foreach-update``) likewise, when every tensor of the list
 may be overwritten; the in-place form returns nothing, so its readers then read
-the tensors it wrote. The kernels are the same, so results are bitwise
-unchanged; what goes away is a fresh allocation per parameter and state tensor
-each step. A ``copy_`` that
-then writes a value back where it already is goes too. Runs last: no pass
-after it needs to see the functional form.
+the tensors it wrote, and record it in ``meta["after"]`` for what reorders
+nodes. The kernels are the same, so results are bitwise unchanged; what goes
+away is a fresh allocation per parameter and state tensor each step. A
+``copy_`` that then writes a value back where it already is goes too. Runs
+last: no pass after it needs to see the functional form.
 """
 
 from __future__ import annotations
