@@ -360,12 +360,12 @@ def test_zero3_in_a_world_of_one_fills_units_to_the_bound():
     default ``cost`` puts the modules in one unit up to 25 MiB (on the GPU the narrow GPT had 50 units and 100
     all-gathers a step, where FSDP2 has 13 units), and ``decisions`` says why. ``layer`` still overrides it."""
     torch.manual_seed(0)
-    model = Blocks(20)
+    model = Blocks()
     example = (torch.randn(4, 16), torch.randint(0, 10, (4,)))
     step = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, world_size=1, rank=0)
     assert len(step.program.param_buckets) == 1
     assert "in a world of one" in step.program.decisions["shard-optimizer"]
-    other = Blocks(20)
+    other = Blocks()
     given = transpile(
         other,
         torch.optim.AdamW(other.parameters()),
