@@ -278,15 +278,10 @@ def host_profile(label: str, run: Callable[[], None]) -> str:
 def single_device(models: list[str], out: str | None, profile: bool) -> None:
     """The variants in a world of one on this process's device, written as a markdown table (with ``profile``,
     the host profile of zero3 and FSDP2 on the first model after it)."""
-    from bench.gpu import profiled, timed
+    from bench.gpu import profiled, timed, world_of_one
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29593")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, timeout=timedelta(seconds=300))
+    device = world_of_one(29593)
+    cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if cuda else "CPU (dry run)"
     lines = [
         f"`{COMMAND} --device cuda` ({name}, torch {torch.__version__}, a world of one over {dist.get_backend()}, "

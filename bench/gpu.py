@@ -164,20 +164,28 @@ def peak_mib(step: Callable, device: torch.device) -> float:
     return (outside + sum(s["total_size"] for s in segments)) / 2**20
 
 
+def world_of_one(port: int) -> torch.device:
+    """This process as a world of one: over NCCL on the first GPU, or over gloo on the CPU (a dry run)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, timeout=timedelta(seconds=300))
+    return device
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,resnet50,gpt2")
     parser.add_argument("--compile", action="store_true", help="also time compile=True, uncaptured and captured")
     parser.add_argument("--out", default=None, help="write the markdown table there too")
     args = parser.parse_args()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
+    device = world_of_one(29517)
+    cuda = device.type == "cuda"
     if cuda:
-        torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, timeout=timedelta(seconds=300))
     name = torch.cuda.get_device_name(device) if cuda else "CPU (dry run, small sizes)"
     lines = [
         f"Device: {name}; torch {torch.__version__}; bf16 autocast; world of one over {dist.get_backend()}.",

@@ -86,8 +86,15 @@ def add_input(program: StepProgram, port: Port, like: fx.Node | torch.Tensor) ->
 def add_state(program: StepProgram, name: str, like: fx.Node | torch.Tensor, init: ExtraInit) -> fx.Node:
     """An ``extra`` input: state a pass keeps from step to step (the runtime holds it, checkpoints carry it),
     made before the first step by the rule ``init`` (``program.extra_init``: ``ExtraInit.zeros_like(name)``,
-    ``ExtraInit.scalar(0, "int64")``...)."""
+    ``ExtraInit.scalar(0, "int64")``...). A tensor ``like`` is placed where ``init`` puts the real value (the
+    parameters' device; the CPU for a host copy), so the graph says where it lives: a CUDA capture refuses a CPU
+    value that feeds the device."""
     program.extra_init[name] = init
+    if isinstance(like, torch.Tensor):
+        device = torch.device("cpu") if init.on_host else parameters_device(program)
+        if like.device != device:
+            with fake_mode(program.graph):
+                like = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=device)
     return add_input(program, Port("extra", name), like)
 
 
@@ -120,10 +127,9 @@ def set_output_values(program: StepProgram, values: list[fx.Node]) -> None:
 
 
 def fake_tensor(program: StepProgram, dtype: torch.dtype, shape: tuple[int, ...] = ()) -> torch.Tensor:
-    """A fake tensor in the graph's fake mode (0-d by default), for the value of a new input: on the parameters'
-    device, where ``ExtraInit.make`` puts the real one (a CUDA capture refuses CPU values that feed the device)."""
+    """A fake tensor in the graph's fake mode (0-d by default), for the value of a new input."""
     with fake_mode(program.graph):
-        return torch.empty(shape, dtype=dtype, device=parameters_device(program))
+        return torch.empty(shape, dtype=dtype)
 
 
 def parameters_device(program: StepProgram) -> torch.device:
