@@ -5,6 +5,7 @@ steps (the worlds run in tests/test_zero.py)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -36,6 +37,7 @@ from transpiler.graph.collectives import WAIT
 from transpiler.graph.cost_model import LinkCost
 from transpiler.graph.verify import check_shards
 from transpiler.graph.views import flat_range, is_view
+from transpiler.runtime.handshake import differences
 from transpiler.runtime.sharded_checkpoint import flat_boxes
 
 LOSS = torch.nn.CrossEntropyLoss()
@@ -124,6 +126,28 @@ def test_static_checks_see_a_rank_that_updates_the_wrong_slice():
     programs[1].shards[name] = (lo + 1, hi)
     with pytest.raises(VerificationError, match=name):
         check_shards(programs)
+
+
+@pytest.mark.parametrize("mode", ["zero2", "zero3"])
+def test_the_handshake_sees_a_rank_that_updates_the_wrong_slice(mode):
+    """In a live world each rank builds only its own programs and the ranks compare them at the startup handshake:
+    the setups of a world of 2 agree, and with one rank's slice moved (a gap, then an overlap) every rank would
+    raise, naming the parameter."""
+    setups = {}
+    for rank in range(2):
+        torch.manual_seed(0)
+        model = MLP()
+        batch = make_batch("mlp", 4, torch.Generator().manual_seed(0))
+        options = {"world_size": 2, "rank": rank, "bucket_cap_mb": 0.004, "first_bucket_mb": 0.001}
+        step = transpile(model, torch.optim.AdamW(model.parameters()), mode, LOSS, batch, **options)
+        setups[rank] = step.prepare(batch).setup
+    assert differences(setups) == []
+    assert setups[0].shards and setups[1].shard_place == ("world", 1)
+    name, (lo, hi) = next((n, s) for n, s in setups[1].shards.items() if s[1] > s[0])
+    for moved, found in (((lo + 1, hi), "updates elements"), ((lo, hi - 1), "the ranks update")):
+        broken = {0: setups[0], 1: dataclasses.replace(setups[1], shards={**setups[1].shards, name: moved})}
+        (line,) = differences(broken)
+        assert f"parameter '{name}'" in line and found in line, line
 
 
 @pytest.mark.parametrize("mode", ["zero2", "zero3"])

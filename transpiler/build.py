@@ -2,9 +2,10 @@
 the step calls for every new cache key (a new batch shape, model mode or structure).
 
 :class:`StepBuilder` traces the step, measures the cost model where a pass asks for one, rewrites the trace per
-program variant for this rank (checking all ranks' programs against each other), and describes the setup the
-ranks compare before it runs. What one build learns that a later one must reuse is a named field of it: the
-slices a sharded mode gave this rank, the whole shapes of parameters held as slices, the measured costs.
+program variant for this rank (without a live world, checking all ranks' programs against each other), and
+describes the setup the ranks compare before it runs (in a live world, the cross-rank check). What one build
+learns that a later one must reuse is a named field of it: the slices a sharded mode gave this rank, the whole
+shapes of parameters held as slices, the measured costs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from transpiler.graph.verify import (
     check_fragments,
     check_output_shapes,
     check_shards,
+    shard_place,
 )
 from transpiler.runtime import cost_probe, host_memory
 from transpiler.runtime import cuda_graph as cuda_graph_module
@@ -144,6 +146,8 @@ class StepBuilder:
             | {placement.group_name: tuple(range(placement.world_size))},
             sources={name: digest for p in programs.values() for name, digest in p.sources.items()},
             compiled=self.compile,
+            shards={name: span for p in programs.values() for name, span in p.shards.items()},
+            shard_place=shard_place(next(iter(programs.values()))),
         )
 
 
@@ -190,9 +194,11 @@ def rewrite(
     subgroups: dict[tuple[int, ...], str] | None = None,
     axes: Axes = (),
 ) -> StepProgram:
-    """Run the pipeline on a copy of ``traced`` for ``placement``'s rank, checking all ranks agree. ``axes`` gives
-    each rank's groups of a 2-D layout (``program.axes``; none: one dimension). Other ranks' programs, built only
-    to be compared, keep no history."""
+    """Run the pipeline on a copy of ``traced`` for ``placement``'s rank. ``axes`` gives each rank's groups of a
+    2-D layout (``program.axes``; none: one dimension). Without a live world (``transpiler dump``, a step built
+    ahead), it also builds the other ranks' programs, history-free, and checks that all ranks agree; in a live
+    world the ranks check the same at the startup handshake (``runtime/handshake.py``) on the programs they
+    actually built, so each rank runs the pipeline once, not W times."""
     subgroups = dict(subgroups or {})
 
     def for_rank(r: int, callback=None, history: bool = True) -> StepProgram:
@@ -210,7 +216,7 @@ def rewrite(
     mine = for_rank(placement.rank, on_pass)
     if verify:
         check_output_shapes(mine)
-    if verify and placement.world_size > 1:
+    if verify and placement.world_size > 1 and not placement.live:
         w = placement.world_size
         ranks = range(w) if w <= CROSS_RANK_LIMIT else sorted({0, 1, w - 1})
         others = [mine if r == placement.rank else for_rank(r, history=False) for r in ranks]

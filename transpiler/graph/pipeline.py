@@ -214,7 +214,7 @@ class Pipeline:
                     f"pass '{p.name}' failed: {type(exc).__name__}: {exc}", pass_name=p.name, passes_before=tuple(done)
                 ) from exc
             last = i == len(self.passes) - 1
-            if self.keep_history or last:
+            if last or self.on_pass is not None:  # history needs only the code text (snapshot)
                 program.recompile()
             if self.verify:
                 self.check(program, p.name, tuple(done), final=last and final_reduction)

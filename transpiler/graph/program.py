@@ -119,7 +119,7 @@ class StepProgram:
 
     def snapshot(self, label: str) -> None:
         """Keep the code after a stage, and the ops it dispatches, so 'the graph after pass X' is a lookup."""
-        self.history.append((label, self.graph_module.code))
+        self.history.append((label, self.graph.python_code(root_module="self").src))  # the code recompile() makes
         self.op_counts.append((label, op_counts(self.graph)))
 
     @contextlib.contextmanager

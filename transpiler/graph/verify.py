@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch.fx as fx
 
@@ -227,29 +229,45 @@ def check_shards(programs: list[StepProgram]) -> None:
         for n in programs[0].graph.nodes
         if n.op == "placeholder" and n.meta.get("port") is not None and n.meta["port"].kind == "param"
     }
-    groups: dict[str, list[tuple[int, StepProgram]]] = {}
-    for program in programs:
-        axis = program.axes.get(program.shard_axis)
-        key, place = ("world", program.rank) if axis is None else (axis.group_name, axis.rank)
-        groups.setdefault(key, []).append((place, program))
+    check_tiling([Held(p.rank, *shard_place(p), p.shards) for p in programs], sizes)
+
+
+@dataclass(frozen=True)
+class Held:
+    """The slices one rank updates: ``shards`` (parameter -> flat ``[lo, hi)``), at ``place`` in ``group``."""
+
+    rank: int
+    group: str
+    place: int
+    shards: Mapping[str, tuple[int, int]]
+
+
+def shard_place(program: StepProgram) -> tuple[str, int]:
+    """The shard group whose ranks tile every parameter (``program.shard_axis``) and the rank's place in it."""
+    axis = program.axes.get(program.shard_axis)
+    return ("world", program.rank) if axis is None else (axis.group_name, axis.rank)
+
+
+def check_tiling(held: list[Held], sizes: Mapping[str, int]) -> None:
+    """Each shard group's ranks, in their order within it, tile every parameter of ``sizes`` (name -> numel) they
+    hold slices of; the static check and the startup handshake both run it."""
+    groups: dict[str, list[Held]] = {}
+    for h in held:
+        groups.setdefault(h.group, []).append(h)
     for members in groups.values():
-        _check_tiling(sorted(members, key=lambda m: m[0]), sizes)
-
-
-def _check_tiling(members: list[tuple[int, StepProgram]], sizes: dict[str, int]) -> None:
-    """One shard group's ranks, in their order within it, tile every parameter."""
-    for name in sorted(set().union(*(p.shards for _, p in members))):
-        end = 0
-        for _, program in members:
-            lo, hi = program.shards.get(name, (end, end))
-            if lo != end and hi > lo:
-                raise VerificationError(
-                    f"parameter '{name}': rank {program.rank} updates elements [{lo}, {hi}), but the ranks before "
-                    f"it end at {end}: elements would be updated twice or never."
-                )
-            end = max(end, hi)
-        if end != sizes.get(name, end):
-            raise VerificationError(f"parameter '{name}': the ranks update {end} of its {sizes[name]} elements.")
+        members.sort(key=lambda h: h.place)
+        for name in sorted(set().union(*(h.shards for h in members))):
+            end = 0
+            for h in members:
+                lo, hi = h.shards.get(name, (end, end))
+                if lo != end and hi > lo:
+                    raise VerificationError(
+                        f"parameter '{name}': rank {h.rank} updates elements [{lo}, {hi}), but the ranks before "
+                        f"it end at {end}: elements would be updated twice or never."
+                    )
+                end = max(end, hi)
+            if end != sizes.get(name, end):
+                raise VerificationError(f"parameter '{name}': the ranks update {end} of its {sizes[name]} elements.")
 
 
 def check_output_shapes(program: StepProgram) -> None:

@@ -1,22 +1,22 @@
 """The startup handshake: before a program first runs, the ranks compare what they are about to run.
 
-The static cross-rank check builds every rank's program in one process, so it
-cannot see ranks that were started with other settings or another model.
-Here each rank publishes a :class:`Setup` (mode and options per program
-variant, schedule settings, parameters, buffers, module modes, optimizer,
-batch structure, its communication plan and the digests of
-data files baked into the programs) through torch.distributed's
-store, reads every other rank's, and compares them. All ranks read the same
-data, so on a difference every rank raises the same :class:`RankMismatchError`,
-naming what differs and on which ranks, before any collective could hang or
-abort on mismatched sizes. The store is used rather than a collective so that
-a rank that changed its setup alone (froze a layer, switched to ``eval()``)
-cannot be caught up in another rank's all-reduce: it waits for the others in
-the store, and fails within the timeout if they never come.
+In a live world this is the cross-rank check: each rank builds only its own programs (``transpile()`` without a
+world builds and checks every rank's in one process instead), and the handshake also sees ranks that were started
+with other settings or another model. Each rank publishes a :class:`Setup` (mode and options per program variant,
+schedule settings, parameters, buffers, module modes, optimizer, batch structure, its communication plan, the
+slices a sharded optimizer gave it, and the digests of data files baked into the programs) through
+torch.distributed's store, reads every other rank's, and compares them: the settings value by value, the
+communication plans by simulating them against each other, the slices by checking that they tile every
+parameter. All ranks read the same data, so on a difference every rank raises the same
+:class:`RankMismatchError`, naming what differs and on which ranks, before any collective could hang or abort on
+mismatched sizes. The store is used rather than a collective so that a rank that changed its setup alone (froze a
+layer, switched to ``eval()``) cannot be caught up in another rank's all-reduce: it waits for the others in the
+store, and fails within the timeout if they never come.
 """
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from transpiler.errors import CommunicationError, RankMismatchError, VerificationError
 from transpiler.graph.collectives import CommOp
-from transpiler.graph.verify import simulate_communication
+from transpiler.graph.verify import Held, check_tiling, simulate_communication
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,16 @@ class Setup:
     groups: dict[str, tuple[int, ...]]  # process-group name -> ranks
     sources: dict[str, str] = field(default_factory=dict)  # data files the programs embed -> SHA-256 (a PCA basis)
     compiled: bool = False  # compile=True: compiled programs round differently from uncompiled ones
+    # under a sharded optimizer: the slices this rank updates, and its shard group and place in it
+    shards: dict[str, tuple[int, int]] = field(default_factory=dict)
+    shard_place: tuple[str, int] = ("world", 0)
 
     def comparable(self) -> dict[str, Any]:
-        """The fields compared value by value (all but the communication plans)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("communication", "groups")}
+        """The fields compared value by value (all but what differs by rank: plans, groups, slices)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in PER_RANK}
+
+
+PER_RANK = ("communication", "groups", "shards", "shard_place")  # compared by simulation or tiling, not equality
 
 
 def describe_model(model: torch.nn.Module, whole: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, tuple]:
@@ -95,6 +101,12 @@ def differences(setups: dict[int, Setup]) -> list[str]:
                 simulate_communication(plans, members)
             except VerificationError as exc:
                 lines.append(f"communication of program '{variant}': {exc}")
+    if not lines:
+        sizes = {name: math.prod(shape) for name, shape, *_ in next(iter(setups.values())).parameters}
+        try:
+            check_tiling([Held(rank, *s.shard_place, s.shards) for rank, s in setups.items()], sizes)
+        except VerificationError as exc:
+            lines.append(f"the ranks' slices of the parameters: {exc}")
     return lines
 
 

@@ -83,7 +83,7 @@ class Strategy:
 
     def for_rank(self, world: int, rank: int) -> RankPlan:
         """What ``rank`` of a world of ``world`` needs: its variants, every process group in creation order, every
-        rank's axes (the static check builds every rank's program), and a fresh schedule."""
+        rank's axes (without a live world the static check builds every rank's program), and a fresh schedule."""
         return RankPlan(
             world_size=world,
             rank=rank,
