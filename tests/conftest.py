@@ -12,6 +12,11 @@ settings.register_profile("ci", derandomize=True, database=None, deadline=None, 
 settings.register_profile("dev", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Inductor compiles a program's kernels in a pool of worker processes, one per core, each importing torch first.
+# The suite's two workers keep both cores busy, so the pool adds only its start (in every rank that compiles):
+# compile in the process that asks, here and in the ranks this session starts (they inherit the environment).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 
 def pytest_sessionfinish(session, exitstatus):
     """End the worlds of ranks the session kept (tests/worlds.py)."""

@@ -96,6 +96,8 @@ def test_world_of_one_is_eager(mode, opt):
 
 
 def _world_programs(mode: str, world: int, optimizer=torch.optim.AdamW, **options) -> list:
+    """Every rank's program of a world built ahead. Rank 0's build runs the static cross-rank check, which builds
+    and verifies every rank's program; the others are built again unverified, only to be handed back."""
     programs = []
     for rank in range(world):
         torch.manual_seed(0)
@@ -110,6 +112,7 @@ def _world_programs(mode: str, world: int, optimizer=torch.optim.AdamW, **option
             rank=rank,
             bucket_cap_mb=0.004,
             first_bucket_mb=0.001,
+            verify=rank == 0,
             **options,
         )
         programs.append(step.program)
