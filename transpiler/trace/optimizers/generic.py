@@ -31,7 +31,7 @@ import torch
 from transpiler.errors import UnsupportedOptimizerError
 
 from .chain import OptimizerChain
-from .twins import OptimizerPlan
+from .twins import OptimizerPlan, unlinked
 
 REFUSED = {
     torch.optim.LBFGS: "LBFGS re-evaluates the loss through a closure several times per step, which one step "
@@ -105,7 +105,7 @@ class GenericPlan(OptimizerPlan):
 
     def state_tensors(self, position: int) -> list[torch.Tensor]:
         state = self.optimizer.state.get(self.params[position], {})
-        return [state[k].detach() for k in self.state_keys(position)]
+        return [unlinked(state[k]) for k in self.state_keys(position)]
 
     def scalar_values(self, ahead: int = 0) -> list[float]:
         if ahead:

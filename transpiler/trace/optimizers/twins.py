@@ -142,7 +142,7 @@ class OptimizerPlan:
                     value = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if key != "momentum_buffer":  # eager stores the momentum buffer only after the first step
                     state[key] = value
-            out.append(value.detach())
+            out.append(unlinked(value))
         return out
 
     #: the slots are fed as 0-d float64 tensors that the runtime fills in place (the generic path: floats)
@@ -235,6 +235,13 @@ class OptimizerPlan:
         slot = {k: scalars[s.name] for k, s in g.slots.items()}
         step_fn: Callable = _sgd_update if self.kind == "sgd" else _adam_update
         return step_fn(param, grad, state, group, slot)
+
+
+def unlinked(value: torch.Tensor) -> torch.Tensor:
+    """A state tensor as a program reads it: detached from autograd if it is linked (a state tensor hardly ever
+    is), else itself. Every step feeds every state tensor, so a ``detach()`` each is one dispatch per tensor
+    per step for nothing (447 a step for AdamW on a 149-tensor model)."""
+    return value.detach() if value.requires_grad else value
 
 
 def _sgd_update(p, grad, state, group, slot):

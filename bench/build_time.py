@@ -1,0 +1,79 @@
+"""What a step costs before it trains: the first call of a transpiled step (trace, passes, the startup handshake,
+rank 0's broadcast, one step) against a later step, per mode, on the narrow GPT in a live world.
+
+Every rank pays this at startup and again after each elastic restart. ``python bench/build_time.py --world 4``
+runs it under torchrun (gloo, one thread per rank) and prints, per mode, the slowest rank's first call and its
+median later step, in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.models import NarrowGPT, narrow_batch  # noqa: E402
+from bench.two_ranks import two_rank_results  # noqa: E402
+from transpiler import transpile  # noqa: E402
+
+MODES = ("fused_allreduce", "zero2", "zero3", "diloco")
+LATER = 5  # later steps timed per mode
+
+
+def measure(mode: str, rank: int) -> dict[str, float]:
+    """The first call of a fresh step and the median of the next :data:`LATER`, on this rank."""
+    torch.manual_seed(0)
+    model = NarrowGPT()
+    step = transpile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mode=mode, loss_fn=nn.CrossEntropyLoss())
+    batch = narrow_batch("gpt", 4, torch.Generator().manual_seed(rank))
+    dist.barrier()
+    start = time.perf_counter()
+    step(*batch)
+    first = time.perf_counter() - start
+    later = []
+    for _ in range(LATER):
+        start = time.perf_counter()
+        step(*batch)
+        later.append(time.perf_counter() - start)
+    return {"first_s": first, "step_s": statistics.median(later)}
+
+
+def rank_main(out: str) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    mine = {mode: measure(mode, rank) for mode in MODES}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        slowest = {m: {k: max(r[m][k] for r in every) for k in ("first_s", "step_s")} for m in MODES}
+        Path(out).write_text(json.dumps(slowest))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--rank-main", metavar="OUT", help=argparse.SUPPRESS)  # one rank, under torchrun
+    args = parser.parse_args()
+    if args.rank_main:
+        rank_main(args.rank_main)
+        return
+    rows = two_rank_results(__file__, lambda out, _: ["--rank-main", out], port=29581, world=args.world)
+    print(f"W={args.world}, narrow GPT, AdamW: the slowest rank, seconds")
+    print(f"{'mode':<16}{'first call':>12}{'later step':>12}")
+    for mode, row in rows.items():
+        print(f"{mode:<16}{row['first_s']:>12.2f}{row['step_s']:>12.3f}")
+
+
+if __name__ == "__main__":
+    main()
