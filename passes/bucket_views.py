@@ -22,7 +22,7 @@ import torch.fx as fx
 from transpiler.graph.bucket_layout import BUCKET_READY, OUT_FORMS, padded_length, slot_offsets
 from transpiler.graph.edit import Cursor, emit, position
 from transpiler.graph.program import StepProgram
-from transpiler.graph.views import is_view
+from transpiler.graph.views import contiguous_strides, is_view
 
 from .gradient_flow import add_constant, reads_raw_gradient
 
@@ -63,14 +63,6 @@ def _producer(grad: fx.Node) -> fx.Node | None:
     if not all(isinstance(v, torch.Tensor) and v.is_contiguous() for v in values):
         return None
     return node
-
-
-def _contiguous_strides(shape: list[int]) -> list[int]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return strides[::-1]
 
 
 def _slot_name(program: StepProgram, tag: str, index: int) -> str:
@@ -125,7 +117,7 @@ def write_into_buffer(
     for node, start, producer in zip(nodes, starts, producers):
         # one view op per slot, in the shape it is written in (sum(keepdim=True) is [1, n] where the gradient is [n])
         shape = list((producer or node).meta["val"].shape)
-        slots.append(at.emit(aten.as_strided.default, (buffer, shape, _contiguous_strides(shape), start), **comm))
+        slots.append(at.emit(aten.as_strided.default, (buffer, shape, contiguous_strides(shape), start), **comm))
     writes = []
     for node, slot, producer in zip(nodes, slots, producers):
         if producer is None:

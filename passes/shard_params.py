@@ -25,7 +25,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,7 @@ from transpiler.graph.options import option
 from transpiler.graph.pipeline import Fact, Pass
 from transpiler.graph.ports import Port
 from transpiler.graph.program import ParamBucket, StepProgram
-from transpiler.graph.views import is_view
+from transpiler.graph.views import contiguous_strides, is_view
 
 from .gather_params import rank_shard, sharded_buckets
 from .gradient_flow import input_node
@@ -93,7 +92,7 @@ class ShardParams(Pass):
             _regather_for_backward(program, {i: v for i, v in first.items() if i not in kept}, backward, self.prefetch)
         for node in reversed(program.graph.nodes):  # views of parameters a phase does not read
             gathered = node.meta.get("bucket", ("",))[0] == "params"
-            if gathered and node.target in (aten.view.default, aten.slice.Tensor) and not node.users:
+            if gathered and node.target is aten.as_strided.default and not node.users:
                 program.graph.erase_node(node)
         return True
 
@@ -143,10 +142,10 @@ def _place(
             issued[index] = _issue(program, cursor, index, phase)
         comm = {"role": "communication", "bucket": ("params", index)}
         full = cursor.emit(WAIT, (issued[index],), **comm)
-        views[index] = {}
-        for name, start, shape in zip(bucket.names, bucket.starts, bucket.shapes):
-            part = cursor.emit(aten.slice.Tensor, (full, 0, start, start + math.prod(shape)), **comm)
-            views[index][name] = cursor.emit(aten.view.default, (part, list(shape)), **comm)
+        views[index] = {  # one view each: as_strided, not a slice and a view of it
+            name: cursor.emit(aten.as_strided.default, (full, list(shape), contiguous_strides(shape), start), **comm)
+            for name, start, shape in zip(bucket.names, bucket.starts, bucket.shapes)
+        }
         ahead = sequence[k + 1 : k + 1 + prefetch] if full.meta["val"].device.type != "cpu" else []
         for later in [i for i in ahead if i not in issued]:
             issued[later] = _issue(program, cursor, later, phase)

@@ -26,6 +26,15 @@ def is_view(node: fx.Node) -> bool:
     return alias is not None and not alias.is_write
 
 
+def contiguous_strides(shape: list[int]) -> list[int]:
+    """The strides of a contiguous tensor of ``shape`` (what ``as_strided`` takes to view one in a flat buffer)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
 def view_step(node: fx.Node) -> int | None:
     """How many elements after the start of its first argument ``node`` starts, when ``node`` is a contiguous
     view of it (a reshape, a unit-step slice of a 1-D tensor, a piece of a split of one, an ``as_strided`` of a
