@@ -9,10 +9,10 @@ median later step, in seconds.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.models import NarrowGPT, narrow_batch  # noqa: E402
-from bench.two_ranks import two_rank_results  # noqa: E402
+from bench.two_ranks import entry, finish_rank, two_rank_results  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 MODES = ("fused_allreduce", "zero2", "zero3", "diloco")
@@ -48,32 +48,23 @@ def measure(mode: str, rank: int) -> dict[str, float]:
 
 
 def rank_main(out: str) -> None:
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    mine = {mode: measure(mode, rank) for mode in MODES}
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if rank == 0:
-        slowest = {m: {k: max(r[m][k] for r in every) for k in ("first_s", "step_s")} for m in MODES}
-        Path(out).write_text(json.dumps(slowest))
-    dist.destroy_process_group()
+    finish_rank(out, {mode: measure(mode, rank) for mode in MODES})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--rank-main", metavar="OUT", help=argparse.SUPPRESS)  # one rank, under torchrun
     args = parser.parse_args()
-    if args.rank_main:
-        rank_main(args.rank_main)
-        return
-    rows = two_rank_results(__file__, lambda out, _: ["--rank-main", out], port=29581, world=args.world)
+    ranks = two_rank_results(__file__, lambda out, _: [out], port=29581, world=args.world)
     print(f"W={args.world}, narrow GPT, AdamW: the slowest rank, seconds")
     print(f"{'mode':<16}{'first call':>12}{'later step':>12}")
-    for mode, row in rows.items():
-        print(f"{mode:<16}{row['first_s']:>12.2f}{row['step_s']:>12.3f}")
+    for mode in MODES:
+        first, later = (max(r[mode][key] for r in ranks) for key in ("first_s", "step_s"))
+        print(f"{mode:<16}{first:>12.2f}{later:>12.3f}")
 
 
 if __name__ == "__main__":
-    main()
+    entry(rank_main, main)

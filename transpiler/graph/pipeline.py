@@ -214,13 +214,14 @@ class Pipeline:
                     f"pass '{p.name}' failed: {type(exc).__name__}: {exc}", pass_name=p.name, passes_before=tuple(done)
                 ) from exc
             last = i == len(self.passes) - 1
-            if last or self.on_pass is not None:  # history needs only the code text (snapshot)
+            compiled = last or self.on_pass is not None  # history needs only the code text (snapshot)
+            if compiled:
                 program.recompile()
             if self.verify:
                 self.check(program, p.name, tuple(done), final=last and final_reduction)
             records.append(PassRecord(p.name, modified, time.perf_counter() - start))
             if self.keep_history:
-                program.snapshot(p.spec())
+                program.snapshot(p.spec(), program.graph_module.code if compiled else None)
             if self.on_pass is not None:
                 self.on_pass(p.spec(), program)
             done.append(p.name)

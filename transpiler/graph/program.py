@@ -117,9 +117,10 @@ class StepProgram:
     def recompile(self) -> None:
         self.graph_module.recompile()
 
-    def snapshot(self, label: str) -> None:
-        """Keep the code after a stage, and the ops it dispatches, so 'the graph after pass X' is a lookup."""
-        self.history.append((label, self.graph.python_code(root_module="self").src))  # the code recompile() makes
+    def snapshot(self, label: str, code: str | None = None) -> None:
+        """Keep the code after a stage, and the ops it dispatches, so 'the graph after pass X' is a lookup.
+        ``code``: the graph module's, when it was just recompiled; else made here as ``recompile()`` makes it."""
+        self.history.append((label, code if code is not None else self.graph.python_code(root_module="self").src))
         self.op_counts.append((label, op_counts(self.graph)))
 
     @contextlib.contextmanager

@@ -302,7 +302,7 @@ def _finish(
     gm.recompile()
     program = StepProgram(gm, in_ports, out_ports)
     program.param_groups = {name: plan.group_of[i].index for i, name in enumerate(names)}  # in model order
-    program.snapshot("traced")
+    program.snapshot("traced", gm.code)
     return program
 
 
