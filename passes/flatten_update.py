@@ -7,7 +7,9 @@ Guarantees: for each such bucket,
 
 - the bucket's parameters become views of one flat input, laid out as the gradients are (the same slot
   starts): the runtime binds each parameter's ``.data`` to its view (``program.flat_buffers``), the forward
-  reads ``as_strided`` views of it, and the parameter's own input and output go;
+  reads ``as_strided`` views of it, and the parameter's own input and output go. Under ZeRO-3
+  (``shard-params`` before it: each input is this rank's slice, ``meta[WHOLE_SHAPE]``) the flat input is this
+  rank's shard of the bucket, laid out as the reduced gradient shard, and the bucket's all-gathers send it;
 - each *run* of parameters whose updates are the same chain of element-wise ops (one param group of one
   optimizer: the slots of a bucket are laid out group by group, ``bucketing.in_group_order``) is updated by
   that chain once, on the run's range of the flat parameters, of the reduced gradient bucket and of one flat
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads
+from transpiler.graph.bucket_layout import FLAT_GRADS, WHOLE_SHAPE, FlatGrads
 from transpiler.graph.edit import Cursor, position, repair_order
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Fact, Pass
@@ -93,28 +95,52 @@ def _flatten_bucket(program: StepProgram, base: fx.Node, reach: dict[fx.Node, st
         return False
     params = [c.placeholder for c in chains]
     value = params[0].meta["val"]
-    flat_param = _flat_input(program, f"{info.tag}.param", value, info.length)
+    # ZeRO-3 holds only this rank's slices (shard-params): its flat parameters are the shard, laid out as the
+    # reduced gradients; elsewhere every rank holds the bucket whole
+    sliced = WHOLE_SHAPE in params[0].meta
+    if sliced:
+        length, offset, starts = base.meta["val"].numel(), 0, tuple(c.at for c in chains)
+        spans = tuple(c.held for c in chains)
+    else:
+        length, offset, starts, spans = info.length, info.offset, info.starts, tuple((0, n) for n in info.sizes)
+    flat_param = _flat_input(program, f"{info.tag}.param", value, length)
     program.flat_buffers.append(
         FlatBuffer(
             f"{info.tag}.param",
             "param",
             "",
             info.names,
-            info.starts,
+            starts,
             tuple(tuple(p.meta["val"].shape) for p in params),
-            tuple((0, n) for n in info.sizes),
-            info.length,
+            spans,
+            length,
             str(value.dtype).removeprefix("torch."),
             str(value.device),
         )
     )
     for r, run in enumerate(runs_of(chains)):
-        _vectorise(program, base, flat_param, info, r, run)
+        _vectorise(program, base, flat_param, offset, r, run, info.tag)
     repair_order(program.graph)  # what read a parameter's summary (a flag over all of them) follows the run's
     _drop_outputs(program, {c.name for c in chains})
-    _forward_reads_views(program, flat_param, params, info.starts)
+    _forward_reads_views(program, flat_param, params, starts)
+    if sliced:
+        _gather_the_shard(program, flat_param, info.names)
     _drop_inputs(program, {c.name for c in chains})
     return True
+
+
+def _gather_the_shard(program: StepProgram, flat_param: fx.Node, names: tuple[str, ...]) -> None:
+    """ZeRO-3's all-gathers of this bucket send the flat shard itself: it holds each slice where the rank's shard
+    of the bucket holds it (what lies between, alignment padding, is never read from the gathered buffer)."""
+    for node in list(program.graph.nodes):
+        info = node.meta.get("collective")
+        if isinstance(info, dict) and info.get("kind") == "all_gather" and tuple(info.get("params", ())) == names:
+            if node.args[0].meta["val"].shape != flat_param.meta["val"].shape:
+                shapes = node.args[0].meta["val"].shape, flat_param.meta["val"].shape
+                raise AssertionError(
+                    f"'{node.name}' sends {shapes[0]} elements; this rank's flat shard holds {shapes[1]}"
+                )
+            node.update_arg(0, flat_param)
 
 
 def _lay_out(program: StepProgram) -> bool:
@@ -177,9 +203,11 @@ def _chains(program: StepProgram, base: fx.Node, info: FlatGrads, reach: dict[fx
         chain = chain_of(program, name, grads[name], (lo, hi), min(max(info.starts[i] + lo - info.offset, 0), numel))
         if isinstance(chain, str):
             return chain
-        if chain.placeholder.meta["val"].dim() == 0:
+        whole = chain.placeholder.meta.get(WHOLE_SHAPE, chain.placeholder.meta["val"].shape)
+        if len(whole) == 0:
             return f"'{name}' is 0-d"
-        if chain.placeholder.meta["val"].numel() != size or dtype_device(chain.placeholder) != dtype_device(base):
+        held = hi - lo if WHOLE_SHAPE in chain.placeholder.meta else size  # ZeRO-3's input is this rank's slice
+        if chain.placeholder.meta["val"].numel() != held or dtype_device(chain.placeholder) != dtype_device(base):
             return f"'{name}' is not the size, dtype or device of its slot"
         why = trace_chain(chain, outputs, reach)
         if why:
@@ -226,10 +254,13 @@ def _forward_reads_views(program: StepProgram, flat: fx.Node, params: list[fx.No
         param.replace_all_uses_with(view)
 
 
-def _vectorise(program: StepProgram, base: fx.Node, flat_param: fx.Node, info: FlatGrads, r: int, run: list) -> None:
-    """Run ``run``'s chain once on flat ranges: the parameters' and the gradients' range (in the bucket, or in
-    this rank's shard of it), a flat input per state entry (a lane buffer for a 0-d one), and write the results
-    back. A sharded run may hold no element here: its lanes (step counts) are still updated."""
+def _vectorise(
+    program: StepProgram, base: fx.Node, flat_param: fx.Node, offset: int, r: int, run: list, bucket: str
+) -> None:
+    """Run ``run``'s chain once on flat ranges: the parameters' (from ``offset``, where the gradients' first
+    element lies in them) and the gradients' range (in the bucket, or in this rank's shard of it), a flat input
+    per state entry (a lane buffer for a 0-d one), and write the results back. A sharded run may hold no element
+    here: its lanes (step counts) are still updated."""
     first = run[0]
     held = [c for c in run if c.held[1] > c.held[0]]
     lo = held[0].at if held else 0
@@ -238,14 +269,12 @@ def _vectorise(program: StepProgram, base: fx.Node, flat_param: fx.Node, info: F
     where = max((n for c in run for n in c.nodes), key=position(program.graph).__getitem__)
     cursor = Cursor(program.graph, where)
     env: dict[fx.Node, fx.Node] = {
-        first.param: cursor.emit(
-            aten.slice.Tensor, (flat_param, 0, info.offset + lo, info.offset + hi), role="optimizer"
-        ),
+        first.param: cursor.emit(aten.slice.Tensor, (flat_param, 0, offset + lo, offset + hi), role="optimizer"),
         first.grad: cursor.emit(aten.slice.Tensor, (base, 0, lo, hi), role="optimizer"),
     }
     lanes: set[fx.Node] = set()  # the run's 0-d per-parameter values (a lane buffer each, once flat)
     lane0: dict[fx.Node, fx.Node] = {}  # a lane node -> its flat value's first element
-    tag = f"{info.tag}.r{r}"
+    tag = f"{bucket}.r{r}"
     for key, state in first.states.items():
         lane = state.meta["val"].dim() == 0
         like = state.meta["val"]

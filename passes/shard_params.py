@@ -7,7 +7,7 @@ Guarantees:
 
 - every sharded parameter's input is this rank's 1-D slice ``p.view(-1)[lo:hi]`` (the runtime holds the
   parameter that way between steps, ``program.param_buckets``), and its update writes the slice: nothing
-  gathers the updated values;
+  gathers the updated values. ``flatten-update``, after it, makes a bucket's slices views of one flat shard;
 - each bucket is all-gathered (``all_gather_into_tensor``) right before the forward first reads one of its
   parameters, and the forward reads views of the gathered buffer, which is freed after its last use. The
   next bucket's all-gather is issued as this one's is waited (prefetch one bucket ahead) on a GPU. Not on the
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from transpiler.graph.bucket_layout import WHOLE_SHAPE
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor, position
 from transpiler.graph.options import option
@@ -118,7 +119,7 @@ def _as_slice(program: StepProgram, param: fx.Node) -> tuple[list[fx.Node], list
             program.graph.erase_node(flat)
     with whole.fake_mode:
         param.meta["val"] = torch.empty(hi - lo, dtype=whole.dtype, device=whole.device)
-    param.meta["whole_shape"] = tuple(whole.shape)
+    param.meta[WHOLE_SHAPE] = tuple(whole.shape)
     readers = [u for u in param.users if u.op != "output" and u.meta.get("role") != "optimizer"]
     forward = [u for u in readers if u.meta.get("role") not in BACKWARD]
     return forward, [u for u in readers if u.meta.get("role") in BACKWARD]

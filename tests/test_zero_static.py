@@ -407,19 +407,69 @@ def test_zero3_in_a_world_of_one_fills_units_to_the_bound():
     assert given.program.decisions["shard-optimizer"].startswith("bucket_cap_mb=layer")
 
 
-def test_zero3_updates_as_multi_tensor_ops_across_many_buckets():
-    """zero3's update runs as ``_foreach_*`` ops over every parameter, whatever the number of gather units: 61
-    modules in 42 units (``layer``: a LayerNorm joins the Linear beside it). Each op reads a gradient slice of
-    every bucket, so schedule-collectives moves every bucket's unpacking right before one op; it used to run out
-    of float positions between two nodes there and put a sum after the slice that reads it (issue 42)."""
-    torch.manual_seed(0)
-    model = Blocks(20)
-    example = (torch.randn(4, 16), torch.randint(0, 10, (4,)))
+def test_zero3_updates_each_bucket_flat_or_all_as_multi_tensor_ops():
+    """61 modules in 42 units (``layer``: a LayerNorm joins the Linear beside it). In float32 each unit's update
+    runs once on this rank's flat shard of it (``flatten-update``), and no parameter is an input of its own. In
+    bfloat16, whose ``add`` rounds differently in a flat buffer, it runs as ``_foreach_*`` ops over every
+    parameter: each op reads a gradient slice of every bucket, so schedule-collectives moves every bucket's
+    unpacking right before one op; it used to run out of float positions between two nodes there and put a sum
+    after the slice that reads it (issue 42)."""
     options = {"world_size": 2, "rank": 1, "bucket_cap_mb": "layer"}
-    step = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, **options)
-    assert len(step.program.param_buckets) == 42
-    count = len(list(model.parameters()))
-    assert step.program.decisions["foreach-update"].startswith(f"{count} parameters"), step.program.decisions
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = Blocks(20).to(dtype)
+        example = (torch.randn(4, 16, dtype=dtype), torch.randint(0, 10, (4,)))
+        program = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, **options).program
+        assert len(program.param_buckets) == 42
+        flat = [b for b in program.flat_buffers if b.kind == "param"]
+        if dtype == torch.float32:
+            assert len(flat) == 42 and "foreach-update" not in program.decisions, program.decisions
+            assert not [p for p in program.inputs if p.kind == "param"]
+        else:
+            count = len(list(model.parameters()))
+            assert not flat and program.decisions["foreach-update"].startswith(f"{count} parameters")
+
+
+@BITWISE
+def test_zero3_slices_are_views_of_one_flat_shard_per_unit_which_its_gathers_send():
+    """After a step each gather unit's parameter slices are views of one buffer, this rank's flat shard (at W=1
+    the whole unit), edits inside ``gathered()`` land in it, and the steps stay eager's bits; every all-gather
+    sends a flat shard as it is, in a world of one and at W=2."""
+    torch.manual_seed(0)
+    model, reference = MLP(), MLP()
+    reference.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = transpile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "zero3", LOSS, bucket_cap_mb="layer")
+    gen = torch.Generator().manual_seed(1)
+    for i in range(4):
+        batch = make_batch("mlp", 8, gen)
+        step(*batch)
+        eager_step(reference, ref_opt, LOSS, batch)
+        if i == 1:
+            with step.gathered() as whole, torch.no_grad():
+                whole.net[0].weight.mul_(0.5)
+            with torch.no_grad():
+                reference.net[0].weight.mul_(0.5)
+    units = step.program.param_buckets
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(units) > 1 and len(storages) == len(units)
+    with step.gathered():
+        for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(ours, theirs), name
+    for world in (1, 2):
+        other = MLP()
+        program = transpile(
+            other,
+            torch.optim.AdamW(other.parameters()),
+            "zero3",
+            LOSS,
+            make_batch("mlp", 8, gen),
+            world_size=world,
+            rank=0,
+            bucket_cap_mb="layer",
+        ).program
+        sends = [n.args[0] for n in program.graph.nodes if n.meta.get("collective", {}).get("kind") == "all_gather"]
+        assert sends and all(s.op == "placeholder" and s.meta["port"].kind == "flat" for s in sends), sends
 
 
 @pytest.mark.parametrize("mode", ["zero2", "zero3"])

@@ -145,6 +145,8 @@ def scenario(
     record["memory"] = {k: getattr(report, k) for k in ("parameters", "gradients", "optimizer_state", "peak")}
     record["ddp_state_bytes"] = sum(t.numel() * t.element_size() for s in ddp_opt.state.values() for t in s.values())
     record["model_bytes"] = sum(p.numel() * p.element_size() for p in ddp.module.parameters())
+    record["model_tensors"] = len(list(ddp.module.parameters()))
+    record["param_buckets"] = len(step.program.param_buckets)
     record["shards"] = dict(step.program.shards)
     record["kinds"] = [n.meta["collective"]["kind"] for n in step.graph_module.graph.nodes if "collective" in n.meta]
     record["captures"] = step.captures

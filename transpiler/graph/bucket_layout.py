@@ -30,6 +30,7 @@ PADDING_FILL = frozenset({aten.index_fill_.int_Scalar})  # how a bucket allocate
 # At least the CPU allocator's 64 bytes (what eager's outputs get) and cuBLASLt's largest alignment preference.
 SLOT_ALIGN_BYTES = 256
 FLAT_GRADS = "flat_grads"  # the meta key of a node that holds a bucket's reduced gradients, flat
+WHOLE_SHAPE = "whole_shape"  # the meta key of a parameter input held as this rank's slice (ZeRO-3): its whole shape
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from transpiler.errors import VerificationError
 
-from .bucket_layout import check_bucket_views
+from .bucket_layout import WHOLE_SHAPE, check_bucket_views
 from .collectives import CommOp, collective_sequence, communication_plan, is_collective, is_wait
 from .edit import ancestors
 from .ports import GLOBAL, IN_FLIGHT, OUTER, PortKind
@@ -224,11 +224,14 @@ def check_shards(programs: list[StepProgram]) -> None:
     ``[lo, hi)`` of each parameter tile ``[0, numel)`` in rank order, with no gap and no overlap."""
     if not programs or not any(p.shards for p in programs):
         return
+    first = programs[0]
     sizes = {  # a parameter held as a slice (ZeRO-3) records its whole shape
-        n.meta["port"].name: math.prod(n.meta.get("whole_shape", n.meta["val"].shape))
-        for n in programs[0].graph.nodes
+        n.meta["port"].name: math.prod(n.meta.get(WHOLE_SHAPE, n.meta["val"].shape))
+        for n in first.graph.nodes
         if n.op == "placeholder" and n.meta.get("port") is not None and n.meta["port"].kind == "param"
     }
+    for bucket in first.param_buckets:  # ZeRO-3's parameters, also those a flat shard holds (no input of their own)
+        sizes.update((name, math.prod(shape)) for name, shape in zip(bucket.names, bucket.shapes))
     check_tiling([Held(p.rank, *shard_place(p), p.shards) for p in programs], sizes)
 
 

@@ -141,9 +141,9 @@ class DistributedStep:
         variant = state.schedule.variant()
         program = built.programs[variant]
         feed.init_extra(state, built)
-        state.flat.bind(program.flat_buffers, built.params, state.optimizer, state.extra)
-        if program.param_buckets:
+        if program.param_buckets:  # ZeRO-3's slices, before a flat shard binds them
             self._lent.hold(program, built.params)
+        state.flat.bind(program.flat_buffers, built.params, state.optimizer, state.extra, built.whole)
         inputs = feed.inputs(state, program, built, batch, variant)
         on_gpu = bool(built.params) and built.device.type == "cuda"
         if on_gpu:

@@ -1,10 +1,10 @@
 """The flat buffers a program declares (``program.flat_buffers``, ``flatten-update``), held between steps.
 
-Each buffer is allocated once; every parameter (``.data``) and every optimizer-state entry it covers is bound
-to its view, so the user's tensors stay the user's (``model.parameters()``, ``optimizer.state``,
-``state_dict()``, DCP) while the program reads and writes a few flat tensors. Before each step
-:meth:`FlatStorage.bind` checks that every tensor is still the view it was bound to. What breaks that, and
-what happens:
+Each buffer is allocated once; every parameter (``.data``; under ZeRO-3 the slice the model holds) and every
+optimizer-state entry it covers is bound to its view, so the user's tensors stay the user's
+(``model.parameters()``, ``optimizer.state``, ``state_dict()``, DCP) while the program reads and writes a few flat
+tensors. Before each step :meth:`FlatStorage.bind` checks that every tensor is still the view it was bound to.
+What breaks that, and what happens:
 
 - ``p.data = t`` or ``optimizer.state[p][key] = t`` (``optimizer.load_state_dict()``, a user's reset): the
   value is copied into the view and the view bound again, as the first bind does. Nothing is lost.
@@ -20,7 +20,7 @@ In-place edits (``p.mul_(0.5)``, ``nn.init.*_``) write into the views and need n
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +41,7 @@ class _Binding:
     view: torch.Tensor
     pointer: int
     span: tuple[int, int]  # the parameter's elements the view holds (a sharded optimizer's slice)
+    whole: torch.Size  # the parameter's whole shape (ZeRO-3 holds the parameter itself as its slice)
 
 
 def _overlaps(a: FlatBuffer, b: FlatBuffer) -> bool:
@@ -71,13 +72,15 @@ class FlatStorage:
         params: dict[str, torch.nn.Parameter],
         optimizer,
         extra: dict[str, torch.Tensor],
+        whole: Mapping[str, torch.Size],
     ) -> None:
         """Before a step: the buffers ``layouts`` declare exist, and every tensor they cover is bound to its view
         (copied in where the user replaced it, or where another layout held it). ``extra`` is the runtime's
-        pass-added state, which a ``kind="extra"`` layout binds by ``"<key>.<parameter>"``."""
+        pass-added state, which a ``kind="extra"`` layout binds by ``"<key>.<parameter>"``; ``whole``, the whole
+        shape of each parameter the model holds as a slice (ZeRO-3)."""
         for layout in layouts:
             if layout not in self._bound:
-                self._activate(layout, params, optimizer, extra)
+                self._activate(layout, params, optimizer, extra, whole)
         for layout, bindings in self._bound.items():
             if layout.kind == "param":
                 for b in bindings:
@@ -100,7 +103,14 @@ class FlatStorage:
         self._pending.clear()
 
     # ------------------------------------------------------------------ internals
-    def _activate(self, layout: FlatBuffer, params: dict[str, torch.nn.Parameter], optimizer, extra) -> None:
+    def _activate(
+        self,
+        layout: FlatBuffer,
+        params: dict[str, torch.nn.Parameter],
+        optimizer,
+        extra: dict[str, torch.Tensor],
+        whole: Mapping[str, torch.Size],
+    ) -> None:
         """Bind everything ``layout`` covers to its buffer (made once per layout, kept for one that comes back),
         copying the current values in; a bound layout that covers some of the same tensors gives way."""
         for other in [o for o in self._bound if _overlaps(o, layout)]:
@@ -114,7 +124,8 @@ class FlatStorage:
         for name, start, shape, span in zip(layout.names, layout.starts, layout.shapes, layout.spans):
             numel = int(torch.Size(shape).numel())
             view = buffer[start : start + numel].view(shape)
-            binding = _Binding(name, params[name], layout.key, view, view.data_ptr(), span)
+            param = params[name]
+            binding = _Binding(name, param, layout.key, view, view.data_ptr(), span, whole.get(name, param.shape))
             bindings.append(binding)
             if layout.kind == "param":
                 self._take_param(binding)
@@ -159,10 +170,10 @@ class FlatStorage:
     @staticmethod
     def _take_state(b: _Binding, held: torch.Tensor, optimizer) -> None:
         """Copy a state tensor into its view and bind the view; a sharded optimizer's view takes its slice of a
-        tensor still shaped as the parameter (as tracing creates it, or a checkpoint of whole tensors holds it)."""
-        lo, hi = b.span
-        if held.shape != b.view.shape and held.shape == b.param.shape and b.view.dim() == 1:
-            held = held_slice(held, held.numel(), (lo, hi))
+        tensor still as large as the whole parameter (as tracing creates it, or a checkpoint of whole tensors holds
+        it)."""
+        if held.shape != b.view.shape and held.shape == b.whole and b.view.dim() == 1:
+            held = held_slice(held, held.numel(), b.span)
         if held.shape != b.view.shape or held.device != b.view.device:
             raise ConfigurationError(
                 f"optimizer state '{b.name}.{b.key}' is {list(held.shape)} on {held.device}; the step holds it as "

@@ -5,9 +5,10 @@
 :func:`hold_slices` cuts the model's parameters to those slices (``p.data``; the parameter objects stay, so
 optimizers, hooks and the step's cache keys keep working), and :func:`gather_whole` /
 :func:`hold_slices` swap them whole and back for ``step.gathered()`` (:class:`LentParameters`, which lends them
-to the block). A forward pre-hook (:class:`SlicedForwardGuard`) turns a forward run on the slices into a clear
-error. :func:`held_slice` is the one place a whole tensor is cut to this rank's slice (state, parameters,
-checkpoints).
+to the block). Where ``flatten-update`` laid a bucket out flat, the slices are then bound to views of this
+rank's flat shard (``flat_storage.py``), which ``step.gathered()`` writes back into. A forward pre-hook
+(:class:`SlicedForwardGuard`) turns a forward run on the slices into a clear error. :func:`held_slice` is the
+one place a whole tensor is cut to this rank's slice (state, parameters, checkpoints).
 """
 
 from __future__ import annotations

@@ -76,10 +76,9 @@ def zero(stage: int) -> Callable[..., Recipe]:
         )
         # after loss scaling and clipping, which run on the slices: one update per bucket on this rank's flat shard,
         # then the updated shards gathered (ZeRO-1, 2); or keep the slices and gather the parameters where the
-        # forward and backward read them, the update as multi-tensor ops over the slices (ZeRO-3 holds parameters
-        # as slices, which the flat buffers of flatten-update do not bind yet)
+        # forward and backward read them (ZeRO-3), the slices views of this rank's flat shard of each bucket
         shard_params = make("shard-params", reshard_after_forward=reshard_after_forward, prefetch=prefetch)
-        gather = [shard_params, make("foreach-update")] if stage == 3 else [*update(), make("gather-params")]
+        gather = [shard_params, *update()] if stage == 3 else [*update(), make("gather-params")]
         tail_ = [*gather, make("schedule-collectives"), make("reinplace-optimizer")]
         # ZeRO-1 accumulates whole gradients (no communication in a micro-step, as DDP's no_sync); ZeRO-2/3
         # reduce-scatter every micro-step into accumulators of this rank's slices, as DeepSpeed's stage 2
