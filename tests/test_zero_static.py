@@ -408,22 +408,22 @@ def test_zero3_in_a_world_of_one_fills_units_to_the_bound():
 
 
 def test_zero3_updates_each_bucket_flat_or_all_as_multi_tensor_ops():
-    """61 modules in 42 units (``layer``: a LayerNorm joins the Linear beside it). In float32 each unit's update
-    runs once on this rank's flat shard of it (``flatten-update``), and no parameter is an input of its own. In
-    bfloat16, whose ``add`` rounds differently in a flat buffer, it runs as ``_foreach_*`` ops over every
-    parameter: each op reads a gradient slice of every bucket, so schedule-collectives moves every bucket's
-    unpacking right before one op; it used to run out of float positions between two nodes there and put a sum
-    after the slice that reads it (issue 42)."""
+    """In float32 each gather unit's update runs once on this rank's flat shard of it (``flatten-update``), and
+    no parameter is an input of its own: 13 modules in 10 units (``layer``: a LayerNorm joins the Linear beside
+    it). In bfloat16, whose ``add`` rounds differently in a flat buffer, it runs as ``_foreach_*`` ops over every
+    parameter, here 61 modules in 42 units: each op reads a gradient slice of every bucket, so
+    schedule-collectives moves every bucket's unpacking right before one op; it used to run out of float
+    positions between two nodes there and put a sum after the slice that reads it (issue 42)."""
     options = {"world_size": 2, "rank": 1, "bucket_cap_mb": "layer"}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, blocks, units in ((torch.float32, 4, 10), (torch.bfloat16, 20, 42)):
         torch.manual_seed(0)
-        model = Blocks(20).to(dtype)
+        model = Blocks(blocks).to(dtype)
         example = (torch.randn(4, 16, dtype=dtype), torch.randint(0, 10, (4,)))
         program = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, **options).program
-        assert len(program.param_buckets) == 42
+        assert len(program.param_buckets) == units
         flat = [b for b in program.flat_buffers if b.kind == "param"]
         if dtype == torch.float32:
-            assert len(flat) == 42 and "foreach-update" not in program.decisions, program.decisions
+            assert len(flat) == units and "foreach-update" not in program.decisions, program.decisions
             assert not [p for p in program.inputs if p.kind == "param"]
         else:
             count = len(list(model.parameters()))
