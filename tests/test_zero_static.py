@@ -433,8 +433,9 @@ def test_zero3_updates_each_bucket_flat_or_all_as_multi_tensor_ops():
 @BITWISE
 def test_zero3_slices_are_views_of_one_flat_shard_per_unit_which_its_gathers_send():
     """After a step each gather unit's parameter slices are views of one buffer, this rank's flat shard (at W=1
-    the whole unit), edits inside ``gathered()`` land in it, and the steps stay eager's bits; every all-gather
-    sends a flat shard as it is, in a world of one and at W=2."""
+    the whole unit), edits inside ``gathered()`` land in it, and the steps stay eager's bits; a whole tensor
+    assigned between steps is refused, naming ``gathered()``; every all-gather sends a flat shard as it is, in a
+    world of one and at W=2."""
     torch.manual_seed(0)
     model, reference = MLP(), MLP()
     reference.load_state_dict(model.state_dict())
@@ -456,6 +457,9 @@ def test_zero3_slices_are_views_of_one_flat_shard_per_unit_which_its_gathers_sen
     with step.gathered():
         for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
             assert torch.equal(ours, theirs), name
+    model.net[0].weight.data = reference.net[0].weight.detach().clone()
+    with pytest.raises(ConfigurationError, match="under zero3 the model holds this rank's 1-D slice.*step.gathered"):
+        step(*batch)
     for world in (1, 2):
         other = MLP()
         program = transpile(

@@ -157,6 +157,12 @@ class FlatStorage:
     @staticmethod
     def _take_param(b: _Binding) -> None:
         data = b.param.data
+        if data.shape == b.whole != b.view.shape:
+            raise ConfigurationError(
+                f"parameter '{b.name}' was given a whole tensor {list(data.shape)}; under zero3 the model holds this "
+                f"rank's 1-D slice of it between steps ({list(b.view.shape)}). Assign whole parameters inside `with "
+                "step.gathered():` (every rank enters it), which keeps each rank's slice of them."
+            )
         if (data.shape, data.dtype, data.device) != (b.view.shape, b.view.dtype, b.view.device):
             raise ConfigurationError(
                 f"parameter '{b.name}' is now {data.dtype} {list(data.shape)} on {data.device}; the step was traced "
