@@ -77,22 +77,24 @@ class FlattenUpdate(Pass):
         bases = [n for n in program.graph.nodes if isinstance(n.meta.get(FLAT_GRADS), FlatGrads)]
         grads = {name: view for base in bases for name, view in _grad_views(base, base.meta[FLAT_GRADS]).items()}
         reach = reach_of(program, grads)
-        for base in bases:
-            changed |= _flatten_bucket(program, base, reach)
-        if changed:
-            program.graph.eliminate_dead_code()
+        flattened = set().union(*(_flatten_bucket(program, base, reach) for base in bases))
+        if changed or flattened:
+            program.graph.eliminate_dead_code()  # once: the per-parameter updates no output reads any more
+            _drop_inputs(program, flattened)
             repair_order(program.graph)
-        return changed
+        return changed or bool(flattened)
 
 
-def _flatten_bucket(program: StepProgram, base: fx.Node, reach: dict[fx.Node, str]) -> bool:
-    """Flatten one bucket's parameters and update, or leave it as it is and say why in ``decisions``."""
+def _flatten_bucket(program: StepProgram, base: fx.Node, reach: dict[fx.Node, str]) -> set[str]:
+    """Flatten one bucket's parameters and update, returning their names (their own inputs, unread once the
+    dead updates are gone, are for :meth:`FlattenUpdate.run` to drop); or leave it as it is and say why in
+    ``decisions``."""
     info: FlatGrads = base.meta[FLAT_GRADS]
     chains = _chains(program, base, info, reach)
     if isinstance(chains, str):
         program.decisions.setdefault("flatten-update", "")
         program.decisions["flatten-update"] += f"{info.tag}: per parameter ({chains}). "
-        return False
+        return set()
     params = [c.placeholder for c in chains]
     value = params[0].meta["val"]
     # ZeRO-3 holds only this rank's slices (shard-params): its flat parameters are the shard, laid out as the
@@ -125,8 +127,7 @@ def _flatten_bucket(program: StepProgram, base: fx.Node, reach: dict[fx.Node, st
     _forward_reads_views(program, flat_param, params, starts)
     if sliced:
         _gather_the_shard(program, flat_param, info.names)
-    _drop_inputs(program, {c.name for c in chains})
-    return True
+    return {c.name for c in chains}
 
 
 def _gather_the_shard(program: StepProgram, flat_param: fx.Node, names: tuple[str, ...]) -> None:
@@ -333,14 +334,13 @@ def _owner(port: Port) -> str:
 
 
 def _drop_outputs(program: StepProgram, names: set[str]) -> None:
-    """The flattened parameters' own outputs go (their update writes the flat buffers); so do the per-parameter
-    updates, no longer read."""
+    """The flattened parameters' own outputs go (their update writes the flat buffers): the per-parameter updates
+    are then dead code."""
     values = output_values(program)
     flat = [p.kind in ("param", "state") and _owner(p) in names for p in program.outputs]
     kept = [(p, v) for p, v, gone in zip(program.outputs, values, flat) if not gone]
     program.outputs = [p for p, _ in kept]
     set_output_values(program, [v for _, v in kept])
-    program.graph.eliminate_dead_code()
 
 
 def _drop_inputs(program: StepProgram, names: set[str]) -> None:

@@ -435,7 +435,7 @@ def test_zero3_slices_are_views_of_one_flat_shard_per_unit_which_its_gathers_sen
     """After a step each gather unit's parameter slices are views of one buffer, this rank's flat shard (at W=1
     the whole unit), edits inside ``gathered()`` land in it, and the steps stay eager's bits; a whole tensor
     assigned between steps is refused, naming ``gathered()``; every all-gather sends a flat shard as it is, in a
-    world of one and at W=2."""
+    world of one and on each rank at W=2."""
     torch.manual_seed(0)
     model, reference = MLP(), MLP()
     reference.load_state_dict(model.state_dict())
@@ -460,18 +460,7 @@ def test_zero3_slices_are_views_of_one_flat_shard_per_unit_which_its_gathers_sen
     model.net[0].weight.data = reference.net[0].weight.detach().clone()
     with pytest.raises(ConfigurationError, match="under zero3 the model holds this rank's 1-D slice.*step.gathered"):
         step(*batch)
-    for world in (1, 2):
-        other = MLP()
-        program = transpile(
-            other,
-            torch.optim.AdamW(other.parameters()),
-            "zero3",
-            LOSS,
-            make_batch("mlp", 8, gen),
-            world_size=world,
-            rank=0,
-            bucket_cap_mb="layer",
-        ).program
+    for program in _world_programs("zero3", 1) + _world_programs("zero3", 2):
         sends = [n.args[0] for n in program.graph.nodes if n.meta.get("collective", {}).get("kind") == "all_gather"]
         assert sends and all(s.op == "placeholder" and s.meta["port"].kind == "flat" for s in sends), sends
 
