@@ -146,8 +146,9 @@ def before_output(program: StepProgram) -> Cursor:
     return Cursor(program.graph, program.graph.output_node().prev)
 
 
-def scale_seed(program: StepProgram, factor: float | fx.Node, **meta) -> fx.Node:
-    """Multiply the loss-gradient seed (after any scaling already there) by ``factor``; returns the new seed.
+def scale_seed(program: StepProgram, factor: float | fx.Node, *, inverse: bool = False, **meta) -> fx.Node:
+    """Multiply the loss-gradient seed (after any scaling already there) by ``factor`` (``inverse``: by
+    ``reciprocal(factor)``, a node); returns the new seed.
 
     The seed is ``ones_like(loss)`` with role ``loss_grad``; each scaling adds one ``mul`` at the end of that
     chain, so passes that scale it (1/world size, 1/accumulation steps, the loss scale) compose in any order.
@@ -156,10 +157,13 @@ def scale_seed(program: StepProgram, factor: float | fx.Node, **meta) -> fx.Node
     if not chain:
         raise ValueError("the step has no loss-gradient seed node (role 'loss_grad')")
     end = next(n for n in chain if not any(u.meta.get("role") == "loss_grad" for u in n.users))
-    if isinstance(factor, fx.Node) and factor.meta["val"].dtype != end.meta["val"].dtype:
-        factor = Cursor(program.graph, factor).emit(
-            torch.ops.aten._to_copy.default, (factor,), {"dtype": end.meta["val"].dtype}, role="loss_grad"
-        )
+    if isinstance(factor, fx.Node):
+        cursor = Cursor(program.graph, factor)
+        if inverse:  # in the factor's dtype, as 1/world_size is a float32 constant for a float32 seed
+            factor = cursor.emit(torch.ops.aten.reciprocal.default, (factor,), role="loss_grad")
+        if factor.meta["val"].dtype != end.meta["val"].dtype:
+            dtype = end.meta["val"].dtype
+            factor = cursor.emit(torch.ops.aten._to_copy.default, (factor,), {"dtype": dtype}, role="loss_grad")
     scaled = Cursor(program.graph, end).emit(torch.ops.aten.mul.Tensor, (end, factor), role="loss_grad", **meta)
     end.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
     return scaled

@@ -1,28 +1,44 @@
-"""``scale-loss-grad``: multiply the loss-gradient seed by 1/world_size.
+"""``scale-loss-grad``: multiply the loss-gradient seed by 1/world_size, or by 1/participants.
 
 Requires: a traced step whose seed node has role ``loss_grad``.
 Guarantees: every gradient is this rank's share of the global mean, so a sum
 all-reduce yields the average (Paddle's ``_insert_scale_loss_grad_ops``).
+With ``participants``, the count is not a constant of the graph but its input
+``participants`` (port kind ``quorum``), which the runtime fills each step with
+the number of ranks that take part in it (under a torchft quorum, its size):
+the seed is multiplied by ``reciprocal(participants)``, the same float32 value
+as the constant for the same count, and a change of the quorum never retraces.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
+from transpiler.graph.ports import PARTICIPANTS, Port, PortKind
 from transpiler.graph.program import StepProgram
 
-from .gradient_flow import scale_seed
+from .gradient_flow import add_input, fake_tensor, scale_seed
 
 
 @dataclass(frozen=True)
 class ScaleLossGrad(Pass):
     name = "scale-loss-grad"
     summary = "multiply the loss-gradient seed by 1/world_size (Paddle scale_loss_grad)"
+    participants: bool = option(
+        False, help="divide by the step's input 'participants' (a torchft quorum's size), not by the world size"
+    )
 
     def run(self, program: StepProgram) -> bool:
         if any("loss_grad_scale" in n.meta for n in program.graph.nodes):
             return False
-        scale = 1.0 / program.world_size
-        scale_seed(program, scale, loss_grad_scale=scale)
+        if not self.participants:
+            scale = 1.0 / program.world_size
+            scale_seed(program, scale, loss_grad_scale=scale)
+            return True
+        count = add_input(program, Port(PortKind.QUORUM, PARTICIPANTS), fake_tensor(program, torch.float32))
+        scale_seed(program, count, inverse=True, loss_grad_scale=PARTICIPANTS)
         return True

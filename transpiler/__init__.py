@@ -20,7 +20,7 @@ from .errors import (
     UnsupportedOptimizerError,
     VerificationError,
 )
-from .runtime import Checkpointer, DataPosition, DistributedStep
+from .runtime import Checkpointer, DataPosition, DistributedStep, FaultTolerance
 
 __all__ = [
     "CheckpointError",
@@ -30,6 +30,7 @@ __all__ = [
     "DataPosition",
     "DistributedStep",
     "FactoryError",
+    "FaultTolerance",
     "PipelineSpecError",
     "RankMismatchError",
     "RetraceWarning",

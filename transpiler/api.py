@@ -14,8 +14,10 @@ from transpiler.graph.program import StepProgram
 from transpiler.runtime import cuda_graph as cuda_graph_module
 from transpiler.runtime.distributed_step import DistributedStep
 from transpiler.runtime.process_group import as_timeout, resolve_placement, subgroup_names
+from transpiler.runtime.quorum import FaultTolerance, Quorum
 from transpiler.runtime.trajectory import TRAJECTORY_OPTIONS, TrajectoryWriter
 from transpiler.strategies.modes import build_strategy
+from transpiler.strategies.quorum import under_quorum
 from transpiler.strategies.strategy import Strategy
 from transpiler.trace.optimizers import as_optimizer
 from transpiler.trace.tracer import LossFn
@@ -41,6 +43,7 @@ def transpile(
     cuda_graph: bool = False,
     keep_freed_memory: bool = True,
     outer_optimizer: torch.optim.Optimizer | None = None,
+    fault_tolerance: FaultTolerance | None = None,
     **options: Any,
 ) -> DistributedStep:
     """Trace one training step and rewrite it into this rank's distributed program.
@@ -69,6 +72,9 @@ def transpile(
     ``outer_optimizer`` (``mode="diloco"`` only) is DiLoCo's outer optimizer, any ``torch.optim.Optimizer`` built
     over the same parameters; by default ``SGD(lr=0.7, momentum=0.9, nesterov=True)``, the paper's
     (docs/strategies/diloco.md).
+    ``fault_tolerance=FaultTolerance(lighthouse=..., replica_id=...)`` runs this torchrun job as one replica group
+    under a torchft quorum: a lost group costs the others one uncommitted step, not a restart, and a group that
+    comes back heals from a live peer (``transpiler/runtime/quorum.py``, docs/fault_tolerance.md).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -83,10 +89,20 @@ def transpile(
     )
     if "trajectory_every" in saving and not saving.get("save_trajectory"):
         raise ConfigurationError("trajectory_every only applies with save_trajectory=DIR; give both or neither.")
+    given = dict(options)
     strategy = build_strategy(mode, options)
     strategy.check(optimizer)
     outer = outer_for(strategy, outer_optimizer, optimizer, mode)
     placement = resolve_placement(world_size, rank, as_timeout(timeout))
+    quorum = None
+    if fault_tolerance is not None:
+        if not isinstance(fault_tolerance, FaultTolerance):
+            raise ConfigurationError(
+                f"fault_tolerance must be a transpiler.FaultTolerance, got {type(fault_tolerance).__name__}."
+            )
+        strategy = under_quorum(strategy, mode, given)
+        quorum = Quorum(fault_tolerance, placement)
+        placement = quorum.placement(placement)
     if cuda_graph and outer is not None:
         raise ConfigurationError(
             f"cuda_graph=True is not built for mode '{mode}': its programs hand an exchange in flight from one to "
@@ -128,6 +144,7 @@ def transpile(
         outer_optimizer=outer,
         replica_ranks=plan.replica_ranks,
         holds_param_slices=any(p.shards_params for p in strategy.passes()),
+        quorum=quorum,
     )
     if example_inputs is not None:
         step.prepare(tuple(example_inputs))

@@ -26,6 +26,7 @@ class PortKind(str, enum.Enum):
     LOSS = "loss"  # the output: this rank's loss
     METRIC = "metric"  # an output float the schedule or the user reads (``overflow``, ``avg_loss``)
     GRAD = "grad"  # an outer update's input: what it reads as the gradient (DiLoCo's averaged Δ)
+    QUORUM = "quorum"  # a value of this step's quorum, read at run time (``participants``: fault tolerance)
 
     __str__ = str.__str__
     __format__ = str.__format__
@@ -60,6 +61,7 @@ LOSS_SCALE = "loss_scale.scale"  # the dynamic loss scale (loss-scale)
 GROWTH_TRACKER = "loss_scale.growth_tracker"  # clean steps since the scale last changed (loss-scale)
 DIM_REDUCE = "dim_reduce."  # DimReduce's subspace state (dim-reduce)
 RESIDUAL_MOMENTUM = "residual_momentum."  # DimReduce's momentum outside the subspace (dim-reduce)
+PARTICIPANTS = "participants"  # the ranks a step's mean runs over, under a torchft quorum (scale-loss-grad)
 REPLICATED = (LOSS_SCALE, GROWTH_TRACKER)  # extra state the same on every rank: a DCP checkpoint saves it once
 
 

@@ -1,9 +1,10 @@
 """Running a rank's programs: ``DistributedStep``, process groups, the handshake, failures, the cost probe,
 trajectories, the compiled and CUDA-graph runners, and periodic checkpoints with the data position a restart
-resumes from."""
+resumes from; replica groups under a torchft quorum."""
 
 from .checkpointer import Checkpointer
 from .data_position import DataPosition
 from .distributed_step import DistributedStep
+from .quorum import FaultTolerance
 
-__all__ = ["Checkpointer", "DataPosition", "DistributedStep"]
+__all__ = ["Checkpointer", "DataPosition", "DistributedStep", "FaultTolerance"]

@@ -71,6 +71,26 @@ class DataPosition:
             yield order[start : start + per_rank]
         self.epoch, self.offset = self.epoch + 1, 0
 
+    def quorum_part(self, index: int, participants: int) -> torch.Tensor:
+        """Under a quorum (``transpile(fault_tolerance=...)``): replica ``index`` of ``participants``'s samples
+        for the next step, ``global_batch`` of them (here the batch of *one* replica), taken in the epoch's order
+        after the last committed step's. Nothing moves until :meth:`commit`, so the samples of a step that does
+        not commit are drawn again by the next one, under whatever quorum it has. An epoch whose rest is too
+        short for all participants ends there."""
+        if participants * self.global_batch > self.size:
+            raise ConfigurationError(
+                f"{participants} replica groups of {self.global_batch} samples each need more than the dataset's "
+                f"{self.size}: use a smaller batch per group."
+            )
+        if self.offset + participants * self.global_batch > self.size:
+            self.epoch, self.offset = self.epoch + 1, 0
+        start = self.offset + index * self.global_batch
+        return self.order(self.epoch)[start : start + self.global_batch]
+
+    def commit(self, participants: int) -> None:
+        """A step of ``participants`` replicas committed: their samples are consumed."""
+        self.offset += participants * self.global_batch
+
     def state_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in ("size", "global_batch", "seed", "epoch", "offset")}
 

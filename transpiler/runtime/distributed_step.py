@@ -14,22 +14,26 @@ module twice, at :meth:`__call__` and at the run loop it wraps; everything else 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from transpiler.errors import ConfigurationError
 from transpiler.graph.program import StepProgram
 from transpiler.strategies.schedules import EveryStep, Schedule
 from transpiler.trace.environment import AutocastState, running_environment
 
 from . import dcp_checkpoint, feed, global_weights, lending, snapshots
 from .checkpoint_kind import CheckpointKind
+from .data_position import DataPosition
 from .failures import run_named
 from .memory_report import LastRun, MemoryReport, memory_report
 from .process_group import Placement
 from .program_cache import Builder, Built, ProgramCache
+from .quorum import Quorum
 from .sharded_params import LentParameters
 from .startup import Startup
 from .step_state import StepState
@@ -54,6 +58,7 @@ class DistributedStep:
         outer_optimizer: torch.optim.Optimizer | None = None,
         replica_ranks: tuple[int, ...] = (),
         holds_param_slices: bool = False,
+        quorum: Quorum | None = None,
     ):
         self._state = StepState(
             model=model,
@@ -78,6 +83,11 @@ class DistributedStep:
         self._startup = Startup(placement)
         self._lent = LentParameters(model, placement)
         self._last_run: LastRun | None = None
+        self.quorum = quorum  # fault_tolerance: this replica group's seat in a torchft quorum
+        self.committed = True  # whether the last call's update was kept (under a quorum, whether it committed)
+        self._position: DataPosition | None = None  # the data a quorum's steps take, healed with the step
+        if quorum is not None:
+            quorum.serve(self._healing_state, self._heal)
 
     # ------------------------------------------------------------ inspection
     @property
@@ -144,11 +154,20 @@ class DistributedStep:
         if program.param_buckets:  # ZeRO-3's slices, before a flat shard binds them
             self._lent.hold(program, built.params)
         state.flat.bind(program.flat_buffers, built.params, state.optimizer, state.extra, built.whole)
-        inputs = feed.inputs(state, program, built, batch, variant)
+        seat = self.quorum.begin() if self.quorum is not None else None
+        quorum = self.quorum.inputs(built.device) if self.quorum is not None else {}
+        inputs = feed.inputs(state, program, built, batch, variant, quorum)
         on_gpu = bool(built.params) and built.device.type == "cuda"
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(built.device)
-        outputs = run_named(built.runners[variant], program.graph_module, inputs, variant, state.placement)
+        run = functools.partial(
+            run_named, built.runners[variant], program.graph_module, inputs, variant, state.placement
+        )
+        outputs, self.committed = self.quorum.run(run) if self.quorum is not None else (run(), True)
+        if not self.committed:  # the quorum did not commit this step: nothing is written back, it is retried
+            return outputs[0] if outputs is not None else torch.tensor(float("nan"))
+        if seat is not None and self._position is not None:
+            self._position.commit(seat.participants)
         self._last_run = LastRun.of(program, batch, torch.cuda.max_memory_allocated(built.device) if on_gpu else None)
         metrics = feed.write_back(state, program, built, outputs)
         state.flat.written(state.optimizer, skipped=metrics.get("overflow", 0.0) != 0.0)
@@ -157,6 +176,29 @@ class DistributedStep:
         for observe in self.observers:
             observe(state.model, variant)
         return outputs[0]
+
+    # ------------------------------------------------------------ the quorum
+    def next_batch(self, position: DataPosition) -> torch.Tensor:
+        """Under ``fault_tolerance``: this step's quorum (waited for, and this group healed from a peer when it
+        is behind), then this group's sample indices for the step in ``position`` (whose ``global_batch`` is one
+        group's batch). The position moves only when the step commits, and travels with the state a returning
+        group heals from, so no sample is lost or taken twice among committed steps."""
+        if self.quorum is None:
+            raise ConfigurationError(
+                "next_batch() is for a step under fault_tolerance=; use DataPosition.epoch_batches."
+            )
+        self._position = position
+        seat = self.quorum.begin()
+        return position.quorum_part(seat.index, seat.participants)
+
+    def _healing_state(self) -> dict:
+        position = self._position.state_dict() if self._position is not None else None
+        return {"step": self.state_dict(), "data": position}
+
+    def _heal(self, state: dict) -> None:
+        self.load_state_dict(state["step"])
+        if self._position is not None and state["data"] is not None:
+            self._position.load_state_dict(state["data"])
 
     # ------------------------------------------------ lending, memory, global weights
     def gathered(self, writeback: bool = True) -> contextlib.AbstractContextManager[torch.nn.Module]:

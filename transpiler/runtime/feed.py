@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from transpiler.errors import CheckpointError
+from transpiler.errors import CheckpointError, ConfigurationError
 from transpiler.graph.ports import OUTER, PortKind
 from transpiler.graph.program import StepProgram
 
@@ -21,10 +21,23 @@ from .sharded_params import held_slice
 from .step_state import StepState
 
 
-def inputs(state: StepState, program: StepProgram, built: Built, batch: tuple, variant: str) -> list:
-    """The program's inputs, in port order."""
+def inputs(
+    state: StepState,
+    program: StepProgram,
+    built: Built,
+    batch: tuple,
+    variant: str,
+    quorum: dict[str, torch.Tensor] | None = None,
+) -> list:
+    """The program's inputs, in port order (``quorum``: this step's quorum values, under fault tolerance)."""
     kinds = {port.kind for port in program.inputs}  # a flattened program reads no parameter or state one by one
+    if PortKind.QUORUM in kinds and not quorum:
+        raise ConfigurationError(
+            "this program reads the step's participant count ('scale-loss-grad{participants=true}'), which only a "
+            "step under transpile(fault_tolerance=...) feeds; without one, use plain 'scale-loss-grad'."
+        )
     tensors = {
+        PortKind.QUORUM: quorum or {},
         PortKind.BUFFER: built.buffers,
         PortKind.BATCH: {f"batch{i}": t for i, t in enumerate(batch)},
         PortKind.SCALAR: _scalars(program, built, variant),

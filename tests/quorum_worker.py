@@ -1,0 +1,103 @@
+"""One replica group of the fault-tolerance tests (tests/test_quorum.py): a torchrun job of one rank that trains
+under a torchft quorum, logs every step it runs (committed or not) and, at the end, saves its state.
+
+``python -m torch.distributed.run --nproc-per-node 1 ... tests/quorum_worker.py OUT GROUP --lighthouse ADDR``.
+With ``--die-at K`` the group's first life ends (``os._exit``) at the first step on or after committed step K,
+once the quorum for that step has formed, so that the other groups' collectives fail mid-step. With
+``--refuse-at K`` the group votes against committed step K (once): it reports an error to torchft after the
+quorum, runs the step, and saves its state before and after (``refused.pt``); the others commit without it, and
+at the next quorum it is behind and heals from a peer, in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tests.models import MLP
+from transpiler import DataPosition, FaultTolerance, transpile
+
+SAMPLES, PER_GROUP = 96, 4  # a step of 3 groups takes 12 samples: 8 steps an epoch
+
+
+def dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    return torch.randn(SAMPLES, 20, generator=generator), torch.randint(0, 5, (SAMPLES,), generator=generator)
+
+
+def fresh() -> tuple[MLP, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = MLP()
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, position: DataPosition) -> dict:
+    """Copies of everything a step may change."""
+    return copy.deepcopy(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "position": position.state_dict()}
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("group")
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--min-steps", type=int, default=12)
+    parser.add_argument("--groups", type=int, default=3)
+    parser.add_argument("--die-at", type=int, default=-1)
+    parser.add_argument("--refuse-at", type=int, default=-1)
+    args = parser.parse_args()
+    life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    dist.init_process_group("gloo")
+    x, y = dataset()
+    model, optimizer = fresh()
+    setting = FaultTolerance(args.lighthouse, args.group, min_replicas=2, timeout=10, quorum_timeout=60)
+    step = transpile(model, optimizer, "fused_allreduce", torch.nn.functional.cross_entropy, fault_tolerance=setting)
+    position = DataPosition(SAMPLES, PER_GROUP, seed=1)
+    log = (args.out / f"{args.group}.jsonl").open("a")
+    while True:
+        indices = step.next_batch(position)
+        seat = step.quorum.seat
+        if life == 0 and 0 <= args.die_at <= seat.committed_steps:
+            log.close()
+            os._exit(1)  # the whole group, mid-step: the others' all-reduce fails
+        epoch = position.epoch
+        refusing = seat.committed_steps == args.refuse_at and not (args.out / "refused.pt").exists()
+        if refusing:
+            before = snapshot(model, optimizer, position)
+            step.quorum.manager.report_error(RuntimeError("a vote against this step (the test's)"))
+        loss = step(x[indices], y[indices])
+        if refusing:
+            torch.save({"before": before, "after": snapshot(model, optimizer, position)}, args.out / "refused.pt")
+        record = {
+            "pid": os.getpid(),
+            "life": life,
+            "step": seat.committed_steps,
+            "participants": seat.participants,
+            "index": seat.index,
+            "committed": step.committed,
+            "epoch": epoch,
+            "indices": indices.tolist(),
+            "loss": float(loss),
+        }
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        if step.committed and seat.committed_steps + 1 >= args.min_steps and seat.participants == args.groups:
+            break  # every group of this quorum sees the same count and size, and stops after the same step
+        time.sleep(0.02)
+    log.close()
+    torch.save(snapshot(model, optimizer, position), args.out / f"{args.group}.pt")
+    step.quorum.shutdown()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Replica groups under a torchft quorum (``transpile(fault_tolerance=...)``, issue 43).
+
+One world, on loopback: torchft's lighthouse (its ``torchft_lighthouse`` command) and three replica groups, each
+a torchrun job of one rank (tests/quorum_worker.py). Group g2 dies mid-step at committed step 3, and its torchrun
+restarts it; group g1 votes against committed step 6, once. What the checks read from it:
+
+- the survivors never restart (one process each), fail the step g2 died in without committing it, and go on
+  with two participants; g2 comes back, heals from a peer and takes part again;
+- a step a group does not commit leaves its parameters, optimizer state and data position bit for bit as they
+  were, and the group then heals in the same process;
+- at the end every group holds the same bits, and they are those of a reference replayed here from the
+  participation history (each committed step: how many groups took part), with each sample taken once per epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.distributed import ROOT, free_port
+from tests.quorum_worker import PER_GROUP, SAMPLES, dataset, fresh
+from transpiler import ConfigurationError, DataPosition, FaultTolerance, transpile
+
+torchft = pytest.importorskip("torchft")
+GROUPS, DIE_AT, REFUSE_AT = 3, 3, 6
+LOSS = torch.nn.functional.cross_entropy
+
+
+def _torchrun(out: Path, group: str, lighthouse: str, extra: list[str]) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=1",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--rdzv-id={group}",
+        "--monitor-interval=0.5",
+        str(ROOT / "tests" / "quorum_worker.py"),
+        str(out),
+        group,
+        "--lighthouse",
+        lighthouse,
+        *extra,
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RUST_LOG="warn")
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a restarted worker gets a fresh store (docs/fault_tolerance.md)
+    return subprocess.Popen(command, env=env, stdout=(out / f"{group}.log").open("w"), stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def quorum_world(tmp_path_factory) -> Path:
+    """The lighthouse and three groups, run to the end; the folder of their logs and final states."""
+    out = tmp_path_factory.mktemp("quorum")
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "torchft_lighthouse"),
+            "--min_replicas",
+            "2",
+            "--bind",
+            f"[::]:{port}",
+            "--join_timeout_ms",
+            "1000",
+            "--heartbeat_timeout_ms",
+            "2000",
+        ],
+        env=dict(os.environ, RUST_LOG="warn"),
+        stdout=(out / "lighthouse.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    extras = {"g1": ["--refuse-at", str(REFUSE_AT)], "g2": ["--die-at", str(DIE_AT)]}
+    try:
+        time.sleep(0.5)
+        jobs = [_torchrun(out, f"g{i}", f"http://localhost:{port}", extras.get(f"g{i}", [])) for i in range(GROUPS)]
+        for job in jobs:
+            job.wait(timeout=150)
+    finally:
+        for job in [*locals().get("jobs", []), lighthouse]:
+            job.kill()
+            job.wait()
+    assert all(job.returncode == 0 for job in jobs), [(p.name, p.read_text()[-3000:]) for p in out.glob("g*.log")]
+    return out
+
+
+def _records(out: Path) -> dict[str, list[dict]]:
+    return {
+        f"g{i}": [json.loads(line) for line in (out / f"g{i}.jsonl").read_text().splitlines()] for i in range(GROUPS)
+    }
+
+
+def test_survivors_go_on_in_place_and_the_lost_group_heals_and_rejoins(quorum_world):
+    logs = _records(quorum_world)
+    for survivor in ("g0", "g1"):
+        assert {(r["pid"], r["life"]) for r in logs[survivor]} == {(logs[survivor][0]["pid"], 0)}, survivor
+        failed = [r for r in logs[survivor] if r["step"] == DIE_AT and not r["committed"]]
+        assert failed and failed[0]["participants"] == GROUPS, "the step g2 died in did not commit"
+        assert any(r["committed"] and r["participants"] == GROUPS - 1 for r in logs[survivor])
+    lives = {r["life"] for r in logs["g2"]}
+    assert lives == {0, 1}
+    back = [r for r in logs["g2"] if r["life"] == 1]
+    assert back[0]["step"] > DIE_AT and all(r["committed"] for r in back), "it came back at the quorum's step"
+
+
+def test_a_step_that_does_not_commit_changes_nothing_and_the_group_heals_in_place(quorum_world):
+    refused = torch.load(quorum_world / "refused.pt")
+    before, after = refused["before"], refused["after"]
+    assert before["position"] == after["position"]
+    for name, value in before["model"].items():
+        assert torch.equal(value, after["model"][name]), name
+    for key, state in before["optimizer"]["state"].items():
+        for entry, value in state.items():
+            assert torch.equal(value, after["optimizer"]["state"][key][entry]), (key, entry)
+    logs = _records(quorum_world)["g1"]
+    refusal = [r for r in logs if r["step"] == REFUSE_AT and not r["committed"]]
+    assert refusal, "g1's vote against the step kept it from committing"
+    assert any(r["step"] == REFUSE_AT + 1 and r["committed"] for r in logs), "healed to the others' step, same pid"
+
+
+def _history(logs: dict[str, list[dict]]) -> list[int]:
+    """Each committed step's participant count, in order, as the groups that took part logged it."""
+    counts: dict[int, int] = {}
+    for records in logs.values():
+        for r in records:
+            if r["committed"]:
+                assert counts.setdefault(r["step"], r["participants"]) == r["participants"]
+    assert sorted(counts) == list(range(len(counts))), "every committed step was logged by a group in it"
+    return [counts[s] for s in range(len(counts))]
+
+
+def test_every_group_ends_with_the_reference_replayed_from_the_participation_history(quorum_world):
+    """The reference: eager PyTorch, the step's mean gradient over the participants' batches (each batch's
+    gradient seeded with 1/participants, as the program's is, and summed in index order), then SGD. With two
+    participants the sum is the all-reduce's, bitwise; three are summed by gloo's ring in an order that depends
+    on an element's place, so the comparison holds within 1e-6 (measured ...)."""
+    logs = _records(quorum_world)
+    finals = [torch.load(quorum_world / f"g{i}.pt") for i in range(GROUPS)]
+    for final in finals[1:]:
+        assert final["position"] == finals[0]["position"]
+        for name, value in finals[0]["model"].items():
+            assert torch.equal(value, final["model"][name]), name
+    x, y = dataset()
+    model, optimizer = fresh()
+    position = DataPosition(SAMPLES, PER_GROUP, seed=1)
+    taken: dict[int, list[int]] = {}
+    for step, participants in enumerate(_history(logs)):
+        parts = [position.quorum_part(i, participants) for i in range(participants)]
+        for i, part in enumerate(parts):
+            logged = [r["indices"] for g in logs.values() for r in g if r["step"] == step and r["index"] == i]
+            assert logged and all(ix == part.tolist() for ix in logged), (step, i)
+            taken.setdefault(position.epoch, []).extend(part.tolist())
+        total = None
+        for part in parts:
+            model.zero_grad()
+            LOSS(model(x[part]), y[part]).backward(torch.tensor(1.0 / participants))
+            grads = [p.grad.clone() for p in model.parameters()]
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        for p, g in zip(model.parameters(), total):
+            p.grad = g
+        optimizer.step()
+        position.commit(participants)
+    assert position.state_dict() == finals[0]["position"]
+    for epoch, samples in taken.items():
+        assert len(samples) == len(set(samples)), f"a sample taken twice in epoch {epoch}"
+    worst = max((a - finals[0]["model"][n]).abs().max().item() for n, a in model.state_dict().items())
+    assert worst <= 1e-6, worst
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 5), st.booleans()), min_size=1, max_size=40), st.integers(1, 6))
+def test_committed_steps_take_each_sample_once_per_epoch_whatever_the_quorums(steps, per_group):
+    """Whatever the quorum sizes and whichever steps commit, the committed steps' samples are distinct within an
+    epoch, contiguous in its order, and an uncommitted step's samples are taken again by the next step."""
+    position = DataPosition(40, per_group, seed=3)
+    seen: dict[int, list[int]] = {}
+    pending = None
+    for participants, commits in steps:
+        parts = torch.cat([position.quorum_part(i, participants) for i in range(participants)]).tolist()
+        if pending is not None and pending[0] == position.epoch:
+            assert parts[: len(pending[1])] == pending[1][: len(parts)]
+        if commits:
+            order = position.order(position.epoch).tolist()
+            assert parts == order[position.offset : position.offset + len(parts)]
+            seen.setdefault(position.epoch, []).extend(parts)
+            position.commit(participants)
+            pending = None
+        else:
+            pending = (position.epoch, parts)
+    for samples in seen.values():
+        assert len(samples) == len(set(samples))
+
+
+def test_clear_errors_before_anything_runs(monkeypatch):
+    model = torch.nn.Linear(4, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    with pytest.raises(ConfigurationError, match="modes allreduce, fused_allreduce; mode 'zero2' is not yet"):
+        transpile(model, sgd, "zero2", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
+    with pytest.raises(ConfigurationError, match="accumulate_steps does not run under fault_tolerance"):
+        transpile(
+            model, sgd, "fused_allreduce", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"), accumulate_steps=2
+        )
+    with pytest.raises(ConfigurationError, match="lighthouse's address"):
+        transpile(model, sgd, "fused_allreduce", LOSS, fault_tolerance=FaultTolerance(replica_id="g0"))
+    with pytest.raises(ConfigurationError, match="replica group's id"):
+        transpile(model, sgd, "fused_allreduce", LOSS, fault_tolerance=FaultTolerance("http://h:1"))
+    with pytest.raises(ConfigurationError, match="min_replicas must be an int >= 1"):
+        transpile(model, sgd, "fused_allreduce", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g", 0))
+    with pytest.raises(ConfigurationError, match="needs the replica group's own torch.distributed world"):
+        transpile(model, sgd, "fused_allreduce", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
+    with pytest.raises(ConfigurationError, match="must be a transpiler.FaultTolerance"):
+        transpile(model, sgd, "fused_allreduce", LOSS, fault_tolerance={"lighthouse": "http://h:1"})
+
+
+def test_the_participant_count_is_an_input_of_the_graph_and_needs_a_quorum():
+    """``scale-loss-grad{participants=true}`` reads the count as the input ``participants`` (its reciprocal, the
+    same float32 as the constant 1/W for every count up to 10^5); without a quorum to feed it, a clear error."""
+    counts = torch.arange(1, 100_001, dtype=torch.float32)
+    assert torch.equal(torch.reciprocal(counts), torch.tensor([1.0 / n for n in range(1, 100_001)]))
+    model = torch.nn.Linear(4, 2)
+    step = transpile(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "scale-loss-grad{participants=true},fuse-allreduce", LOSS
+    )
+    with pytest.raises(ConfigurationError, match="only a step under transpile\\(fault_tolerance=...\\) feeds"):
+        step(torch.randn(3, 4), torch.randint(0, 2, (3,)))
+    assert [p.name for p in step.program.inputs if p.kind == "quorum"] == ["participants"]
+    code = step.graph_module.code
+    assert "reciprocal" in code and "x_participants" in code

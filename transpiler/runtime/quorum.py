@@ -1,0 +1,179 @@
+"""Replica groups under a torchft quorum: a lost group costs the others one uncommitted step, not a restart.
+
+Each replica group is its own torchrun job; torchft's lighthouse gathers the groups that are alive into a
+quorum before every step, and a torchft ``Manager`` reconfigures the process group across them in place
+(``ProcessGroupGloo``/``ProcessGroupNCCL``, registered here under a name so that the graph's functional
+collectives run on it). What this module adds to a step, around the same rewritten program:
+
+- **before the step** (:meth:`Quorum.begin`): the quorum, and with it, for a group that starts late or comes
+  back, the whole step state from a live peer over torchft's checkpoint transport (``heal``);
+- **the participant count as an input**: the program's ``participants`` port (``scale-loss-grad
+  {participants=true}``) gets this quorum's size, so the mean is over the groups that take part and a quorum
+  change never retraces;
+- **after the step** (:meth:`Quorum.vote`): torchft's commit vote. The program's updates are functional (its
+  pipeline has no ``reinplace-optimizer``), so a step that does not commit (a peer died mid-step, the quorum
+  fell below ``min_replicas``) writes nothing back: parameters, optimizer state, schedule and data position
+  stay as they were, bit for bit, and the next call retries under the new quorum.
+
+No lighthouse, quorum or transport is written here: all of it is torchft's (0.2).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from transpiler.errors import ConfigurationError
+
+from .failures import is_communication_failure
+from .process_group import Placement
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable for the lighthouse's address
+REPLICA_ENV = "REPLICA_GROUP_ID"  # torchft's examples' variable for the group's id
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """``transpile(..., fault_tolerance=FaultTolerance(...))``: run the step as one replica group under a
+    torchft quorum. ``lighthouse`` is the lighthouse's address (``http://host:29510``; default
+    ``$TORCHFT_LIGHTHOUSE``), ``replica_id`` this group's name, the same across its restarts (default
+    ``$REPLICA_GROUP_ID``), ``min_replicas`` the fewest groups a step commits with. ``timeout`` (seconds) bounds
+    every collective across groups, the commit vote and healing: a peer that stops answering costs the others
+    this long once. ``quorum_timeout`` bounds the wait for a quorum of ``min_replicas`` groups."""
+
+    lighthouse: str | None = None
+    replica_id: str | None = None
+    min_replicas: int = 1
+    timeout: float = 30.0
+    quorum_timeout: float = 120.0
+
+    def resolved(self) -> FaultTolerance:
+        """This setting with the environment's defaults filled in, checked."""
+        lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        replica_id = self.replica_id or os.environ.get(REPLICA_ENV)
+        if not lighthouse:
+            raise ConfigurationError(
+                f"fault_tolerance needs the torchft lighthouse's address: FaultTolerance(lighthouse='http://HOST:"
+                f"PORT') or ${LIGHTHOUSE_ENV}. Start one with `torchft_lighthouse --min_replicas 1`."
+            )
+        if not replica_id:
+            raise ConfigurationError(
+                f"fault_tolerance needs this replica group's id, the same across its restarts: "
+                f"FaultTolerance(replica_id='group0') or ${REPLICA_ENV}."
+            )
+        if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) or self.min_replicas < 1:
+            raise ConfigurationError(f"min_replicas must be an int >= 1, got {self.min_replicas!r}.")
+        for name in ("timeout", "quorum_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}.")
+        return replace(self, lighthouse=lighthouse, replica_id=replica_id)
+
+
+@dataclass(frozen=True)
+class Seat:
+    """This group's place in the current quorum: its index among the participants, how many there are, and
+    how many steps the quorum has committed before this one."""
+
+    index: int
+    participants: int
+    committed_steps: int
+
+
+class Quorum:
+    """This replica group's torchft ``Manager`` and the process group across groups it reconfigures, with the
+    step's participation: :meth:`begin` before a step, :meth:`vote` after it."""
+
+    def __init__(self, setting: FaultTolerance, placement: Placement) -> None:
+        setting = setting.resolved()
+        try:
+            from torchft.manager import Manager
+            from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+        except ImportError as exc:
+            raise ConfigurationError(
+                "fault_tolerance runs on torchft, which is not installed: pip install 'fx-transpiler[fault-tolerance]'"
+                " (torchft 0.2)."
+            ) from exc
+        if not placement.live or not dist.is_initialized():
+            raise ConfigurationError(
+                "fault_tolerance needs the replica group's own torch.distributed world: launch the group with "
+                "torchrun and call torch.distributed.init_process_group() before transpile()."
+            )
+        if placement.world_size > 1:
+            raise ConfigurationError(
+                f"fault_tolerance is built for replica groups of one rank; this group has {placement.world_size}. "
+                "Run each rank as its own group (torchrun --nproc-per-node 1, one REPLICA_GROUP_ID each)."
+            )
+        timeout = timedelta(seconds=setting.timeout)
+        nccl = dist.get_backend() == "nccl"
+        self.group = ProcessGroupNCCL(timeout=timeout) if nccl else ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=self.group,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=setting.min_replicas,
+            use_async_quorum=False,  # a late group heals before its step, and takes part in it
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=setting.quorum_timeout),
+            connect_timeout=timeout,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            lighthouse_addr=setting.lighthouse,
+            replica_id=setting.replica_id,
+            init_sync=True,  # every group starts from the first one's state
+        )
+        self.setting = setting
+        self.group_name = self.group.register(f"transpiler-quorum-{setting.replica_id}").group_name
+        self.seat: Seat | None = None  # the quorum of the step under way
+
+    def placement(self, placement: Placement) -> Placement:
+        """Where the programs' collectives go: across the groups, on the quorum's process group."""
+        return replace(placement, group_name=self.group_name, timeout=timedelta(seconds=self.setting.timeout))
+
+    def serve(self, save: Callable[[], dict], load: Callable[[dict], None]) -> None:
+        """What a healing peer takes from this group, and how this group takes it from a peer."""
+        self.manager.register_state_dict_fn("transpiler", load, save)
+
+    def begin(self) -> Seat:
+        """This step's quorum (once per step): waits for it, reconfigures the process group when it changed, and
+        heals this group from a live peer when it is behind (it started late or restarted)."""
+        if self.seat is None:
+            self.manager.start_quorum()
+            index = self.manager.participating_rank()
+            if index is None:
+                raise ConfigurationError("this replica group is not taking part in the quorum (a spare).")
+            self.seat = Seat(index, self.manager.num_participants(), self.manager.current_step())
+        return self.seat
+
+    def inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The program's ``quorum`` ports: ``participants``, the groups that take part in this step."""
+        return {"participants": torch.tensor(float(self.begin().participants), device=device)}
+
+    def run(self, program: Callable[[], Any]) -> tuple[Any, bool]:
+        """Run one step's program and vote: (its outputs, or None when it failed; whether the quorum commits).
+        A collective that fails because a peer left is reported to torchft, and the step does not commit."""
+        outputs, error = None, None
+        try:
+            outputs = program()
+        except Exception as exc:  # a peer left mid-step: torchft reconfigures at the next quorum
+            error = exc
+            self.manager.report_error(exc)
+        committed = self.manager.should_commit()
+        self.seat = None
+        if error is not None and not _is_peer_failure(error):
+            raise error
+        return outputs, committed and error is None
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because a peer left (the step is retried), not a bug."""
+    return is_communication_failure(exc) or "ProcessGroup" in str(exc) or "abort" in str(exc).lower()
