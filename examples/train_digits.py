@@ -11,6 +11,12 @@ restarts the workers, which resume from the newest checkpoint at whatever world 
 
 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh store for each restart's workers, pytorch/pytorch#135712.)
 
+Without restarting the survivors: replica groups of one process each under a torchft quorum (--fault-tolerance;
+start the lighthouse first with `torchft_lighthouse --min_replicas 2`), one command per group:
+
+    TORCHFT_LIGHTHOUSE=http://HOST:29510 REPLICA_GROUP_ID=g0 torchrun --nproc-per-node 1 --max-restarts 3 \
+        --rdzv-backend c10d --rdzv-endpoint localhost:0 examples/train_digits.py --fault-tolerance --global-batch 32
+
 Each rank trains on its own shard of every global batch; the transpiled graph
 averages the gradients across ranks. Rank 0 shows progress and prints the
 final test accuracy. Works with one process too (``python examples/train_digits.py``).
@@ -32,7 +38,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from transpiler import Checkpointer, DataPosition, transpile  # noqa: E402
+from transpiler import Checkpointer, DataPosition, FaultTolerance, transpile  # noqa: E402
 from transpiler.graph.options import key_values  # noqa: E402
 from transpiler.strategies.modes import modes  # noqa: E402
 
@@ -87,6 +93,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--compile", action="store_true", help="compile the step with torch.compile")
     parser.add_argument(
+        "--fault-tolerance",
+        action="store_true",
+        help="this job is one replica group under a torchft quorum ($TORCHFT_LIGHTHOUSE, $REPLICA_GROUP_ID); "
+        "--global-batch is then each group's batch (docs/fault_tolerance.md)",
+    )
+    parser.add_argument(
+        "--min-replicas", type=int, default=1, help="with --fault-tolerance: fewest groups a step needs"
+    )
+    parser.add_argument(
         "--option",
         "-O",
         action="append",
@@ -100,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.cuda_graph and args.device != "cuda":
         parser.error("--cuda-graph captures the step on a GPU: add --device cuda")
+    if args.fault_tolerance and args.checkpoint_dir:
+        parser.error("--fault-tolerance heals a returning group from a live peer; drop --checkpoint-dir")
     return args
 
 
@@ -131,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
             timeout=timedelta(seconds=args.timeout),
             device_id=device,
         )
-    elif world > 1 and own_group:
+    elif (world > 1 or args.fault_tolerance) and own_group:
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(args.seed)  # every rank builds the same model; broadcast-params makes sure
@@ -156,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         example_inputs=(x_train[:per_rank], y_train[:per_rank]),
         compile=args.compile,
         cuda_graph=args.cuda_graph,
+        fault_tolerance=FaultTolerance(min_replicas=args.min_replicas) if args.fault_tolerance else None,
         **key_values(args.option),
     )
     if rank == 0:
@@ -184,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         task = progress.add_task("train", total=args.epochs, completed=position.epoch, loss=float("nan"), metrics="")
         while position.epoch < args.epochs:
             total, count = 0.0, 0
-            for idx in position.epoch_batches(rank, world):
+            for idx in batches(step, position, rank, world):
                 loss = step(x_train[idx], y_train[idx]).item()
                 total, count = total + loss, count + 1
                 if log is not None:
@@ -210,6 +228,20 @@ def main(argv: list[str] | None = None) -> None:
         )
     if own_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def batches(step, position: DataPosition, rank: int, world: int):
+    """This rank's sample indices for each step of the current epoch: its share of every global batch, or, under a
+    quorum, this group's share of each step's samples (taken again by the next step if one does not commit)."""
+    if step.quorum is None:
+        yield from position.epoch_batches(rank, world)
+        return
+    epoch = position.epoch
+    while position.epoch == epoch:
+        indices = step.next_batch(position)
+        if position.epoch != epoch:  # the quorum's step starts the next epoch
+            return
+        yield indices
 
 
 class SampleLog:
