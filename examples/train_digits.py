@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             where = f"resumed from {resumed} (epoch {position.epoch}, offset {position.offset})" if resumed else "fresh"
             print(f"{where}; checkpoints every {args.save_every} steps in {args.checkpoint_dir}", flush=True)
-    log = SampleLog(args.log_samples, rank, world) if args.log_samples else None
+    group = os.environ.get("REPLICA_GROUP_ID") if args.fault_tolerance else None  # one log per group under a quorum
+    log = SampleLog(args.log_samples, rank, world, group) if args.log_samples else None
     start = time.perf_counter()
     with Progress(
         TextColumn("[bold]epoch {task.completed}/{task.total}"),
@@ -203,10 +204,12 @@ def main(argv: list[str] | None = None) -> None:
         while position.epoch < args.epochs:
             total, count = 0.0, 0
             for idx in batches(step, position, rank, world):
+                seat = step.quorum.seat if step.quorum is not None else None  # this step's quorum
                 loss = step(x_train[idx], y_train[idx]).item()
                 total, count = total + loss, count + 1
                 if log is not None:
-                    log.write(checkpointer.steps + 1 if checkpointer else None, position, idx, loss)
+                    number = seat.committed_steps + 1 if seat else checkpointer.steps + 1 if checkpointer else None
+                    log.write(number, position, idx, loss, step.committed)
                 if checkpointer is not None:
                     checkpointer.step_done()
             metrics = " ".join(f"{k} {v:.4g}" for k, v in step.last_metrics.items())  # grad_norm, loss_scale...
@@ -249,19 +252,21 @@ class SampleLog:
     time, the same on every rank: torchrun's restart count is each agent's own, and an agent restarted for a
     membership change does not count it): what the tests check for samples lost or repeated across restarts."""
 
-    def __init__(self, directory: str, rank: int, world: int) -> None:
+    def __init__(self, directory: str, rank: int, world: int, group: str | None = None) -> None:
         os.makedirs(directory, exist_ok=True)
-        self.file = open(os.path.join(directory, f"rank{rank}.jsonl"), "a")  # noqa: SIM115 (open for the run)
+        name = f"{group}-rank{rank}" if group else f"rank{rank}"
+        self.file = open(os.path.join(directory, f"{name}.jsonl"), "a")  # noqa: SIM115 (open for the run)
         self.rank, self.world = rank, world
         box = [time.time()]
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)
         self.attempt = box[0]
 
-    def write(self, step: int | None, position: DataPosition, idx: torch.Tensor, loss: float) -> None:
-        """One step: its samples and this rank's loss (JSON keeps a float's every bit)."""
+    def write(self, step: int | None, position: DataPosition, idx: torch.Tensor, loss: float, committed: bool) -> None:
+        """One step: its samples and this rank's loss (JSON keeps a float's every bit), and whether it committed
+        (under a quorum; always otherwise)."""
         record = {"attempt": self.attempt, "world": self.world, "rank": self.rank, "pid": os.getpid(), "step": step}
-        record["time"] = time.time()
+        record.update(time=time.time(), committed=committed)
         record.update(epoch=position.epoch, offset=position.offset, ids=idx.tolist(), loss=loss)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()

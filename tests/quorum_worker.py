@@ -51,7 +51,8 @@ def main() -> None:
     parser.add_argument("group")
     parser.add_argument("--lighthouse", required=True)
     parser.add_argument("--min-steps", type=int, default=12)
-    parser.add_argument("--groups", type=int, default=3)
+    parser.add_argument("--groups", type=int, default=3, help="the groups of the last quorum: it ends the run")
+    parser.add_argument("--first-groups", type=int, default=3, help="the groups that start together")
     parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--refuse-at", type=int, default=-1)
     args = parser.parse_args()
@@ -62,11 +63,12 @@ def main() -> None:
     setting = FaultTolerance(args.lighthouse, args.group, min_replicas=2, timeout=10, quorum_timeout=60)
     step = transpile(model, optimizer, "fused_allreduce", torch.nn.functional.cross_entropy, fault_tolerance=setting)
     position = DataPosition(SAMPLES, PER_GROUP, seed=1)
-    if life == 0:  # the first quorum holds every group (its manager heartbeats from transpile on), whatever the load
+    if life == 0:  # the first quorum holds the first groups (their managers heartbeat from transpile on) under load
         (args.out / f"ready_{args.group}").touch()
-        while len(list(args.out.glob("ready_*"))) < args.groups:
+        while len(list(args.out.glob("ready_*"))) < args.first_groups:
             time.sleep(0.05)
     log = (args.out / f"{args.group}.jsonl").open("a")
+    trajectory: dict[int, dict] = {}  # committed step -> the state after it
     while True:
         indices = step.next_batch(position)
         seat = step.quorum.seat
@@ -95,11 +97,14 @@ def main() -> None:
         }
         log.write(json.dumps(record) + "\n")
         log.flush()
+        if step.committed:
+            trajectory[seat.committed_steps] = snapshot(model, optimizer, position)
         if step.committed and seat.committed_steps + 1 >= args.min_steps and seat.participants == args.groups:
             break  # every group of this quorum sees the same count and size, and stops after the same step
         time.sleep(0.02)
     log.close()
     torch.save(snapshot(model, optimizer, position), args.out / f"{args.group}.pt")
+    torch.save(trajectory, args.out / f"{args.group}-life{life}.trajectory.pt")
     step.quorum.shutdown()
     dist.destroy_process_group()
 

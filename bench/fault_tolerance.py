@@ -1,0 +1,280 @@
+"""What a lost worker costs: replica groups under a torchft quorum against torchrun's elastic restart.
+
+The same job both ways, the digits example (``examples/train_digits.py``, fused_allreduce, Adam, ``B`` samples per
+worker and step) with ``G`` workers on this machine:
+
+- **quorum**: a lighthouse (``torchft_lighthouse``, heartbeat timeout 2 s) and ``G`` replica groups, each a torchrun
+  job of one process (``--fault-tolerance --min-replicas G-1``, ``--max-restarts`` high);
+- **elastic**: one torchrun job of ``G`` processes, checkpointing every ``--save-every`` steps
+  (``--checkpoint-dir``), which torchrun restarts as a whole after a failure.
+
+Each runs ``--duration`` seconds without faults, then as long with one worker SIGKILLed every ``--kill-every``
+seconds (the groups in turn; torchrun restarts it). From the workers' sample logs (``--log-samples``) it reports
+committed samples per second (a quorum's uncommitted steps and the elastic path's redone steps do not count),
+their ratio to the same path without faults, the seconds each fault cost the survivors (the longest gap between
+steps that count, from the one the fault falls in to 20 s after it, less the median gap; a step that was under
+way when the worker died may still commit), the steps redone or not committed, and the restarts of workers
+that were not killed (worker processes seen, less the first and the killed).
+
+``python bench/fault_tolerance.py`` (about 5 minutes) writes the table into ``docs/fault_tolerance.md``;
+``--duration 600 --kill-every 60`` is the issue's setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.two_ranks import write_section  # noqa: E402
+from tests.distributed import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train_digits.py"
+DOC = ROOT / "docs" / "fault_tolerance.md"
+BEGIN, END = "<!-- fault_tolerance:begin -->", "<!-- fault_tolerance:end -->"
+HEARTBEAT_MS = 2000
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        RUST_LOG="warn",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        **extra,
+    )
+
+
+def _torchrun(nproc: int, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=1000",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--rdzv-id=bench{free_port()}",
+        "--monitor-interval=0.5",
+        str(EXAMPLE),
+        *args,
+    ]
+    return subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def _records(logs: Path) -> dict[str, list[dict]]:
+    out = {}
+    for path in sorted(logs.glob("*.jsonl")):
+        lines = [line for line in path.read_text().splitlines() if line.endswith("}")]
+        out[path.stem] = [json.loads(line) for line in lines]
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a torchrun agent's workers), from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return sorted(out)
+
+
+def _kill_one(agents: list[subprocess.Popen], turn: int) -> float | None:
+    """SIGKILL one live worker, the ``turn``-th in order (the groups in turn; the ranks of one job in turn); the
+    time, or None while no worker is up (a restart under way: the caller tries again)."""
+    workers = [w for agent in agents for w in _children(agent.pid)]
+    if not workers:
+        return None
+    try:
+        os.kill(workers[turn % len(workers)], signal.SIGKILL)
+    except ProcessLookupError:
+        return None
+    return time.time()
+
+
+def run(path: str, groups: int, batch: int, duration: float, kill_every: float | None, save_every: int) -> dict:
+    """One run of ``path`` ("quorum" or "elastic"), with or without faults: its log records and kill times."""
+    work = Path(tempfile.mkdtemp(prefix=f"ft_{path}_"))
+    logs = work / "samples"
+    common = ["--mode", "fused_allreduce", "--epochs", "100000", "--log-samples", str(logs), "--timeout", "30"]
+    jobs: list[subprocess.Popen] = []
+    if path == "quorum":
+        port = free_port()
+        lighthouse = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", str(groups - 1)]
+        lighthouse += ["--bind", f"[::]:{port}", "--heartbeat_timeout_ms", str(HEARTBEAT_MS)]
+        lighthouse += ["--join_timeout_ms", "1000"]
+        jobs.append(
+            subprocess.Popen(
+                lighthouse,
+                env=_env(),
+                stdout=(work / "lighthouse.log").open("w"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+        args = [*common, "--fault-tolerance", "--min-replicas", str(groups - 1), "--global-batch", str(batch)]
+        for g in range(groups):
+            env = _env(TORCHFT_LIGHTHOUSE=f"http://localhost:{port}", REPLICA_GROUP_ID=f"g{g}")
+            jobs.append(_torchrun(1, args, env, work / f"g{g}.log"))
+    else:
+        args = [*common, "--global-batch", str(batch * groups), "--checkpoint-dir", str(work / "checkpoints")]
+        args += ["--save-every", str(save_every)]
+        jobs.append(_torchrun(groups, args, _env(), work / "elastic.log"))
+    kills: list[float] = []
+    try:
+        deadline = time.time() + 240
+        while len(_records(logs)) < groups if logs.exists() else True:  # every worker stepped once
+            if time.time() > deadline:
+                raise RuntimeError(f"the {path} job did not start: see {work}")
+            time.sleep(0.2)
+        start = time.time()
+        next_kill = start + kill_every if kill_every else float("inf")
+        agents = jobs[1:] if path == "quorum" else jobs
+        seen = {w for agent in agents for w in _children(agent.pid)}  # every worker process the run started
+        first = len(seen)
+        while time.time() < start + duration:
+            seen |= {w for agent in agents for w in _children(agent.pid)}
+            if time.time() >= next_kill:
+                killed = _kill_one(agents, len(kills))
+                if killed is not None:
+                    kills.append(killed)
+                    next_kill += kill_every
+            time.sleep(0.05)
+        end = time.time()
+    finally:  # the workers first: torchrun starts each in a session of its own, which killpg would miss
+        for job in jobs:
+            for pid in [*_children(job.pid), job.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            job.wait()
+    records = _records(logs)
+    return {
+        "records": records,
+        "start": start,
+        "end": end,
+        "kills": kills,
+        "starts": len(seen) - first,
+        "work": str(work),
+    }
+
+
+def committed_steps(path: str, records: dict[str, list[dict]], start: float, end: float) -> list[tuple[float, int]]:
+    """(time, samples) of each step that counts, inside [start, end]: under a quorum each committed step, as
+    its participants logged it; elastic, each step number as its last attempt ran it (an earlier attempt's steps
+    after the checkpoint it resumed from were redone)."""
+    if path == "quorum":
+        steps: dict[int, list[dict]] = {}
+        for log in records.values():
+            for r in log:
+                if r["committed"]:
+                    steps.setdefault(r["step"], []).append(r)
+        return sorted(
+            (max(r["time"] for r in rs), sum(len(r["ids"]) for r in rs))
+            for rs in steps.values()
+            if start <= max(r["time"] for r in rs) <= end
+        )
+    last: dict[int, dict[int, dict]] = {}
+    for log in records.values():
+        for r in log:
+            by_attempt = last.setdefault(r["step"], {})
+            by_attempt.setdefault(r["attempt"], {})[r["rank"]] = r
+    out = []
+    for attempts in last.values():
+        final = attempts[max(attempts)]
+        t = max(r["time"] for r in final.values())
+        if start <= t <= end:
+            out.append((t, sum(len(r["ids"]) for r in final.values())))
+    return sorted(out)
+
+
+def summary(path: str, result: dict) -> dict:
+    records, start, end, kills = result["records"], result["start"], result["end"], result["kills"]
+    steps = committed_steps(path, records, start, end)
+    samples = sum(n for _, n in steps)
+    times = [t for t, _ in steps]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    usual = statistics.median(gaps) if gaps else 0.0
+    costs = []  # the longest gap between steps that count, from the one a fault falls in to 20 s after it
+    for kill in kills:
+        window = [b - a for a, b in zip([start, *times], [*times, end]) if b > kill and a < kill + 20]
+        costs.append(max(window) - usual)
+    all_records = [r for log in records.values() for r in log if start <= r["time"] <= end]
+    if path == "quorum":  # each group's uncommitted steps
+        wasted = sum(1 for r in all_records if not r["committed"])
+    else:  # the steps each rank ran more than once
+        wasted = max(0, len(all_records) // max(1, len(records)) - len(steps))
+    return {
+        "samples_per_s": samples / (end - start),
+        "fault_costs": costs,
+        "wasted_steps": wasted,
+        "survivor_restarts": max(0, result["starts"] - len(kills)),  # restarts of workers that were not killed
+        "kills": len(kills),
+        "step_ms": usual * 1000,
+    }
+
+
+def table(results: dict[tuple[str, bool], dict], args: argparse.Namespace) -> str:
+    rows = [
+        f"{args.groups} workers, {args.batch} samples each per step, {args.duration:.0f} s per run, one worker killed "
+        f"every {args.kill_every:.0f} s in the faulty runs; elastic checkpoints every {args.save_every} steps. "
+        "Quorum: lighthouse heartbeat timeout 2 s.\n",
+        "| path | faults | committed samples/s | vs fault-free | median step ms | s each fault cost the survivors "
+        "(median, max) | steps not committed or redone | restarts of workers not killed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows += [_row(path, s, results[(path, False)]["samples_per_s"]) for (path, _), s in results.items()]
+    return "\n".join(rows) + "\n"
+
+
+def _row(path: str, s: dict, fault_free: float) -> str:
+    costs = s["fault_costs"]
+    cost = f"{statistics.median(costs):.2f}, {max(costs):.2f}" if costs else "–"
+    cells = [path, s["kills"], f"{s['samples_per_s']:.0f}", f"{s['samples_per_s'] / fault_free:.2f}"]
+    cells += [f"{s['step_ms']:.1f}", cost, s["wasted_steps"], s["survivor_restarts"]]
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--groups", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32, help="samples per worker and step")
+    parser.add_argument("--duration", type=float, default=60.0)
+    parser.add_argument("--kill-every", type=float, default=15.0)
+    parser.add_argument("--save-every", type=int, default=50, help="the elastic path's checkpoint interval (steps)")
+    parser.add_argument("--no-doc", action="store_true", help="print the table only")
+    args = parser.parse_args()
+    results = {}
+    for path in ("quorum", "elastic"):
+        for faulty in (False, True):
+            result = run(
+                path, args.groups, args.batch, args.duration, args.kill_every if faulty else None, args.save_every
+            )
+            results[(path, faulty)] = summary(path, result)
+            print(path, "faults" if faulty else "fault-free", results[(path, faulty)], result["work"], flush=True)
+    body = table(results, args)
+    print(body)
+    if not args.no_doc:
+        command = "python bench/fault_tolerance.py"
+        write_section(DOC, BEGIN, END, f"`{command}` (this machine, 2 cores):\n\n{body}")
+
+
+if __name__ == "__main__":
+    main()
