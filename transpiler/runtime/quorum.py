@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from transpiler.errors import ConfigurationError
+from transpiler.errors import CommunicationError, ConfigurationError
 
 from .failures import is_communication_failure
 from .process_group import Placement
@@ -176,4 +176,6 @@ class Quorum:
 
 def _is_peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective failing because a peer left (the step is retried), not a bug."""
-    return is_communication_failure(exc) or "ProcessGroup" in str(exc) or "abort" in str(exc).lower()
+    if isinstance(exc, CommunicationError) or is_communication_failure(exc):
+        return True
+    return "ProcessGroup" in str(exc) or "abort" in str(exc).lower()
