@@ -300,3 +300,18 @@ def test_the_participant_count_is_an_input_of_the_graph_and_needs_a_quorum():
     assert [p.name for p in step.program.inputs if p.kind == "quorum"] == ["participants"]
     code = step.graph_module.code
     assert "reciprocal" in code and "x_participants" in code
+
+
+def test_transpiler_dump_shows_the_program_a_quorum_runs(capsys):
+    """``transpiler dump --fault-tolerance``: the mode's pipeline as a quorum runs it (no torchft needed to look),
+    with the participant count as the input ``participants``; a mode not built for a quorum is a clear error."""
+    from transpiler.cli import main
+
+    factory = "tests/models.py:tiny_factory"
+    assert main(["dump", factory, "--mode", "fused_allreduce", "--fault-tolerance"]) == 0
+    code = capsys.readouterr().out
+    assert "x_participants" in code and "reciprocal" in code
+    assert main(["dump", factory, "--mode", "fused_allreduce"]) == 0
+    assert "x_participants" not in capsys.readouterr().out
+    assert main(["dump", factory, "--mode", "zero2", "--fault-tolerance"]) == 2
+    assert "mode 'zero2' is not yet" in capsys.readouterr().err

@@ -18,7 +18,8 @@ from transpiler.graph.pipeline import format_value
 from transpiler.graph.ports import IN_FLIGHT
 from transpiler.graph.program import StepProgram
 from transpiler.graph.render import to_dot, to_json, to_svg, unified_diff
-from transpiler.strategies.modes import modes
+from transpiler.strategies.modes import build_strategy, modes
+from transpiler.strategies.quorum import under_quorum
 
 from .api import transpile
 from .errors import FactoryError, TranspilerError
@@ -134,17 +135,21 @@ def cmd_dump(args: argparse.Namespace) -> int:
     def show(label: str, program: StepProgram) -> None:
         print(f"# ---- after {label} ----\n{program.graph_module.code}", file=sys.stderr)
 
+    mode, options = ("none", {}) if args.before else (args.mode, key_values(args.option))
+    if args.fault_tolerance and not args.before:  # the pipeline a quorum runs, as a spec: no torchft needed
+        (mode,) = under_quorum(build_strategy(mode, dict(options)), mode, options).specs().values()
+        options = {}
     step = transpile(
         model,
         optimizer,
-        mode="none" if args.before else args.mode,  # --before: the traced graph, in any format
+        mode=mode,  # --before: the traced graph, in any format
         loss_fn=loss_fn,
         example_inputs=tuple(batch),
         world_size=args.world_size,
         rank=args.rank,
         verify=not args.no_verify,
         on_pass=show if args.print_between_passes else None,
-        **({} if args.before else key_values(args.option)),
+        **options,
     )
     variants = step.programs
     variant = args.variant or (next(reversed(variants)) if "step" not in variants else "step")
@@ -252,6 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of the graph: the ops it dispatches per step (work, views, copies) after tracing and each pass",
     )
     dump.add_argument("-O", "--option", action="append", default=[], metavar="KEY=VALUE", help="mode option")
+    dump.add_argument(
+        "--fault-tolerance",
+        action="store_true",
+        help="the program as it runs under transpile(fault_tolerance=...): the participant count as an input",
+    )
     dump.add_argument("--no-verify", action="store_true", help="skip the verifiers between passes")
     dump.add_argument("-o", "--output", help="write here instead of stdout")
     dump.set_defaults(func=cmd_dump)
