@@ -35,12 +35,20 @@ from transpiler.errors import ConfigurationError
 from transpiler.graph.edit import Cursor, ancestors, fake_mode, refresh_value
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Fact, Pass
-from transpiler.graph.ports import GLOBAL, IN_FLIGHT, OUTER, ExtraInit, Port, PortKind, is_input
+from transpiler.graph.ports import GLOBAL, IN_FLIGHT, OUTER, PARTICIPANTS, ExtraInit, Port, PortKind, is_input
 from transpiler.graph.program import StepProgram
 
 from . import pseudo_exchange
 from .bucketing import bucket_cap_option, caps_in_bytes, first_bucket_option, reduce_in_buckets, unflatten
-from .gradient_flow import add_input, add_outputs, add_state, before_output, output_values, set_output_values
+from .gradient_flow import (
+    add_input,
+    add_outputs,
+    add_state,
+    before_output,
+    fake_tensor,
+    output_values,
+    set_output_values,
+)
 from .partitions import module_fragments
 from .pseudo_exchange import EXCHANGES, carried_like
 
@@ -63,6 +71,9 @@ class DiLoCoOuterStep(Pass):
     offload: bool = option(False, help="keep θ_global in host memory, copied to the device at each sync")
     bucket_cap_mb: float = bucket_cap_option()
     first_bucket_mb: float = first_bucket_option()
+    participants: bool = option(
+        False, help="average over the step's input 'participants' (a torchft quorum's size), not the world size"
+    )
 
     def run(self, program: StepProgram) -> bool:
         if program.outer_update is None:
@@ -89,7 +100,7 @@ class DiLoCoOuterStep(Pass):
                 return True
         means = {
             name: Cursor(program.graph, total).emit(
-                aten.mul.Tensor, (total, 1.0 / program.world_size), role="communication", averaged_delta_of=name
+                aten.mul.Tensor, (total, self._inverse_count(program)), role="communication", averaged_delta_of=name
             )
             for name, total in sums.items()
         }
@@ -113,6 +124,17 @@ class DiLoCoOuterStep(Pass):
         set_output_values(program, values)
         add_outputs(program, extra_values + list(new_state.values()), extra_ports + list(new_state))
         return True
+
+    def _inverse_count(self, program: StepProgram) -> float | fx.Node:
+        """What the Δ sums are multiplied by: 1/world_size, or with ``participants`` the reciprocal of the input
+        ``participants`` (the same float32 for the same count), made once after the inputs."""
+        if not self.participants:
+            return 1.0 / program.world_size
+        found = [n for n in program.graph.nodes if n.meta.get("inverse_of") == PARTICIPANTS]
+        if found:
+            return found[0]
+        count = add_input(program, Port(PortKind.QUORUM, PARTICIPANTS), fake_tensor(program, torch.float32))
+        return Cursor(program.graph, count).emit(aten.reciprocal.default, (count,), **COMM, inverse_of=PARTICIPANTS)
 
     def _global(self, program: StepProgram, name: str, local: fx.Node) -> fx.Node:
         """θ_global of parameter ``name`` as the sync reads it: the ``extra`` input, or with ``offload`` the

@@ -25,6 +25,8 @@ from tests.models import MLP
 from transpiler import DataPosition, FaultTolerance, transpile
 
 SAMPLES, PER_GROUP = 96, 4  # a step of 3 groups takes 12 samples: 8 steps an epoch
+SYNC_EVERY = 4  # DiLoCo's H
+LOSS = torch.nn.functional.cross_entropy
 
 
 def dataset() -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,18 +57,32 @@ def main() -> None:
     parser.add_argument("--first-groups", type=int, default=3, help="the groups that start together")
     parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--refuse-at", type=int, default=-1)
+    parser.add_argument("--mode", choices=("fused_allreduce", "diloco"), default="fused_allreduce")
     args = parser.parse_args()
     life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group("gloo")
-    x, y = dataset()
-    model, optimizer = fresh()
-    setting = FaultTolerance(args.lighthouse, args.group, min_replicas=2, timeout=10, quorum_timeout=60)
-    step = transpile(model, optimizer, "fused_allreduce", torch.nn.functional.cross_entropy, fault_tolerance=setting)
-    position = DataPosition(SAMPLES, PER_GROUP, seed=1)
-    if life == 0:  # the first quorum holds the first groups (their managers heartbeat from transpile on) under load
+    (diloco if args.mode == "diloco" else data_parallel)(args, life)
+    dist.destroy_process_group()
+
+
+def _setting(args: argparse.Namespace) -> FaultTolerance:
+    return FaultTolerance(args.lighthouse, args.group, min_replicas=2, timeout=10, quorum_timeout=60)
+
+
+def _first_groups_up(args: argparse.Namespace, life: int) -> None:
+    """The first quorum holds the first groups (their managers heartbeat from transpile on), whatever the load."""
+    if life == 0:
         (args.out / f"ready_{args.group}").touch()
         while len(list(args.out.glob("ready_*"))) < args.first_groups:
             time.sleep(0.05)
+
+
+def data_parallel(args: argparse.Namespace, life: int) -> None:
+    x, y = dataset()
+    model, optimizer = fresh()
+    step = transpile(model, optimizer, "fused_allreduce", LOSS, fault_tolerance=_setting(args))
+    position = DataPosition(SAMPLES, PER_GROUP, seed=1)
+    _first_groups_up(args, life)
     log = (args.out / f"{args.group}.jsonl").open("a")
     trajectory: dict[int, dict] = {}  # committed step -> the state after it
     while True:
@@ -106,7 +122,59 @@ def main() -> None:
     torch.save(snapshot(model, optimizer, position), args.out / f"{args.group}.pt")
     torch.save(trajectory, args.out / f"{args.group}-life{life}.trajectory.pt")
     step.quorum.shutdown()
-    dist.destroy_process_group()
+
+
+def diloco_state(step) -> dict:
+    """Copies of what a DiLoCo sync reads and writes: the replica's weights, both optimizers, θ_global."""
+    return copy.deepcopy(
+        {
+            "model": step.model.state_dict(),
+            "inner": step.optimizer.state_dict(),
+            "outer": step.outer_optimizer.state_dict(),
+            "global": step.global_parameters(),
+        }
+    )
+
+
+def diloco(args: argparse.Namespace, life: int) -> None:
+    """DiLoCo across groups: H inner AdamW steps on the group's own samples, then a sync under the quorum.
+    ``--die-at K``: the first life ends before inner step K (mid-round). Each committed sync is logged with the
+    state before and after it, for the test's reference outer step."""
+    x, y = dataset()
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step = transpile(model, optimizer, "diloco", LOSS, fault_tolerance=_setting(args), sync_every=SYNC_EVERY)
+    _first_groups_up(args, life)
+    own = torch.arange(int(args.group[1:]), SAMPLES, args.first_groups)  # this group's samples
+    log = (args.out / f"{args.group}.jsonl").open("a")
+    syncs: dict[int, dict] = {}
+    calls = 0
+    while True:
+        step.quorum.join()  # a returning group heals here, before the state it syncs from is read
+        if life == 0 and 0 <= args.die_at <= step.schedule.step:
+            log.close()
+            os._exit(1)
+        syncing = step.schedule.variant() == "sync"
+        start = calls * PER_GROUP % len(own)
+        indices = own[start : start + PER_GROUP]
+        before = diloco_state(step) if syncing else None
+        step(x[indices], y[indices])
+        calls += 1
+        seat = step.quorum.last_seat if syncing else None
+        record = {"pid": os.getpid(), "life": life, "sync": syncing, "committed": step.committed, "time": time.time()}
+        if seat is not None:
+            record |= {"step": seat.committed_steps, "participants": seat.participants}
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+        if syncing and step.committed:
+            syncs[seat.committed_steps] = {"before": before, "after": diloco_state(step), "indices": indices}
+            if seat.committed_steps + 1 >= args.min_steps and seat.participants == args.groups:
+                break
+        time.sleep(0.02)
+    log.close()
+    torch.save(syncs, args.out / f"{args.group}-life{life}.syncs.pt")
+    step.quorum.shutdown()
 
 
 if __name__ == "__main__":

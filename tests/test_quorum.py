@@ -16,12 +16,14 @@ committed and joins. The run ends after the first step with all four. What the c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,13 +32,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.distributed import ROOT, free_port
-from tests.quorum_worker import PER_GROUP, SAMPLES, dataset, fresh
+from tests.models import MLP
+from tests.quorum_worker import LOSS, PER_GROUP, SAMPLES, dataset, fresh
 from transpiler import ConfigurationError, DataPosition, FaultTolerance, transpile
 
 torchft = pytest.importorskip("torchft")
-GROUPS, DIE_AT, REFUSE_AT, JOIN_AFTER = 3, 3, 6, 20
+GROUPS, DIE_AT, REFUSE_AT, JOIN_AFTER, DILOCO_DIE_AT = 3, 3, 6, 20, 5
 ALL = [f"g{i}" for i in range(GROUPS + 1)]  # the three, and g3 that joins
-LOSS = torch.nn.functional.cross_entropy
 
 
 def _torchrun(out: Path, group: str, lighthouse: str, extra: list[str]) -> subprocess.Popen:
@@ -55,8 +57,7 @@ def _torchrun(out: Path, group: str, lighthouse: str, extra: list[str]) -> subpr
         group,
         "--lighthouse",
         lighthouse,
-        "--groups",
-        str(len(ALL)),
+        *(["--groups", str(len(ALL))] if "--groups" not in extra else []),
         *extra,
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RUST_LOG="warn")
@@ -64,41 +65,21 @@ def _torchrun(out: Path, group: str, lighthouse: str, extra: list[str]) -> subpr
     return subprocess.Popen(command, env=env, stdout=(out / f"{group}.log").open("w"), stderr=subprocess.STDOUT)
 
 
-@pytest.fixture(scope="module")
-def quorum_world(tmp_path_factory) -> Path:
-    """The lighthouse and three groups, run to the end; the folder of their logs and final states."""
-    out = tmp_path_factory.mktemp("quorum")
+@contextlib.contextmanager
+def _lighthouse(out: Path) -> Iterator[tuple[str, list[subprocess.Popen]]]:
+    """torchft's lighthouse (heartbeat timeout 2 s), its address, and a list for the groups' torchrun jobs; on
+    leaving, every job, its workers (torchrun starts each in a session of its own) and the lighthouse are gone."""
     port = free_port()
-    lighthouse = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "torchft_lighthouse"),
-            "--min_replicas",
-            "2",
-            "--bind",
-            f"[::]:{port}",
-            "--join_timeout_ms",
-            "1000",
-            "--heartbeat_timeout_ms",
-            "2000",
-        ],
-        env=dict(os.environ, RUST_LOG="warn"),
-        stdout=(out / "lighthouse.log").open("w"),
-        stderr=subprocess.STDOUT,
-    )
-    extras = {"g1": ["--refuse-at", str(REFUSE_AT)], "g2": ["--die-at", str(DIE_AT)]}
-    address = f"http://localhost:{port}"
+    command = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "2", "--bind", f"[::]:{port}"]
+    command += ["--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
+    log = (out / "lighthouse.log").open("w")
+    lighthouse = subprocess.Popen(command, env=dict(os.environ, RUST_LOG="warn"), stdout=log, stderr=subprocess.STDOUT)
+    jobs: list[subprocess.Popen] = []
     try:
         time.sleep(0.5)
-        jobs = [_torchrun(out, g, address, extras.get(g, [])) for g in ALL[:GROUPS]]
-        deadline = time.monotonic() + 120
-        while not any(r["step"] >= JOIN_AFTER and r["committed"] for r in _log(out, "g0")):
-            assert time.monotonic() < deadline and jobs[0].poll() is None, (out / "g0.log").read_text()[-3000:]
-            time.sleep(0.1)
-        jobs.append(_torchrun(out, ALL[GROUPS], address, []))
-        for job in jobs:
-            job.wait(timeout=150)
-    finally:  # a failed run's workers too (torchrun starts each in a session of its own)
-        for job in [*locals().get("jobs", []), lighthouse]:
+        yield f"http://localhost:{port}", jobs
+    finally:
+        for job in [*jobs, lighthouse]:
             workers = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
             for pid in [*map(int, workers), job.pid]:
                 try:
@@ -106,7 +87,41 @@ def quorum_world(tmp_path_factory) -> Path:
                 except ProcessLookupError:
                     pass
             job.wait()
+
+
+def _finished(out: Path, jobs: list[subprocess.Popen]) -> None:
+    for job in jobs:
+        job.wait(timeout=150)
     assert all(job.returncode == 0 for job in jobs), [(p.name, p.read_text()[-3000:]) for p in out.glob("g*.log")]
+
+
+@pytest.fixture(scope="module")
+def quorum_world(tmp_path_factory) -> Path:
+    """The lighthouse and three groups (then four), data parallel, run to the end; the folder of their logs and
+    states."""
+    out = tmp_path_factory.mktemp("quorum")
+    extras = {"g1": ["--refuse-at", str(REFUSE_AT)], "g2": ["--die-at", str(DIE_AT)]}
+    with _lighthouse(out) as (address, jobs):
+        jobs += [_torchrun(out, g, address, extras.get(g, [])) for g in ALL[:GROUPS]]
+        deadline = time.monotonic() + 120
+        while not any(r["step"] >= JOIN_AFTER and r["committed"] for r in _log(out, "g0")):
+            assert time.monotonic() < deadline and jobs[0].poll() is None, (out / "g0.log").read_text()[-3000:]
+            time.sleep(0.1)
+        jobs.append(_torchrun(out, ALL[GROUPS], address, []))
+        _finished(out, jobs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def diloco_world(tmp_path_factory) -> Path:
+    """The lighthouse and three groups under ``diloco`` (H=4): g2 dies before inner step 5, mid-round, and comes
+    back; the run ends after the first sync of all three at or after sync 6."""
+    out = tmp_path_factory.mktemp("quorum_diloco")
+    with _lighthouse(out) as (address, jobs):
+        common = ["--mode", "diloco", "--groups", str(GROUPS), "--min-steps", "6"]
+        extras = {"g2": ["--die-at", str(DILOCO_DIE_AT)]}
+        jobs += [_torchrun(out, g, address, [*common, *extras.get(g, [])]) for g in ALL[:GROUPS]]
+        _finished(out, jobs)
     return out
 
 
@@ -116,8 +131,12 @@ def _log(out: Path, group: str) -> list[dict]:
     return [json.loads(line) for line in lines if line.endswith("}")]
 
 
+def _records_of(out: Path, groups: list[str]) -> dict[str, list[dict]]:
+    return {group: _log(out, group) for group in groups}
+
+
 def _records(out: Path) -> dict[str, list[dict]]:
-    return {group: _log(out, group) for group in ALL}
+    return _records_of(out, ALL)
 
 
 def test_survivors_go_on_in_place_and_the_lost_group_heals_and_rejoins(quorum_world):
@@ -239,6 +258,80 @@ def test_every_committed_step_is_the_reference_step_on_the_participants_batches(
         assert len(samples) == len(set(samples)), f"a sample taken twice in epoch {epoch}"
 
 
+def _syncs(out: Path) -> dict[int, list[dict]]:
+    """Each committed DiLoCo sync (by the quorum's step), as every group that committed it saved it."""
+    merged: dict[int, list[dict]] = {}
+    for path in sorted(out.glob("*.syncs.pt")):
+        for number, sync in torch.load(path).items():
+            merged.setdefault(number, []).append(sync)
+    return merged
+
+
+def _reference_sync(befores: list[dict], batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DiLoCo's sync from the paper's equations, eager: each participant's inner AdamW step on its batch from
+    its own state, Δ = θ_global - θ, the Δs summed in order and times 1/participants, then the outer optimizer
+    (Nesterov SGD, lr 0.7, momentum 0.9, its saved state) on θ_global: the new θ_global."""
+    x, y = dataset()
+    total = None
+    for before, batch in zip(befores, batches):
+        model = MLP()
+        model.load_state_dict(before["model"])
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        inner.load_state_dict(before["inner"])
+        LOSS(model(x[batch]), y[batch]).backward()
+        inner.step()
+        delta = [before["global"][n] - p.detach() for n, p in model.named_parameters()]
+        total = delta if total is None else [a + b for a, b in zip(total, delta)]
+    names = list(befores[0]["global"])
+    theta = [befores[0]["global"][n].clone().requires_grad_() for n in names]
+    outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
+    outer.load_state_dict(befores[0]["outer"])
+    for t, d in zip(theta, total):
+        t.grad = d * (1.0 / len(befores))
+    outer.step()
+    return {n: t.detach() for n, t in zip(names, theta)}
+
+
+def test_diloco_survivors_sync_without_the_lost_group_and_it_returns_at_a_sync(diloco_world):
+    """Under ``diloco`` only the syncs take a quorum. g2 dies mid-round: the survivors keep their processes, and
+    their next sync averages the two pseudo-gradients they have; g2 comes back, waits for the next sync, heals
+    from a peer there (θ_global, its weights, both optimizers, the schedule) and takes part in it. After every
+    committed sync every group that committed it holds the same θ_global, and its weights are θ_global; θ_global
+    is the reference sync computed from the participants' states before it: bitwise with two participants, within
+    1e-6 with three (gloo's ring order, as above)."""
+    logs = _records_of(diloco_world, ALL[:GROUPS])
+    for survivor in ("g0", "g1"):
+        assert len({r["pid"] for r in logs[survivor]}) == 1 and {r["life"] for r in logs[survivor]} == {0}
+    assert {r["life"] for r in logs["g2"]} == {0, 1}
+    two = [r for r in logs["g0"] if r["sync"] and r["committed"] and r["participants"] == GROUPS - 1]
+    assert two, "a sync of the two survivors"
+    back = [r for r in logs["g2"] if r["life"] == 1]
+    assert back[0]["sync"] and back[0]["participants"] == GROUPS, "g2's first step back is a sync of all three"
+    syncs = _syncs(diloco_world)
+    exact = 0
+    for number, held in syncs.items():
+        first = held[0]["after"]
+        for other in held[1:]:
+            for name, value in first["global"].items():
+                assert torch.equal(value, other["after"]["global"][name]), (number, name)
+        for name, value in first["model"].items():
+            assert torch.equal(value, first["global"][name]), (number, name)
+        if number == 0:
+            continue  # the join's quorum before the first inner step: no sync
+        participants = next(r["participants"] for g in logs.values() for r in g if r.get("step") == number)
+        if len(held) < participants:  # g2's first life synced too, and died before saving what it saw
+            assert number in {r["step"] for r in logs["g2"] if r["life"] == 0 and r["sync"]}, number
+            continue
+        expected = _reference_sync([h["before"] for h in held], [h["indices"] for h in held])
+        if participants == 2:
+            exact += 1
+            assert all(torch.equal(expected[n], first["global"][n]) for n in expected), number
+        else:
+            worst = max((expected[n] - first["global"][n]).abs().max().item() for n in expected)
+            assert worst <= 1e-6, (number, worst)
+    assert exact >= 1
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 5), st.booleans()), min_size=1, max_size=40), st.integers(1, 6))
 def test_committed_steps_take_each_sample_once_per_epoch_whatever_the_quorums(steps, per_group):
@@ -268,8 +361,12 @@ def test_clear_errors_before_anything_runs(monkeypatch):
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
-    with pytest.raises(ConfigurationError, match="modes allreduce, fused_allreduce; mode 'zero2' is not yet"):
+    with pytest.raises(ConfigurationError, match="modes allreduce, fused_allreduce, diloco; mode 'zero2' is not yet"):
         transpile(model, sgd, "zero2", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
+    with pytest.raises(ConfigurationError, match="mode 'streaming_diloco' is not yet"):
+        transpile(model, sgd, "streaming_diloco", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
+    with pytest.raises(ConfigurationError, match="option replica_size does not run under fault_tolerance"):
+        transpile(model, sgd, "diloco", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"), replica_size=2)
     with pytest.raises(ConfigurationError, match="accumulate_steps does not run under fault_tolerance"):
         transpile(
             model, sgd, "fused_allreduce", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"), accumulate_steps=2
@@ -315,3 +412,5 @@ def test_transpiler_dump_shows_the_program_a_quorum_runs(capsys):
     assert "x_participants" not in capsys.readouterr().out
     assert main(["dump", factory, "--mode", "zero2", "--fault-tolerance"]) == 2
     assert "mode 'zero2' is not yet" in capsys.readouterr().err
+    assert main(["dump", factory, "--mode", "diloco", "--fault-tolerance"]) == 2
+    assert "shows modes of one program; 'diloco' has inner, sync" in capsys.readouterr().err

@@ -101,7 +101,7 @@ def transpile(
                 f"fault_tolerance must be a transpiler.FaultTolerance, got {type(fault_tolerance).__name__}."
             )
         strategy = under_quorum(strategy, mode, given)
-        quorum = Quorum(fault_tolerance, placement)
+        quorum = Quorum(fault_tolerance, placement, every_step=strategy.outer is None)
         placement = quorum.placement(placement)
     if cuda_graph and outer is not None:
         raise ConfigurationError(

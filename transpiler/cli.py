@@ -137,8 +137,10 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
     mode, options = ("none", {}) if args.before else (args.mode, key_values(args.option))
     if args.fault_tolerance and not args.before:  # the pipeline a quorum runs, as a spec: no torchft needed
-        (mode,) = under_quorum(build_strategy(mode, dict(options)), mode, options).specs().values()
-        options = {}
+        specs = under_quorum(build_strategy(mode, dict(options)), mode, options).specs()
+        if len(specs) > 1:
+            raise FactoryError(f"--fault-tolerance shows modes of one program; '{mode}' has {', '.join(specs)}.")
+        (mode,), options = specs.values(), {}
     step = transpile(
         model,
         optimizer,

@@ -148,22 +148,23 @@ class DistributedStep:
         state.refuse_while_lent("a training step")
         built = state.built = self._cache.prepare(batch, state.model, state.optimizer, state.outer_optimizer, autocast)
         self._startup.ready(state, built)
+        if self.quorum is not None:
+            self.quorum.join()  # the first call: the quorum, and healing, which may move the schedule
         variant = state.schedule.variant()
         program = built.programs[variant]
         feed.init_extra(state, built)
         if program.param_buckets:  # ZeRO-3's slices, before a flat shard binds them
             self._lent.hold(program, built.params)
         state.flat.bind(program.flat_buffers, built.params, state.optimizer, state.extra, built.whole)
-        seat = self.quorum.begin() if self.quorum is not None else None
-        quorum = self.quorum.inputs(built.device) if self.quorum is not None else {}
-        inputs = feed.inputs(state, program, built, batch, variant, quorum)
+        seat = self.quorum.seat_for(program) if self.quorum is not None else None
+        inputs = feed.inputs(state, program, built, batch, variant, self.quorum.inputs() if seat else None)
         on_gpu = bool(built.params) and built.device.type == "cuda"
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(built.device)
         run = functools.partial(
             run_named, built.runners[variant], program.graph_module, inputs, variant, state.placement
         )
-        outputs, self.committed = self.quorum.run(run) if self.quorum is not None else (run(), True)
+        outputs, self.committed = self.quorum.run(run) if seat is not None else (run(), True)
         if not self.committed:  # the quorum did not commit this step: nothing is written back, it is retried
             return outputs[0] if outputs is not None else torch.tensor(float("nan"))
         if seat is not None and self._position is not None:
@@ -183,9 +184,10 @@ class DistributedStep:
         is behind), then this group's sample indices for the step in ``position`` (whose ``global_batch`` is one
         group's batch). The position moves only when the step commits, and travels with the state a returning
         group heals from, so no sample is lost or taken twice among committed steps."""
-        if self.quorum is None:
+        if self.quorum is None or not self.quorum.every_step:
             raise ConfigurationError(
-                "next_batch() is for a step under fault_tolerance=; use DataPosition.epoch_batches."
+                "next_batch() is for a step under fault_tolerance= that takes a quorum every step (allreduce, "
+                "fused_allreduce); use DataPosition.epoch_batches, or each group's own data under diloco."
             )
         self._position = position
         seat = self.quorum.begin()

@@ -10,10 +10,13 @@ collectives run on it). What this module adds to a step, around the same rewritt
 - **the participant count as an input**: the program's ``participants`` port (``scale-loss-grad
   {participants=true}``) gets this quorum's size, so the mean is over the groups that take part and a quorum
   change never retraces;
-- **after the step** (:meth:`Quorum.vote`): torchft's commit vote. The program's updates are functional (its
+- **after the step** (:meth:`Quorum.run`): torchft's commit vote. The program's updates are functional (its
   pipeline has no ``reinplace-optimizer``), so a step that does not commit (a peer died mid-step, the quorum
   fell below ``min_replicas``) writes nothing back: parameters, optimizer state, schedule and data position
   stay as they were, bit for bit, and the next call retries under the new quorum.
+
+Under DiLoCo only the syncs read the participant count, and only they take a quorum and vote (:meth:`seat_for`);
+inner steps talk to no other group. A group joins at its first step, whatever it is (:meth:`join`).
 
 No lighthouse, quorum or transport is written here: all of it is torchft's (0.2).
 """
@@ -30,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from transpiler.errors import CommunicationError, ConfigurationError
+from transpiler.graph.ports import PortKind
 
 from .failures import is_communication_failure
 from .process_group import Placement
@@ -90,7 +94,7 @@ class Quorum:
     """This replica group's torchft ``Manager`` and the process group across groups it reconfigures, with the
     step's participation: :meth:`begin` before a step, :meth:`vote` after it."""
 
-    def __init__(self, setting: FaultTolerance, placement: Placement) -> None:
+    def __init__(self, setting: FaultTolerance, placement: Placement, every_step: bool = True) -> None:
         setting = setting.resolved()
         try:
             from torchft.manager import Manager
@@ -130,7 +134,10 @@ class Quorum:
         )
         self.setting = setting
         self.group_name = self.group.register(f"transpiler-quorum-{setting.replica_id}").group_name
+        self.every_step = every_step  # every program talks across groups (data parallel); else only some (DiLoCo)
         self.seat: Seat | None = None  # the quorum of the step under way
+        self.last_seat: Seat | None = None  # the quorum of the last step that took one
+        self.joined = False  # this group took part in a quorum (and healed) since it started
 
     def placement(self, placement: Placement) -> Placement:
         """Where the programs' collectives go: across the groups, on the quorum's process group."""
@@ -149,11 +156,28 @@ class Quorum:
             if index is None:
                 raise ConfigurationError("this replica group is not taking part in the quorum (a spare).")
             self.seat = Seat(index, self.manager.num_participants(), self.manager.current_step())
+            self.joined = True
         return self.seat
 
-    def inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """The program's ``quorum`` ports: ``participants``, the groups that take part in this step."""
-        return {"participants": torch.tensor(float(self.begin().participants), device=device)}
+    def join(self) -> None:
+        """Before this group's first step, whatever it is: the quorum, so that a group that starts late or comes
+        back heals from a peer (its step state, schedule included) before it trains. Under DiLoCo this waits
+        for the others' next sync (``quorum_timeout`` must cover a round)."""
+        if not self.joined:
+            self.begin()
+
+    def seat_for(self, program: Any) -> Seat | None:
+        """The quorum a step of ``program`` runs under: one that reads the participant count (every step of the
+        data-parallel modes, DiLoCo's syncs) or that follows a join; None for a step that talks to no other group
+        (DiLoCo's inner steps), which commits without a vote."""
+        if self.seat is None and any(port.kind == PortKind.QUORUM for port in program.inputs):
+            self.begin()
+        return self.seat
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The program's ``quorum`` ports: ``participants``, the groups that take part in this step (a 0-d CPU
+        tensor, as the graph declares it, wherever the parameters are)."""
+        return {"participants": torch.tensor(float(self.begin().participants))}
 
     def run(self, program: Callable[[], Any]) -> tuple[Any, bool]:
         """Run one step's program and vote: (its outputs, or None when it failed; whether the quorum commits).
@@ -165,7 +189,7 @@ class Quorum:
             error = exc
             self.manager.report_error(exc)
         committed = self.manager.should_commit()
-        self.seat = None
+        self.seat, self.last_seat = None, self.seat
         if error is not None and not _is_peer_failure(error):
             raise error
         return outputs, committed and error is None

@@ -1,11 +1,11 @@
 """A mode's strategy under a torchft quorum (``transpile(fault_tolerance=...)``): what changes in its pipeline.
 
-Four passes change, and nothing else: ``scale-loss-grad`` divides by the step's input ``participants``
-instead of the world size (a quorum's size changes from step to step, and the graph must not be traced again
-for it); ``broadcast-params`` goes, since torchft makes every group start from the first one's state
-(``init_sync``) and heals a late group from a peer; and ``flatten-update`` and ``reinplace-optimizer`` go, so
-that the update writes new tensors (the flat update writes into the parameters' flat storage) and a step that
-the quorum does not commit leaves the old ones untouched. The update stays multi-tensor (``foreach-update``).
+Four passes change, and nothing else. ``scale-loss-grad`` (and DiLoCo's ``diloco-outer-step``) divides by the
+step's input ``participants`` instead of the world size: a quorum's size changes from step to step, and the graph
+must not be traced again for it. ``broadcast-params`` goes, since torchft makes every group start from the first
+one's state (``init_sync``) and heals a late group from a peer. ``flatten-update`` and ``reinplace-optimizer`` go,
+so that the update writes new tensors (the flat update writes into the parameters' flat storage) and a step that
+the quorum does not commit leaves the old ones untouched; the update stays multi-tensor (``foreach-update``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from transpiler.graph.pipeline import Pass
 from .options import make
 from .strategy import Strategy
 
-QUORUM_MODES = ("allreduce", "fused_allreduce")  # the modes built under a quorum so far
+QUORUM_MODES = ("allreduce", "fused_allreduce", "diloco")  # the modes built under a quorum so far
 # options that change what a step is, which the quorum's one-step vote does not cover yet
-_NOT_UNDER_QUORUM = {"accumulate_steps": 1, "freeze_groups": 0}
+_NOT_UNDER_QUORUM = {"accumulate_steps": 1, "freeze_groups": 0, "replica_size": 1}
 
 
 def under_quorum(strategy: Strategy, mode: str, options: dict[str, Any]) -> Strategy:
@@ -44,4 +44,13 @@ def under_quorum(strategy: Strategy, mode: str, options: dict[str, Any]) -> Stra
 
 def _rewritten(passes: list[Pass]) -> list[Pass]:
     kept = [p for p in passes if p.name not in ("broadcast-params", "flatten-update", "reinplace-optimizer")]
-    return [make("scale-loss-grad", participants=True) if p.name == "scale-loss-grad" else p for p in kept]
+    return [_counting(p) for p in kept]
+
+
+def _counting(p: Pass) -> Pass:
+    """A pass that divides by the world size, dividing by the step's participant count instead."""
+    if p.name == "scale-loss-grad":
+        return make("scale-loss-grad", participants=True)
+    if p.name == "diloco-outer-step":
+        return dataclasses.replace(p, participants=True)
+    return p
