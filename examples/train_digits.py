@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+import zlib
 from datetime import timedelta
 
 import torch
@@ -164,7 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     model.to(device)
     optimizer = make_optimizer(model, args)
     loss_fn = torch.nn.CrossEntropyLoss()
-    position = DataPosition(len(x_train), args.global_batch, seed=args.seed)  # the same shuffle on every rank
+    # the same shuffle on every rank; under diloco each replica group reads the data in an order of its own
+    own_order = args.fault_tolerance and args.mode == "diloco"
+    seed = args.seed + (zlib.crc32(os.environ.get("REPLICA_GROUP_ID", "").encode()) if own_order else 0)
+    position = DataPosition(len(x_train), args.global_batch, seed=seed)
     step = transpile(
         model,
         optimizer,
@@ -235,8 +239,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def batches(step, position: DataPosition, rank: int, world: int):
     """This rank's sample indices for each step of the current epoch: its share of every global batch, or, under a
-    quorum, this group's share of each step's samples (taken again by the next step if one does not commit)."""
-    if step.quorum is None:
+    quorum that every step takes, this group's share of each step's samples (taken again by the next step if one
+    does not commit)."""
+    if step.quorum is None or not step.quorum.every_step:  # diloco: each group its own data
         yield from position.epoch_batches(rank, world)
         return
     epoch = position.epoch
