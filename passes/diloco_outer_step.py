@@ -35,7 +35,7 @@ from transpiler.errors import ConfigurationError
 from transpiler.graph.edit import Cursor, ancestors, fake_mode, refresh_value
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Fact, Pass
-from transpiler.graph.ports import GLOBAL, IN_FLIGHT, OUTER, PARTICIPANTS, ExtraInit, Port, PortKind, is_input
+from transpiler.graph.ports import GLOBAL, IN_FLIGHT, OUTER, ExtraInit, Port, PortKind, is_input
 from transpiler.graph.program import StepProgram
 
 from . import pseudo_exchange
@@ -45,8 +45,8 @@ from .gradient_flow import (
     add_outputs,
     add_state,
     before_output,
-    fake_tensor,
     output_values,
+    participant_count,
     set_output_values,
 )
 from .partitions import module_fragments
@@ -98,9 +98,10 @@ class DiLoCoOuterStep(Pass):
             sums = self._fragment_sums(program, globals_, locals_)
             if sums is None:  # the exchange is in flight: a later step finishes it
                 return True
+        inverse = self._inverse_count(program)
         means = {
             name: Cursor(program.graph, total).emit(
-                aten.mul.Tensor, (total, self._inverse_count(program)), role="communication", averaged_delta_of=name
+                aten.mul.Tensor, (total, inverse), role="communication", averaged_delta_of=name
             )
             for name, total in sums.items()
         }
@@ -127,14 +128,11 @@ class DiLoCoOuterStep(Pass):
 
     def _inverse_count(self, program: StepProgram) -> float | fx.Node:
         """What the Δ sums are multiplied by: 1/world_size, or with ``participants`` the reciprocal of the input
-        ``participants`` (the same float32 for the same count), made once after the inputs."""
+        ``participants`` (the same float32 for the same count)."""
         if not self.participants:
             return 1.0 / program.world_size
-        found = [n for n in program.graph.nodes if n.meta.get("inverse_of") == PARTICIPANTS]
-        if found:
-            return found[0]
-        count = add_input(program, Port(PortKind.QUORUM, PARTICIPANTS), fake_tensor(program, torch.float32))
-        return Cursor(program.graph, count).emit(aten.reciprocal.default, (count,), **COMM, inverse_of=PARTICIPANTS)
+        count = participant_count(program)
+        return Cursor(program.graph, count).emit(aten.reciprocal.default, (count,), **COMM)
 
     def _global(self, program: StepProgram, name: str, local: fx.Node) -> fx.Node:
         """θ_global of parameter ``name`` as the sync reads it: the ``extra`` input, or with ``offload`` the

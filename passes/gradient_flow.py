@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from transpiler.graph.edit import Cursor, fake_mode
-from transpiler.graph.ports import ExtraInit, Port
+from transpiler.graph.ports import PARTICIPANTS, ExtraInit, Port, PortKind, is_input
 from transpiler.graph.program import StepProgram
 
 
@@ -81,6 +81,15 @@ def add_input(program: StepProgram, port: Port, like: fx.Node | torch.Tensor) ->
     node.meta.update(val=like.meta.get("val") if isinstance(like, fx.Node) else like, port=port)
     program.inputs.append(port)
     return node
+
+
+def participant_count(program: StepProgram) -> fx.Node:
+    """The input ``participants`` (port kind ``quorum``, a 0-d float32): how many take part in this step's mean,
+    filled each step by the runtime from a torchft quorum. Added once, read by every pass that divides by it."""
+    for node in program.graph.nodes:
+        if is_input(node, PortKind.QUORUM) and node.meta["port"].name == PARTICIPANTS:
+            return node
+    return add_input(program, Port(PortKind.QUORUM, PARTICIPANTS), fake_tensor(program, torch.float32))
 
 
 def add_state(program: StepProgram, name: str, like: fx.Node | torch.Tensor, init: ExtraInit) -> fx.Node:

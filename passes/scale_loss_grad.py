@@ -14,14 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
-from transpiler.graph.ports import PARTICIPANTS, Port, PortKind
+from transpiler.graph.ports import PARTICIPANTS
 from transpiler.graph.program import StepProgram
 
-from .gradient_flow import add_input, fake_tensor, scale_seed
+from .gradient_flow import participant_count, scale_seed
 
 
 @dataclass(frozen=True)
@@ -39,6 +37,5 @@ class ScaleLossGrad(Pass):
             scale = 1.0 / program.world_size
             scale_seed(program, scale, loss_grad_scale=scale)
             return True
-        count = add_input(program, Port(PortKind.QUORUM, PARTICIPANTS), fake_tensor(program, torch.float32))
-        scale_seed(program, count, inverse=True, loss_grad_scale=PARTICIPANTS)
+        scale_seed(program, participant_count(program), inverse=True, loss_grad_scale=PARTICIPANTS)
         return True

@@ -89,7 +89,6 @@ def transpile(
     )
     if "trajectory_every" in saving and not saving.get("save_trajectory"):
         raise ConfigurationError("trajectory_every only applies with save_trajectory=DIR; give both or neither.")
-    given = dict(options)
     strategy = build_strategy(mode, options)
     strategy.check(optimizer)
     outer = outer_for(strategy, outer_optimizer, optimizer, mode)
@@ -100,7 +99,7 @@ def transpile(
             raise ConfigurationError(
                 f"fault_tolerance must be a transpiler.FaultTolerance, got {type(fault_tolerance).__name__}."
             )
-        strategy = under_quorum(strategy, mode, given)
+        strategy = under_quorum(strategy, mode, options)
         quorum = Quorum(fault_tolerance, placement, every_step=strategy.outer is None)
         placement = quorum.placement(placement)
     if cuda_graph and outer is not None:

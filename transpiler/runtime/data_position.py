@@ -30,6 +30,7 @@ class DataPosition:
     epoch: int = 0
     offset: int = 0
     _drawn: tuple[int, torch.Generator] | None = field(default=None, init=False, repr=False, compare=False)
+    _last: tuple[int, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.global_batch <= self.size:
@@ -44,14 +45,17 @@ class DataPosition:
     def order(self, epoch: int) -> torch.Tensor:
         """Epoch ``epoch``'s permutation: the ``epoch + 1``-th ``randperm`` of a generator seeded with ``seed``
         (what a loop drawing one permutation per epoch from one generator sees), the same on every rank. The
-        generator is kept between epochs, so that a run draws each permutation once, not ``epoch + 1`` times."""
+        generator is kept between epochs, so that a run draws each permutation once, not ``epoch + 1`` times, and
+        the last permutation is kept, since a quorum's steps ask for it every step (:meth:`quorum_part`)."""
+        if self._last is not None and self._last[0] == epoch:
+            return self._last[1]
         drawn, generator = self._drawn or (0, torch.Generator().manual_seed(self.seed))
         if drawn > epoch:
             drawn, generator = 0, torch.Generator().manual_seed(self.seed)
         for _ in range(epoch - drawn):
             torch.randperm(self.size, generator=generator)
         order = torch.randperm(self.size, generator=generator)
-        self._drawn = (epoch + 1, generator)
+        self._drawn, self._last = (epoch + 1, generator), (epoch, order)
         return order
 
     def epoch_batches(self, rank: int, world: int) -> Iterator[torch.Tensor]:

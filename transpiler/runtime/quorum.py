@@ -92,7 +92,7 @@ class Seat:
 
 class Quorum:
     """This replica group's torchft ``Manager`` and the process group across groups it reconfigures, with the
-    step's participation: :meth:`begin` before a step, :meth:`vote` after it."""
+    step's participation: :meth:`join` and :meth:`seat_for` before a step, :meth:`run` for it and the vote."""
 
     def __init__(self, setting: FaultTolerance, placement: Placement, every_step: bool = True) -> None:
         setting = setting.resolved()
