@@ -155,7 +155,7 @@ def run(path: str, groups: int, batch: int, duration: float, kill_every: float |
                 if killed is not None:
                     kills.append(killed)
                     next_kill += kill_every
-            time.sleep(0.05)
+            time.sleep(0.2)  # the /proc scans of this loop cost CPU the workers share
         end = time.time()
     finally:  # the workers first: torchrun starts each in a session of its own, which killpg would miss
         for job in jobs:
