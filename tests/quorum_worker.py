@@ -110,6 +110,7 @@ def data_parallel(args: argparse.Namespace, life: int) -> None:
             "indices": indices.tolist(),
             "loss": float(loss),
             "time": time.time(),
+            "traces": step.traces,
         }
         log.write(json.dumps(record) + "\n")
         log.flush()
@@ -163,6 +164,7 @@ def diloco(args: argparse.Namespace, life: int) -> None:
         calls += 1
         seat = step.quorum.last_seat if syncing else None
         record = {"pid": os.getpid(), "life": life, "sync": syncing, "committed": step.committed, "time": time.time()}
+        record["traces"] = step.traces
         if seat is not None:
             record |= {"step": seat.committed_steps, "participants": seat.participants}
         log.write(json.dumps(record) + "\n")

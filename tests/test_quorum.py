@@ -141,6 +141,7 @@ def _records(out: Path) -> dict[str, list[dict]]:
 
 def test_survivors_go_on_in_place_and_the_lost_group_heals_and_rejoins(quorum_world):
     logs = _records(quorum_world)
+    assert {r["traces"] for g in logs.values() for r in g} == {1}, "a quorum of another size never retraced"
     died_at = max(r["step"] for r in logs["g2"] if r["life"] == 0) + 1  # it dies before logging that step
     assert died_at == DIE_AT
     for survivor in ("g0", "g1"):
@@ -300,6 +301,7 @@ def test_diloco_survivors_sync_without_the_lost_group_and_it_returns_at_a_sync(d
     is the reference sync computed from the participants' states before it: bitwise with two participants, within
     1e-6 with three (gloo's ring order, as above)."""
     logs = _records_of(diloco_world, ALL[:GROUPS])
+    assert {r["traces"] for g in logs.values() for r in g} == {1}, "a sync of another size never retraced"
     for survivor in ("g0", "g1"):
         assert len({r["pid"] for r in logs[survivor]}) == 1 and {r["life"] for r in logs[survivor]} == {0}
     assert {r["life"] for r in logs["g2"]} == {0, 1}
