@@ -26,6 +26,7 @@ from transpiler import DataPosition, FaultTolerance, transpile
 
 SAMPLES, PER_GROUP = 96, 4  # a step of 3 groups takes 12 samples: 8 steps an epoch
 SYNC_EVERY = 4  # DiLoCo's H
+TWO_PARTICIPANT_STEPS = 10  # a group that died comes back only after the others committed this many without it
 LOSS = torch.nn.functional.cross_entropy
 
 
@@ -77,12 +78,24 @@ def _first_groups_up(args: argparse.Namespace, life: int) -> None:
             time.sleep(0.05)
 
 
+def _wait_for_steps_without(args: argparse.Namespace, steps: int) -> None:
+    """Until another group's log shows ``steps`` steps committed with one participant fewer than the first groups."""
+    while True:
+        for path in args.out.glob("g*.jsonl"):
+            lines = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+            if sum(r["committed"] and r["participants"] == args.first_groups - 1 for r in lines) >= steps:
+                return
+        time.sleep(0.05)
+
+
 def data_parallel(args: argparse.Namespace, life: int) -> None:
     x, y = dataset()
     model, optimizer = fresh()
     step = transpile(model, optimizer, "fused_allreduce", LOSS, fault_tolerance=_setting(args))
     position = DataPosition(SAMPLES, PER_GROUP, seed=1)
     _first_groups_up(args, life)
+    if life > 0:  # back after a death: only once the others have gone on without this group, whatever the load
+        _wait_for_steps_without(args, TWO_PARTICIPANT_STEPS)
     log = (args.out / f"{args.group}.jsonl").open("a")
     trajectory: dict[int, dict] = {}  # committed step -> the state after it
     while True:

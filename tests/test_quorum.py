@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 from tests.distributed import ROOT, free_port
 from tests.models import MLP
-from tests.quorum_worker import LOSS, PER_GROUP, SAMPLES, dataset, fresh
+from tests.quorum_worker import LOSS, PER_GROUP, SAMPLES, TWO_PARTICIPANT_STEPS, dataset, fresh
 from transpiler import ConfigurationError, DataPosition, FaultTolerance, transpile
 
 torchft = pytest.importorskip("torchft")
@@ -254,7 +254,7 @@ def test_every_committed_step_is_the_reference_step_on_the_participants_batches(
         else:
             worst = max((v - held[n]).abs().max().item() for n, v in model.state_dict().items())
             assert worst <= 1e-6, (step, participants, worst)
-    assert exact >= 10, "the steps between g2's death and its return had two participants, checked bitwise"
+    assert exact >= TWO_PARTICIPANT_STEPS, "the steps between g2's death and its return, checked bitwise"
     for epoch, samples in taken.items():
         assert len(samples) == len(set(samples)), f"a sample taken twice in epoch {epoch}"
 
