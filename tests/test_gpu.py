@@ -286,12 +286,15 @@ def test_captured_step_recaptures_on_retrace_and_new_state():
     assert max(worst) == 0.0
 
 
-def test_captured_and_compiled_is_bitwise_compiled():
+def test_captured_and_compiled_follows_compiled_within_an_ulp():
+    """Captured and compiled against compiled alone, over 8 steps. Inductor compiles the captured step's device part
+    (the program less its host part), not the whole program, and may fuse it otherwise: 0.0 on the H200, 1.9e-9
+    (an ulp of the weights) on the H100, from the first step on and not growing."""
     torch._dynamo.reset()
     plain, captured = _pair("mlp", "adamw", "fused_allreduce", {}, compile=True, cuda_graph=True)
     worst = _same_steps(plain, captured, "mlp", None, 8, torch.Generator().manual_seed(3))
     print(f"GPU captured+compiled vs compiled: {max(worst)}; compile s {captured[2].compile_seconds}")
-    assert max(worst) == 0.0
+    assert max(worst) <= 1e-8
 
 
 def test_cuda_graph_refuses_what_a_capture_cannot_hold():
@@ -332,3 +335,16 @@ def test_diloco_offloaded_global_weights_leave_the_device_between_syncs():
     print(f"GPU diloco offload: device bytes held between syncs {held[False]} -> {held[True]} (weights {weights})")
     assert held[False] - held[True] >= weights
     assert all(torch.equal(a, b) for a, b in zip(ends[False], ends[True]))
+
+
+def test_quorum_on_nccl_is_bitwise_the_step_without_one(tmp_path):
+    """``fault_tolerance`` on a GPU: the collectives across replica groups run on torchft's ``ProcessGroupNCCL``
+    (a quorum of this one group), and every step commits and is bitwise the same mode's step without a quorum
+    (the participant count 1 is fed as an input, so the mean's factor is ``reciprocal(1)``), for the
+    data-parallel mode and DiLoCo (two syncs)."""
+    pytest.importorskip("torchft")
+    from tests.quorum_alone import one_group_against_plain
+
+    worst = one_group_against_plain(DEVICE, tmp_path, ("fused_allreduce", "diloco"))
+    print(f"GPU quorum on NCCL, largest difference to the step without one over 8 steps: {worst}")
+    assert worst == {"fused_allreduce": 0.0, "diloco": 0.0}

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -416,3 +417,24 @@ def test_transpiler_dump_shows_the_program_a_quorum_runs(capsys):
     assert "mode 'zero2' is not yet" in capsys.readouterr().err
     assert main(["dump", factory, "--mode", "diloco", "--fault-tolerance"]) == 2
     assert "shows modes of one program; 'diloco' has inner, sync" in capsys.readouterr().err
+
+
+def test_a_group_alone_on_a_bound_device_registers_and_is_the_step_without_a_quorum(tmp_path, monkeypatch):
+    """NCCL binds the default group to its device (``init_process_group(device_id=...)``), and torch then connects
+    each new subgroup on that device at once, which torchft's group cannot do before its first quorum (found on
+    the H100: "No backend type associated with device type cuda"). A gloo world of one bound the same way stands
+    in for it here: the quorum's group registers, and a group alone commits every step, bitwise the same mode's
+    step without a quorum. The GPU lane runs the same check on NCCL."""
+    import torch.distributed as dist
+
+    from tests.quorum_alone import one_group_against_plain
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
+    try:
+        dist.distributed_c10d._get_default_group().bound_device_id = torch.device("cuda", 0)
+        worst = one_group_against_plain(torch.device("cpu"), tmp_path, ("fused_allreduce",))
+    finally:
+        dist.destroy_process_group()
+    assert worst == {"fused_allreduce": 0.0}

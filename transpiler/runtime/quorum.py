@@ -133,7 +133,7 @@ class Quorum:
             init_sync=True,  # every group starts from the first one's state
         )
         self.setting = setting
-        self.group_name = self.group.register(f"transpiler-quorum-{setting.replica_id}").group_name
+        self.group_name = _register(self.group, f"transpiler-quorum-{setting.replica_id}")
         self.every_step = every_step  # every program talks across groups (data parallel); else only some (DiLoCo)
         self.seat: Seat | None = None  # the quorum of the step under way
         self.last_seat: Seat | None = None  # the quorum of the last step that took one
@@ -196,6 +196,19 @@ class Quorum:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _register(group: Any, name: str) -> str:
+    """Register torchft's process group under ``name`` (a subgroup of the default one, so that functional
+    collectives find it) and return its group name. Torch connects a new subgroup at once on the device the
+    default group is bound to (``init_process_group(device_id=...)``), but torchft's group has no backend until
+    its first quorum configures it: the binding is lifted while it registers."""
+    default = dist.distributed_c10d._get_default_group()
+    bound, default.bound_device_id = default.bound_device_id, None
+    try:
+        return group.register(name).group_name
+    finally:
+        default.bound_device_id = bound
 
 
 def _is_peer_failure(exc: BaseException) -> bool:
