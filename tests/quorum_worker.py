@@ -1,4 +1,5 @@
-"""One replica group of the fault-tolerance tests (tests/test_quorum.py): a torchrun job of one rank that trains
+"""One replica group of the fault-tolerance tests (tests/test_quorum.py): a torchrun job (one rank; two under
+``diloco``) that trains
 under a torchft quorum, logs every step it runs (committed or not) and, at the end, saves its state.
 
 ``python -m torch.distributed.run --nproc-per-node 1 ... tests/quorum_worker.py OUT GROUP --lighthouse ADDR``.
@@ -13,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -61,6 +64,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=("fused_allreduce", "diloco"), default="fused_allreduce")
     args = parser.parse_args()
     life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a worker waits, into its group's log
     dist.init_process_group("gloo")
     (diloco if args.mode == "diloco" else data_parallel)(args, life)
     dist.destroy_process_group()
@@ -73,8 +77,8 @@ def _setting(args: argparse.Namespace) -> FaultTolerance:
 def _first_groups_up(args: argparse.Namespace, life: int) -> None:
     """The first quorum holds the first groups (their managers heartbeat from transpile on), whatever the load."""
     if life == 0:
-        (args.out / f"ready_{args.group}").touch()
-        while len(list(args.out.glob("ready_*"))) < args.first_groups:
+        (args.out / f"ready_{args.group}_{dist.get_rank()}").touch()
+        while len(list(args.out.glob("ready_*"))) < args.first_groups * dist.get_world_size():
             time.sleep(0.05)
 
 
@@ -151,27 +155,31 @@ def diloco_state(step) -> dict:
 
 
 def diloco(args: argparse.Namespace, life: int) -> None:
-    """DiLoCo across groups: H inner AdamW steps on the group's own samples, then a sync under the quorum.
-    ``--die-at K``: the first life ends before inner step K (mid-round). Each committed sync is logged with the
-    state before and after it, for the test's reference outer step."""
+    """DiLoCo across groups: H inner AdamW steps on the group's own samples, then a sync under the quorum. A group
+    of several ranks trains its replica with ZeRO-1 inside (``replica_mode="zero1"``: each rank holds a slice of
+    the inner optimizer's state, and heals that slice from the same rank of a peer group), each rank on its share
+    of the group's batch. ``--die-at K``: the first life of the group's last rank ends before inner step K
+    (mid-round); its torchrun restarts the whole group. Each committed sync is saved by every rank with the state
+    before and after it and the rank's slices, for the test's reference outer step; the group's rank 0 logs."""
     x, y = dataset()
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    step = transpile(model, optimizer, "diloco", LOSS, fault_tolerance=_setting(args), sync_every=SYNC_EVERY)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inside = {"replica_mode": "zero1"} if world > 1 else {}
+    step = transpile(model, optimizer, "diloco", LOSS, fault_tolerance=_setting(args), sync_every=SYNC_EVERY, **inside)
     _first_groups_up(args, life)
     own = torch.arange(int(args.group[1:]), SAMPLES, args.first_groups)  # this group's samples
-    log = (args.out / f"{args.group}.jsonl").open("a")
+    log = (args.out / f"{args.group}.jsonl").open("a") if rank == 0 else None
     syncs: dict[int, dict] = {}
     calls = 0
     while True:
         step.quorum.join()  # a returning group heals here, before the state it syncs from is read
-        if life == 0 and 0 <= args.die_at <= step.schedule.step:
-            log.close()
-            os._exit(1)
+        if life == 0 and 0 <= args.die_at <= step.schedule.step and rank == world - 1:
+            os._exit(1)  # the group's other ranks fail in its next collective, and torchrun restarts them all
         syncing = step.schedule.variant() == "sync"
-        start = calls * PER_GROUP % len(own)
-        indices = own[start : start + PER_GROUP]
+        start = calls * PER_GROUP * world % len(own)
+        indices = own[start : start + PER_GROUP * world][rank * PER_GROUP : (rank + 1) * PER_GROUP]
         before = diloco_state(step) if syncing else None
         step(x[indices], y[indices])
         calls += 1
@@ -180,15 +188,18 @@ def diloco(args: argparse.Namespace, life: int) -> None:
         record["traces"] = step.traces
         if seat is not None:
             record |= {"step": seat.committed_steps, "participants": seat.participants}
-        log.write(json.dumps(record) + "\n")
-        log.flush()
+        if log is not None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
         if syncing and step.committed:
-            syncs[seat.committed_steps] = {"before": before, "after": diloco_state(step), "indices": indices}
+            after, shards = diloco_state(step), dict(step.programs["sync"].shards)
+            syncs[seat.committed_steps] = {"before": before, "after": after, "indices": indices, "shards": shards}
             if seat.committed_steps + 1 >= args.min_steps and seat.participants == args.groups:
                 break
         time.sleep(0.02)
-    log.close()
-    torch.save(syncs, args.out / f"{args.group}-life{life}.syncs.pt")
+    if log is not None:
+        log.close()
+    torch.save(syncs, args.out / f"{args.group}-r{rank}-life{life}.syncs.pt")
     step.quorum.shutdown()
 
 

@@ -17,6 +17,7 @@ committed and joins. The run ends after the first step with all four. What the c
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import signal
@@ -39,15 +40,16 @@ from transpiler import ConfigurationError, DataPosition, FaultTolerance, transpi
 
 torchft = pytest.importorskip("torchft")
 GROUPS, DIE_AT, REFUSE_AT, JOIN_AFTER, DILOCO_DIE_AT = 3, 3, 6, 20, 5
+RANKS = 2  # ranks per group in the DiLoCo world
 ALL = [f"g{i}" for i in range(GROUPS + 1)]  # the three, and g3 that joins
 
 
-def _torchrun(out: Path, group: str, lighthouse: str, extra: list[str]) -> subprocess.Popen:
+def _torchrun(out: Path, group: str, lighthouse: str, extra: list[str], ranks: int = 1) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc-per-node=1",
+        f"--nproc-per-node={ranks}",
         "--max-restarts=1",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
@@ -115,13 +117,14 @@ def quorum_world(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def diloco_world(tmp_path_factory) -> Path:
-    """The lighthouse and three groups under ``diloco`` (H=4): g2 dies before inner step 5, mid-round, and comes
-    back; the run ends after the first sync of all three at or after sync 6."""
+    """The lighthouse and three groups of two ranks under ``diloco`` (H=4, ZeRO-1 inside each group): g2's second
+    rank dies before inner step 5, mid-round, and torchrun brings the group back; the run ends after the first sync
+    of all three at or after sync 6."""
     out = tmp_path_factory.mktemp("quorum_diloco")
     with _lighthouse(out) as (address, jobs):
         common = ["--mode", "diloco", "--groups", str(GROUPS), "--min-steps", "6"]
         extras = {"g2": ["--die-at", str(DILOCO_DIE_AT)]}
-        jobs += [_torchrun(out, g, address, [*common, *extras.get(g, [])]) for g in ALL[:GROUPS]]
+        jobs += [_torchrun(out, g, address, [*common, *extras.get(g, [])], RANKS) for g in ALL[:GROUPS]]
         _finished(out, jobs)
     return out
 
@@ -260,47 +263,81 @@ def test_every_committed_step_is_the_reference_step_on_the_participants_batches(
         assert len(samples) == len(set(samples)), f"a sample taken twice in epoch {epoch}"
 
 
-def _syncs(out: Path) -> dict[int, list[dict]]:
-    """Each committed DiLoCo sync (by the quorum's step), as every group that committed it saved it."""
-    merged: dict[int, list[dict]] = {}
-    for path in sorted(out.glob("*.syncs.pt")):
+def _syncs(out: Path) -> dict[int, list[list[dict]]]:
+    """Each committed DiLoCo sync (by the quorum's step): per group that committed it, what each of its ranks
+    saved (in rank order)."""
+    merged: dict[int, dict[str, list[dict]]] = {}
+    for path in sorted(out.glob("*.syncs.pt")):  # g0-r0-life0, g0-r1-life0, ...: a group's ranks in order
+        group = path.name.split("-")[0]
         for number, sync in torch.load(path).items():
-            merged.setdefault(number, []).append(sync)
-    return merged
+            merged.setdefault(number, {}).setdefault(group, []).append(sync)
+    return {number: list(groups.values()) for number, groups in merged.items()}
 
 
-def _reference_sync(befores: list[dict], batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """DiLoCo's sync from the paper's equations, eager: each participant's inner AdamW step on its batch from
-    its own state, Δ = θ_global - θ, the Δs summed in order and times 1/participants, then the outer optimizer
-    (Nesterov SGD, lr 0.7, momentum 0.9, its saved state) on θ_global: the new θ_global."""
+def _whole(ranks: list[dict]) -> dict:
+    """A group's state before a sync, from its ranks' saves: the weights (the same on every rank), the inner
+    optimizer's state put together from the ranks' slices (ZeRO-1: ``shards``, elements [lo, hi) of each
+    parameter), the outer optimizer and θ_global; and the group's batch, its ranks' in rank order."""
+    first = ranks[0]["before"]
+    for other in ranks[1:]:
+        assert all(torch.equal(v, other["before"]["model"][n]) for n, v in first["model"].items())
+    inner = copy.deepcopy(first["inner"])
+    names = list(first["global"])
+    for index, name in enumerate(names):
+        state = inner["state"][index]
+        for key, value in state.items():
+            if value.dim() == 0:
+                continue
+            whole = torch.empty(first["model"][name].numel())
+            for held in ranks:
+                lo, hi = held["shards"].get(name, (0, whole.numel()))
+                whole[lo:hi] = held["before"]["inner"]["state"][index][key]
+            state[key] = whole.view_as(first["model"][name])
+    batch = torch.cat([held["indices"] for held in ranks])
+    return {**first, "inner": inner, "batch": batch, "ranks": len(ranks)}
+
+
+def _reference_sync(groups: list[dict]) -> dict[str, torch.Tensor]:
+    """DiLoCo's sync from the paper's equations, eager: each participant's inner AdamW step from its own state, on
+    its ranks' batches (each rank's loss gradient times 1/ranks, summed: the group's data-parallel step), Δ =
+    θ_global - θ, the Δs summed in order and times 1/participants, then the outer optimizer (Nesterov SGD, lr 0.7,
+    momentum 0.9, its saved state) on θ_global: the new θ_global."""
     x, y = dataset()
     total = None
-    for before, batch in zip(befores, batches):
+    for group in groups:
         model = MLP()
-        model.load_state_dict(before["model"])
+        model.load_state_dict(group["model"])
         inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-        inner.load_state_dict(before["inner"])
-        LOSS(model(x[batch]), y[batch]).backward()
+        inner.load_state_dict(group["inner"])
+        grads = None
+        for part in group["batch"].chunk(group["ranks"]):
+            model.zero_grad()
+            LOSS(model(x[part]), y[part]).backward(torch.tensor(1.0 / group["ranks"]))
+            mine = [p.grad.clone() for p in model.parameters()]
+            grads = mine if grads is None else [a + b for a, b in zip(grads, mine)]
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
         inner.step()
-        delta = [before["global"][n] - p.detach() for n, p in model.named_parameters()]
+        delta = [group["global"][n] - p.detach() for n, p in model.named_parameters()]
         total = delta if total is None else [a + b for a, b in zip(total, delta)]
-    names = list(befores[0]["global"])
-    theta = [befores[0]["global"][n].clone().requires_grad_() for n in names]
+    names = list(groups[0]["global"])
+    theta = [groups[0]["global"][n].clone().requires_grad_() for n in names]
     outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
-    outer.load_state_dict(befores[0]["outer"])
+    outer.load_state_dict(groups[0]["outer"])
     for t, d in zip(theta, total):
-        t.grad = d * (1.0 / len(befores))
+        t.grad = d * (1.0 / len(groups))
     outer.step()
     return {n: t.detach() for n, t in zip(names, theta)}
 
 
 def test_diloco_survivors_sync_without_the_lost_group_and_it_returns_at_a_sync(diloco_world):
-    """Under ``diloco`` only the syncs take a quorum. g2 dies mid-round: the survivors keep their processes, and
-    their next sync averages the two pseudo-gradients they have; g2 comes back, waits for the next sync, heals
-    from a peer there (θ_global, its weights, both optimizers, the schedule) and takes part in it. After every
-    committed sync every group that committed it holds the same θ_global, and its weights are θ_global; θ_global
-    is the reference sync computed from the participants' states before it: bitwise with two participants, within
-    1e-6 with three (gloo's ring order, as above)."""
+    """Under ``diloco`` only the syncs take a quorum; each group is two ranks with ZeRO-1 inside. g2 loses a rank
+    mid-round: the survivors keep their processes, and their next sync averages the two pseudo-gradients they
+    have; g2 comes back, waits for the next sync, and each of its ranks heals its own slice from the same rank of
+    a peer there (θ_global, the weights, its slice of the inner optimizer, the outer optimizer, the schedule) and
+    takes part in it. After every committed sync every rank of every group that committed it holds the same
+    θ_global, and its weights are θ_global; θ_global is the reference sync computed from the participants' states
+    before it: bitwise with two participants, within 1e-6 with three (gloo's ring order, as above)."""
     logs = _records_of(diloco_world, ALL[:GROUPS])
     assert {r["traces"] for g in logs.values() for r in g} == {1}, "a sync of another size never retraced"
     for survivor in ("g0", "g1"):
@@ -310,22 +347,24 @@ def test_diloco_survivors_sync_without_the_lost_group_and_it_returns_at_a_sync(d
     assert two, "a sync of the two survivors"
     back = [r for r in logs["g2"] if r["life"] == 1]
     assert back[0]["sync"] and back[0]["participants"] == GROUPS, "g2's first step back is a sync of all three"
-    syncs = _syncs(diloco_world)
     exact = 0
-    for number, held in syncs.items():
-        first = held[0]["after"]
-        for other in held[1:]:
-            for name, value in first["global"].items():
-                assert torch.equal(value, other["after"]["global"][name]), (number, name)
-        for name, value in first["model"].items():
-            assert torch.equal(value, first["global"][name]), (number, name)
+    for number, held in _syncs(diloco_world).items():
+        first = held[0][0]["after"]
+        for ranks in held:
+            assert len(ranks) == RANKS, number
+            for saved in ranks:
+                for name, value in first["global"].items():
+                    assert torch.equal(value, saved["after"]["global"][name]), (number, name)
+                    assert torch.equal(value, saved["after"]["model"][name]), (number, name)
+            slices = [saved["shards"] for saved in ranks]
+            assert slices[0] != slices[1], "each rank holds its own slice of the inner optimizer's state"
         if number == 0:
             continue  # the join's quorum before the first inner step: no sync
         participants = next(r["participants"] for g in logs.values() for r in g if r.get("step") == number)
         if len(held) < participants:  # g2's first life synced too, and died before saving what it saw
             assert number in {r["step"] for r in logs["g2"] if r["life"] == 0 and r["sync"]}, number
             continue
-        expected = _reference_sync([h["before"] for h in held], [h["indices"] for h in held])
+        expected = _reference_sync([_whole(ranks) for ranks in held])
         if participants == 2:
             exact += 1
             assert all(torch.equal(expected[n], first["global"][n]) for n in expected), number
@@ -368,7 +407,7 @@ def test_clear_errors_before_anything_runs(monkeypatch):
         transpile(model, sgd, "zero2", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
     with pytest.raises(ConfigurationError, match="mode 'streaming_diloco' is not yet"):
         transpile(model, sgd, "streaming_diloco", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
-    with pytest.raises(ConfigurationError, match="option replica_size does not run under fault_tolerance"):
+    with pytest.raises(ConfigurationError, match="a replica is one replica group, of 1 rank.*replica_size=2 disagrees"):
         transpile(model, sgd, "diloco", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"), replica_size=2)
     with pytest.raises(ConfigurationError, match="accumulate_steps does not run under fault_tolerance"):
         transpile(
@@ -384,6 +423,21 @@ def test_clear_errors_before_anything_runs(monkeypatch):
         transpile(model, sgd, "fused_allreduce", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
     with pytest.raises(ConfigurationError, match="must be a transpiler.FaultTolerance"):
         transpile(model, sgd, "fused_allreduce", LOSS, fault_tolerance={"lighthouse": "http://h:1"})
+
+
+def test_a_group_of_several_ranks_is_a_diloco_replica_with_zero_inside():
+    """A replica group of two ranks: under ``diloco`` it is one replica (``replica_size`` = the group's size), with
+    ZeRO inside and the syncs on axis ``across`` over the participant count; the data-parallel modes and a whole
+    inner optimizer state per rank are refused, saying what to do."""
+    from transpiler.strategies.quorum import quorum_strategy
+
+    with pytest.raises(ConfigurationError, match="mode 'fused_allreduce' with replica groups of one rank; this group"):
+        quorum_strategy("fused_allreduce", {}, 2)
+    with pytest.raises(ConfigurationError, match="give replica_mode='zero1' or 'zero2'"):
+        quorum_strategy("diloco", {}, 2)
+    specs = quorum_strategy("diloco", {"replica_mode": "zero1", "sync_every": 4}, 2).specs()
+    assert "shard-optimizer{axis=replica" in specs["sync"] and "participants=true" in specs["sync"]
+    assert "axis=across" in specs["sync"] and "broadcast-params" not in ",".join(specs.values())
 
 
 def test_the_participant_count_is_an_input_of_the_graph_and_needs_a_quorum():

@@ -17,7 +17,7 @@ from transpiler.runtime.process_group import as_timeout, resolve_placement, subg
 from transpiler.runtime.quorum import FaultTolerance, Quorum
 from transpiler.runtime.trajectory import TRAJECTORY_OPTIONS, TrajectoryWriter
 from transpiler.strategies.modes import build_strategy
-from transpiler.strategies.quorum import under_quorum
+from transpiler.strategies.quorum import quorum_strategy
 from transpiler.strategies.strategy import Strategy
 from transpiler.trace.optimizers import as_optimizer
 from transpiler.trace.tracer import LossFn
@@ -89,9 +89,6 @@ def transpile(
     )
     if "trajectory_every" in saving and not saving.get("save_trajectory"):
         raise ConfigurationError("trajectory_every only applies with save_trajectory=DIR; give both or neither.")
-    strategy = build_strategy(mode, options)
-    strategy.check(optimizer)
-    outer = outer_for(strategy, outer_optimizer, optimizer, mode)
     placement = resolve_placement(world_size, rank, as_timeout(timeout))
     quorum = None
     if fault_tolerance is not None:
@@ -99,9 +96,13 @@ def transpile(
             raise ConfigurationError(
                 f"fault_tolerance must be a transpiler.FaultTolerance, got {type(fault_tolerance).__name__}."
             )
-        strategy = under_quorum(strategy, mode, options)
+        strategy = quorum_strategy(mode, options, placement.world_size)
         quorum = Quorum(fault_tolerance, placement, every_step=strategy.outer is None)
         placement = quorum.placement(placement)
+    else:
+        strategy = build_strategy(mode, options)
+    strategy.check(optimizer)
+    outer = outer_for(strategy, outer_optimizer, optimizer, mode)
     if cuda_graph and outer is not None:
         raise ConfigurationError(
             f"cuda_graph=True is not built for mode '{mode}': its programs hand an exchange in flight from one to "
@@ -114,6 +115,8 @@ def transpile(
     if saving.get("save_trajectory") and placement.rank == 0:
         observers.append(TrajectoryWriter(Path(saving["save_trajectory"]), saving.get("trajectory_every", 1)))
     plan = strategy.for_rank(placement.world_size, placement.rank)
+    across = quorum.across(plan.axes) if quorum is not None else {}  # a group of several ranks: torchft's group
+    subgroups = subgroup_names(placement, [g for g in plan.groups if g not in across]) | across
     builder = StepBuilder(
         model,
         optimizer,
@@ -122,7 +125,7 @@ def transpile(
         strategy,
         plan,
         placement,
-        subgroup_names(placement, list(plan.groups)),
+        subgroups,
         verify=verify,
         on_pass=on_pass,
         compile=compile,

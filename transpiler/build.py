@@ -132,6 +132,9 @@ class StepBuilder:
     def _setup(self, batch: tuple, programs: dict[str, StepProgram]) -> Setup:
         """What every rank compares before these programs first run (``handshake.py``)."""
         placement, outer = self.placement, self.outer
+        # a group of one rank of this world (each rank's torchft group, seen from inside its replica group) has
+        # nothing to match among the world's ranks
+        alone = {name for ranks, name in self.subgroups.items() if len(ranks) == 1}
         return Setup(
             world_size=placement.world_size,
             mode=self.strategy.specs(),
@@ -141,8 +144,15 @@ class StepBuilder:
             optimizer=describe_optimizer(self.optimizer)
             | ({f"outer {k}": v for k, v in describe_optimizer(outer).items()} if outer is not None else {}),
             batch=tuple(str(t.dtype).removeprefix("torch.") for t in batch),
-            communication={v: communication_plan(p.graph) for v, p in programs.items()},
-            groups={name: ranks for ranks, name in self.subgroups.items()}
+            communication={
+                v: [
+                    op
+                    for op in communication_plan(p.graph)
+                    if op.collective is None or op.collective.group not in alone
+                ]
+                for v, p in programs.items()
+            },
+            groups={name: ranks for ranks, name in self.subgroups.items() if name not in alone}
             | {placement.group_name: tuple(range(placement.world_size))},
             sources={name: digest for p in programs.values() for name, digest in p.sources.items()},
             compiled=self.compile,

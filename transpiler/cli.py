@@ -18,8 +18,8 @@ from transpiler.graph.pipeline import format_value
 from transpiler.graph.ports import IN_FLIGHT
 from transpiler.graph.program import StepProgram
 from transpiler.graph.render import to_dot, to_json, to_svg, unified_diff
-from transpiler.strategies.modes import build_strategy, modes
-from transpiler.strategies.quorum import under_quorum
+from transpiler.strategies.modes import modes
+from transpiler.strategies.quorum import quorum_strategy
 
 from .api import transpile
 from .errors import FactoryError, TranspilerError
@@ -137,7 +137,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
     mode, options = ("none", {}) if args.before else (args.mode, key_values(args.option))
     if args.fault_tolerance and not args.before:  # the pipeline a quorum runs, as a spec: no torchft needed
-        specs = under_quorum(build_strategy(mode, dict(options)), mode, options).specs()
+        specs = quorum_strategy(mode, options, 1).specs()
         if len(specs) > 1:
             raise FactoryError(f"--fault-tolerance shows modes of one program; '{mode}' has {', '.join(specs)}.")
         (mode,), options = specs.values(), {}

@@ -201,6 +201,17 @@ class DistributedStep:
         self.load_state_dict(state["step"])
         if self._position is not None and state["data"] is not None:
             self._position.load_state_dict(state["data"])
+        if self.outer_optimizer is not None:
+            self._start_round_from_global()
+
+    def _start_round_from_global(self) -> None:
+        """DiLoCo, after healing at a sync: the peers are mid-round, each on weights of its own (and torchft picks
+        the peer per rank, so the ranks of a group may heal from different peers), but θ_global is the same on
+        all of them: the group's weights start from it, as at the start of a round."""
+        weights = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in self.global_parameters().items():
+                weights[name].copy_(value)
 
     # ------------------------------------------------ lending, memory, global weights
     def gathered(self, writeback: bool = True) -> contextlib.AbstractContextManager[torch.nn.Module]:

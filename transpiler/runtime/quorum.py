@@ -109,11 +109,6 @@ class Quorum:
                 "fault_tolerance needs the replica group's own torch.distributed world: launch the group with "
                 "torchrun and call torch.distributed.init_process_group() before transpile()."
             )
-        if placement.world_size > 1:
-            raise ConfigurationError(
-                f"fault_tolerance is built for replica groups of one rank; this group has {placement.world_size}. "
-                "Run each rank as its own group (torchrun --nproc-per-node 1, one REPLICA_GROUP_ID each)."
-            )
         timeout = timedelta(seconds=setting.timeout)
         nccl = dist.get_backend() == "nccl"
         self.group = ProcessGroupNCCL(timeout=timeout) if nccl else ProcessGroupGloo(timeout=timeout)
@@ -140,8 +135,18 @@ class Quorum:
         self.joined = False  # this group took part in a quorum (and healed) since it started
 
     def placement(self, placement: Placement) -> Placement:
-        """Where the programs' collectives go: across the groups, on the quorum's process group."""
+        """Where the programs' collectives go: for a group of one rank, across the groups, on the quorum's process
+        group; for a group of several, on the group's own world (inner steps), with axis ``across`` on the
+        quorum's group (:meth:`across`)."""
+        if placement.world_size > 1:
+            return placement
         return replace(placement, group_name=self.group_name, timeout=timedelta(seconds=self.setting.timeout))
+
+    def across(self, axes: tuple[dict[str, tuple[int, ...]], ...]) -> dict[tuple[int, ...], str]:
+        """For a group of several ranks (a 2-D layout, one axis per rank of the world): each rank's ``across``
+        ranks, named as the quorum's process group, which joins each rank to those of its place in the other
+        groups. No such group is created in the group's own world."""
+        return {rank_axes["across"]: self.group_name for rank_axes in axes if "across" in rank_axes}
 
     def serve(self, save: Callable[[], dict], load: Callable[[dict], None]) -> None:
         """What a healing peer takes from this group, and how this group takes it from a peer."""

@@ -3,9 +3,18 @@
 Four passes change, and nothing else. ``scale-loss-grad`` (and DiLoCo's ``diloco-outer-step``) divides by the
 step's input ``participants`` instead of the world size: a quorum's size changes from step to step, and the graph
 must not be traced again for it. ``broadcast-params`` goes, since torchft makes every group start from the first
-one's state (``init_sync``) and heals a late group from a peer. ``flatten-update`` and ``reinplace-optimizer`` go,
+one's state (``init_sync``) and heals a late group from a peer. In a group of several ranks each rank takes that
+state from the rank of its place in a peer group, which torchft picks per place, so some ranks of a group may heal
+at the start and others not: a broadcast inside the group would be run by some of its ranks only. The ranks of
+the groups must start alike (a seeded model), as under torchft. ``flatten-update`` and ``reinplace-optimizer`` go,
 so that the update writes new tensors (the flat update writes into the parameters' flat storage) and a step that
 the quorum does not commit leaves the old ones untouched; the update stays multi-tensor (``foreach-update``).
+
+A replica group of several ranks is one of DiLoCo's replicas (HSDP's layout, ``replica_size`` = the group's size):
+its inner steps are data parallel over the group's own process group with ZeRO-1/2 inside (``replica_mode``),
+each rank holding its slice of the inner optimizer's state, which it heals from the rank of its place in a peer
+group; the syncs average across groups on axis ``across``, which the quorum's process group serves (each rank
+with the ranks of its place in the other groups, as torchft pairs them).
 """
 
 from __future__ import annotations
@@ -16,40 +25,65 @@ from typing import Any
 from transpiler.errors import ConfigurationError
 from transpiler.graph.pipeline import Pass
 
+from .modes import build_strategy
 from .options import make
 from .strategy import Strategy
 
 QUORUM_MODES = ("allreduce", "fused_allreduce", "diloco")  # the modes built under a quorum so far
+GROUP_MODES = ("diloco",)  # the modes whose replica groups may have several ranks
 # options that change what a step is, which the quorum's one-step vote does not cover yet
-_NOT_UNDER_QUORUM = {"accumulate_steps": 1, "freeze_groups": 0, "replica_size": 1}
+_NOT_UNDER_QUORUM = {"accumulate_steps": 1, "freeze_groups": 0}
+_DROPPED = frozenset({"broadcast-params", "flatten-update", "reinplace-optimizer"})
 
 
-def under_quorum(strategy: Strategy, mode: str, options: dict[str, Any]) -> Strategy:
-    """``strategy`` rewritten to run as one replica group of a torchft quorum; an error for a mode or option
-    that is not built for it, saying what is."""
+def quorum_strategy(mode: str, options: dict[str, Any], group_size: int) -> Strategy:
+    """The strategy of ``mode`` for one replica group of ``group_size`` ranks under a torchft quorum; an error for
+    a mode, option or group size that is not built for it, saying what is."""
     if mode not in QUORUM_MODES:
         raise ConfigurationError(
             f"fault_tolerance is built for modes {', '.join(QUORUM_MODES)}; mode '{mode}' is not yet. Use one "
             "of those, or drop fault_tolerance (torchrun's elastic restarts still recover every mode)."
         )
+    if group_size > 1 and mode not in GROUP_MODES:
+        raise ConfigurationError(
+            f"fault_tolerance runs mode '{mode}' with replica groups of one rank; this group has {group_size}. Run "
+            "each rank as its own group (torchrun --nproc-per-node 1, one REPLICA_GROUP_ID each), or use "
+            f"{' or '.join(GROUP_MODES)}, whose replica groups may have several ranks."
+        )
+    replica_size = options.get("replica_size", group_size)
+    if replica_size != group_size:
+        raise ConfigurationError(
+            f"under fault_tolerance a replica is one replica group, of {group_size} rank(s) here; replica_size="
+            f"{replica_size} disagrees. Leave replica_size out."
+        )
+    if group_size > 1 and options.get("replica_mode", "fused_allreduce") == "fused_allreduce":
+        raise ConfigurationError(
+            f"under fault_tolerance a replica group of several ranks ({group_size} here) shards its inner optimizer "
+            "state: give replica_mode='zero1' or 'zero2'. A returning group's ranks heal from the peers torchft "
+            "picks for each, which are mid-round with optimizer states of their own; a whole copy per rank would "
+            "leave the group's ranks with different states, a slice per rank does not."
+        )
+    if group_size > 1:
+        options = {**options, "replica_size": group_size}
     for name, off in _NOT_UNDER_QUORUM.items():
         if options.get(name, off) != off:
             raise ConfigurationError(
                 f"option {name} does not run under fault_tolerance yet: a quorum votes on each step, and "
                 f"{name} spreads one update over several. Drop it, or drop fault_tolerance."
             )
+    strategy = build_strategy(mode, options)
     variants = {variant: _rewritten(passes) for variant, passes in strategy.variants.items()}
     return dataclasses.replace(strategy, variants=variants)
 
 
 def _rewritten(passes: list[Pass]) -> list[Pass]:
-    kept = [p for p in passes if p.name not in ("broadcast-params", "flatten-update", "reinplace-optimizer")]
+    kept = [p for p in passes if p.name not in _DROPPED]
     return [_counting(p) for p in kept]
 
 
 def _counting(p: Pass) -> Pass:
     """A pass that divides by the world size, dividing by the step's participant count instead."""
-    if p.name == "scale-loss-grad":
+    if p.name == "scale-loss-grad" and p.axis == "world":  # a group's own mean (axis replica) keeps its 1/size
         return make("scale-loss-grad", participants=True)
     if p.name == "diloco-outer-step":
         return dataclasses.replace(p, participants=True)
