@@ -36,7 +36,7 @@ def one_group_against_plain(
     worst = {}
     try:
         for mode in modes:
-            options = {"sync_every": 3} if mode == "diloco" else {}
+            options = {"diloco": {"sync_every": 3}, "streaming_diloco": {"sync_every": 3, "fragments": 2}}.get(mode, {})
             steps_by_kind = {}
             for kind in ("quorum", "plain"):
                 torch.manual_seed(0)

@@ -403,10 +403,15 @@ def test_clear_errors_before_anything_runs(monkeypatch):
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
-    with pytest.raises(ConfigurationError, match="modes allreduce, fused_allreduce, diloco; mode 'zero2' is not yet"):
+    with pytest.raises(ConfigurationError, match="streaming_diloco; mode 'zero2' is not yet"):
         transpile(model, sgd, "zero2", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
-    with pytest.raises(ConfigurationError, match="mode 'streaming_diloco' is not yet"):
-        transpile(model, sgd, "streaming_diloco", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
+    ft = FaultTolerance("http://h:1", "g0")
+    with pytest.raises(
+        ConfigurationError, match="fragment_sync_delay does not run under fault_tolerance yet.*in flight"
+    ):
+        transpile(model, sgd, "streaming_diloco", LOSS, fault_tolerance=ft, fragments=2, fragment_sync_delay=1)
+    with pytest.raises(ConfigurationError, match="exchange_dtype does not run under fault_tolerance yet"):
+        transpile(model, sgd, "streaming_diloco", LOSS, fault_tolerance=ft, fragments=2, exchange_dtype="int4")
     with pytest.raises(ConfigurationError, match="a replica is one replica group, of 1 rank.*replica_size=2 disagrees"):
         transpile(model, sgd, "diloco", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"), replica_size=2)
     with pytest.raises(ConfigurationError, match="accumulate_steps does not run under fault_tolerance"):
@@ -478,7 +483,8 @@ def test_a_group_alone_on_a_bound_device_registers_and_is_the_step_without_a_quo
     each new subgroup on that device at once, which torchft's group cannot do before its first quorum (found on
     the H100: "No backend type associated with device type cuda"). A gloo world of one bound the same way stands
     in for it here: the quorum's group registers, and a group alone commits every step, bitwise the same mode's
-    step without a quorum. The GPU lane runs the same check on NCCL."""
+    step without a quorum, in ``fused_allreduce`` and in ``streaming_diloco`` (two fragments, each sync a quorum of
+    one). The GPU lane runs the same check on NCCL."""
     import torch.distributed as dist
 
     from tests.quorum_alone import one_group_against_plain
@@ -488,7 +494,42 @@ def test_a_group_alone_on_a_bound_device_registers_and_is_the_step_without_a_quo
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
     try:
         dist.distributed_c10d._get_default_group().bound_device_id = torch.device("cuda", 0)
-        worst = one_group_against_plain(torch.device("cpu"), tmp_path, ("fused_allreduce",))
+        worst = one_group_against_plain(torch.device("cpu"), tmp_path, ("fused_allreduce", "streaming_diloco"))
+        refused = _refused_until_it_gives_up(tmp_path, max_retries=2)
     finally:
         dist.destroy_process_group()
-    assert worst == {"fused_allreduce": 0.0}
+    assert worst == {"fused_allreduce": 0.0, "streaming_diloco": 0.0}
+    assert refused == 3
+
+
+def _refused_until_it_gives_up(folder: Path, max_retries: int) -> int:
+    """A group alone whose every step is voted against: the steps it ran before the step raised the
+    CommunicationError of ``FaultTolerance.max_retries`` (saying what to check), each one uncommitted."""
+    from tests.quorum_alone import lighthouse
+    from transpiler.errors import CommunicationError
+
+    port = free_port()
+    server = lighthouse(folder, port)
+    model = MLP()
+    step = transpile(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        "fused_allreduce",
+        LOSS,
+        fault_tolerance=FaultTolerance(f"http://localhost:{port}", "refused", max_retries=max_retries, timeout=30),
+    )
+    x, y = torch.randn(4, 20), torch.randint(0, 5, (4,))
+    runs = 0
+    try:
+        with pytest.raises(CommunicationError, match="3 steps in a row did not commit.*max_retries"):
+            while runs < 10:
+                step.quorum.begin()
+                step.quorum.manager.report_error(RuntimeError("a vote against this step (the test's)"))
+                step(x, y)
+                assert not step.committed
+                runs += 1
+    finally:
+        step.quorum.shutdown()
+        server.kill()
+        server.wait(timeout=30)
+    return runs + 1

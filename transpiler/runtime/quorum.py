@@ -49,13 +49,16 @@ class FaultTolerance:
     ``$TORCHFT_LIGHTHOUSE``), ``replica_id`` this group's name, the same across its restarts (default
     ``$REPLICA_GROUP_ID``), ``min_replicas`` the fewest groups a step commits with. ``timeout`` (seconds) bounds
     every collective across groups, the commit vote and healing: a peer that stops answering costs the others
-    this long once. ``quorum_timeout`` bounds the wait for a quorum of ``min_replicas`` groups."""
+    this long once. ``quorum_timeout`` bounds the wait for a quorum of ``min_replicas`` groups. ``max_retries``:
+    after this many steps in a row that did not commit, the step raises a CommunicationError instead of retrying
+    (None: retry for ever)."""
 
     lighthouse: str | None = None
     replica_id: str | None = None
     min_replicas: int = 1
     timeout: float = 30.0
     quorum_timeout: float = 120.0
+    max_retries: int | None = 10
 
     def resolved(self) -> FaultTolerance:
         """This setting with the environment's defaults filled in, checked."""
@@ -73,6 +76,9 @@ class FaultTolerance:
             )
         if isinstance(self.min_replicas, bool) or not isinstance(self.min_replicas, int) or self.min_replicas < 1:
             raise ConfigurationError(f"min_replicas must be an int >= 1, got {self.min_replicas!r}.")
+        retries = self.max_retries
+        if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
+            raise ConfigurationError(f"max_retries must be an int >= 0 or None, got {retries!r}.")
         for name in ("timeout", "quorum_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
@@ -126,6 +132,7 @@ class Quorum:
             lighthouse_addr=setting.lighthouse,
             replica_id=setting.replica_id,
             init_sync=True,  # every group starts from the first one's state
+            max_retries=setting.max_retries,
         )
         self.setting = setting
         self.group_name = _register(self.group, f"transpiler-quorum-{setting.replica_id}")
@@ -193,7 +200,16 @@ class Quorum:
         except Exception as exc:  # a peer left mid-step: torchft reconfigures at the next quorum
             error = exc
             self.manager.report_error(exc)
-        committed = self.manager.should_commit()
+        try:
+            committed = self.manager.should_commit()
+        except RuntimeError as exc:  # torchft's max_retries: this many steps in a row did not commit
+            if "max_retries" not in str(exc):
+                raise
+            raise CommunicationError(
+                f"replica group {self.setting.replica_id!r}: {self.setting.max_retries + 1} steps in a row did not "
+                f"commit ({exc}); the last step's error: {error!r}. Check the other groups' logs and the "
+                "lighthouse, or raise FaultTolerance.max_retries."
+            ) from error or exc
         self.seat, self.last_seat = None, self.seat
         if error is not None and not _is_peer_failure(error):
             raise error

@@ -29,10 +29,15 @@ from .modes import build_strategy
 from .options import make
 from .strategy import Strategy
 
-QUORUM_MODES = ("allreduce", "fused_allreduce", "diloco")  # the modes built under a quorum so far
-GROUP_MODES = ("diloco",)  # the modes whose replica groups may have several ranks
-# options that change what a step is, which the quorum's one-step vote does not cover yet
-_NOT_UNDER_QUORUM = {"accumulate_steps": 1, "freeze_groups": 0}
+QUORUM_MODES = ("allreduce", "fused_allreduce", "diloco", "streaming_diloco")  # the modes built under a quorum
+GROUP_MODES = ("diloco", "streaming_diloco")  # the modes whose replica groups may have several ranks
+# options that change what a step is, which the quorum's one-step vote does not cover yet, with why
+_NOT_UNDER_QUORUM = {
+    "accumulate_steps": (1, "spreads one update over several"),
+    "freeze_groups": (0, "spreads one update over several"),
+    "fragment_sync_delay": (0, "leaves a fragment's exchange in flight from one step to a later one"),
+    "exchange_dtype": ("float32", "sends each group's share of the sum to one rank of a fixed world (all-to-all)"),
+}
 _DROPPED = frozenset({"broadcast-params", "flatten-update", "reinplace-optimizer"})
 
 
@@ -65,11 +70,11 @@ def quorum_strategy(mode: str, options: dict[str, Any], group_size: int) -> Stra
         )
     if group_size > 1:
         options = {**options, "replica_size": group_size}
-    for name, off in _NOT_UNDER_QUORUM.items():
+    for name, (off, why) in _NOT_UNDER_QUORUM.items():
         if options.get(name, off) != off:
             raise ConfigurationError(
-                f"option {name} does not run under fault_tolerance yet: a quorum votes on each step, and "
-                f"{name} spreads one update over several. Drop it, or drop fault_tolerance."
+                f"option {name} does not run under fault_tolerance yet: a quorum votes on each step, and {name} "
+                f"{why}. Drop it, or drop fault_tolerance."
             )
     strategy = build_strategy(mode, options)
     variants = {variant: _rewritten(passes) for variant, passes in strategy.variants.items()}
