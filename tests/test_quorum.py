@@ -504,7 +504,8 @@ def test_a_group_alone_on_a_bound_device_registers_and_is_the_step_without_a_quo
 
 def _refused_until_it_gives_up(folder: Path, max_retries: int) -> int:
     """A group alone whose every step is voted against: the steps it ran before the step raised the
-    CommunicationError of ``FaultTolerance.max_retries`` (saying what to check), each one uncommitted."""
+    CommunicationError of ``FaultTolerance.max_retries`` (saying what to check), each one uncommitted. Then the
+    lighthouse goes, and the next step raises a CommunicationError naming it after ``quorum_timeout``."""
     from tests.quorum_alone import lighthouse
     from transpiler.errors import CommunicationError
 
@@ -516,7 +517,9 @@ def _refused_until_it_gives_up(folder: Path, max_retries: int) -> int:
         torch.optim.SGD(model.parameters(), lr=0.1),
         "fused_allreduce",
         LOSS,
-        fault_tolerance=FaultTolerance(f"http://localhost:{port}", "refused", max_retries=max_retries, timeout=30),
+        fault_tolerance=FaultTolerance(
+            f"http://localhost:{port}", "refused", max_retries=max_retries, timeout=30, quorum_timeout=3
+        ),
     )
     x, y = torch.randn(4, 20), torch.randint(0, 5, (4,))
     runs = 0
@@ -528,6 +531,10 @@ def _refused_until_it_gives_up(folder: Path, max_retries: int) -> int:
                 step(x, y)
                 assert not step.committed
                 runs += 1
+        server.kill()
+        server.wait(timeout=30)
+        with pytest.raises(CommunicationError, match="no quorum within quorum_timeout=3 s.*lighthouse at http"):
+            step(x, y)
     finally:
         step.quorum.shutdown()
         server.kill()

@@ -163,7 +163,15 @@ class Quorum:
         """This step's quorum (once per step): waits for it, reconfigures the process group when it changed, and
         heals this group from a live peer when it is behind (it started late or restarted)."""
         if self.seat is None:
-            self.manager.start_quorum()
+            try:
+                self.manager.start_quorum()
+            except Exception as exc:  # torchft's own error says only "Timeout expired"
+                setting = self.setting
+                raise CommunicationError(
+                    f"replica group {setting.replica_id!r}: no quorum within quorum_timeout={setting.quorum_timeout} s "
+                    f"({type(exc).__name__}: {exc}). Check that the lighthouse at {setting.lighthouse} is up and that "
+                    f"at least min_replicas={setting.min_replicas} groups are running."
+                ) from exc
             index = self.manager.participating_rank()
             if index is None:
                 raise ConfigurationError("this replica group is not taking part in the quorum (a spare).")
@@ -205,12 +213,14 @@ class Quorum:
         except RuntimeError as exc:  # torchft's max_retries: this many steps in a row did not commit
             if "max_retries" not in str(exc):
                 raise
+            last = f"; the last step failed with {error!r}" if error is not None else "; the last one was voted against"
             raise CommunicationError(
                 f"replica group {self.setting.replica_id!r}: {self.setting.max_retries + 1} steps in a row did not "
-                f"commit ({exc}); the last step's error: {error!r}. Check the other groups' logs and the "
-                "lighthouse, or raise FaultTolerance.max_retries."
+                f"commit ({exc}){last}. Check the other groups' logs and the lighthouse, or raise "
+                "FaultTolerance.max_retries."
             ) from error or exc
-        self.seat, self.last_seat = None, self.seat
+        finally:  # the next step takes a quorum of its own, whatever this one did
+            self.seat, self.last_seat = None, self.seat
         if error is not None and not _is_peer_failure(error):
             raise error
         return outputs, committed and error is None
