@@ -27,7 +27,9 @@ class ScaleLossGrad(Pass):
     name = "scale-loss-grad"
     summary = "multiply the loss-gradient seed by 1/world_size (Paddle scale_loss_grad)"
     participants: bool = option(
-        False, help="divide by the step's input 'participants' (a torchft quorum's size), not by the world size"
+        False,
+        help="divide by the step's input 'participants' (a torchft quorum's size), and by the world size when a "
+        "replica group has several ranks",
     )
 
     def run(self, program: StepProgram) -> bool:
@@ -37,5 +39,7 @@ class ScaleLossGrad(Pass):
             scale = 1.0 / program.world_size
             scale_seed(program, scale, loss_grad_scale=scale)
             return True
+        if program.world_size > 1:  # a replica group of several ranks: its own mean, then the groups' mean
+            scale_seed(program, 1.0 / program.world_size)
         scale_seed(program, participant_count(program), inverse=True, loss_grad_scale=PARTICIPANTS)
         return True

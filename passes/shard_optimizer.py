@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from transpiler.errors import UnsupportedOptimizerError
+from transpiler.errors import ConfigurationError, UnsupportedOptimizerError
 from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads
 from transpiler.graph.collectives import C10D, WAIT, is_collective
 from transpiler.graph.cost_model import LinkCost
@@ -89,6 +89,11 @@ class ShardOptimizer(BucketedGradientPass):
         False,
         help="cut buckets only between modules, so a layer's parameters share one bucket (ZeRO-3 gathers the "
         "parameters by bucket: a layer then needs one gather)",
+    )
+    across: bool = option(
+        False,
+        help="then sum each rank's reduced shard over axis 'across' (the ranks of its place in the other replica "
+        "groups of a torchft quorum: HSDP's layout)",
     )
 
     def reduce(self, program: StepProgram, grads: list[fx.Node]) -> None:
@@ -166,6 +171,8 @@ class ShardOptimizer(BucketedGradientPass):
         }
         shard = length // world
         mine = _scatter_sum(program, cursor, flat, shard, info, comm)
+        if self.across:
+            mine = _sum_across(program, cursor, mine, info, comm)
         mine.meta[FLAT_GRADS] = FlatGrads(
             f"grads{index}", tuple(names), tuple(starts), tuple(sizes), length, rank * shard
         )
@@ -178,6 +185,21 @@ class ShardOptimizer(BucketedGradientPass):
             replace_gradient(node, piece)
             program.shards[node.meta["grad_of"]] = (lo, hi)
         program.shard_axis = self.axis
+
+
+def _sum_across(program: StepProgram, cursor: Cursor, shard: fx.Node, info: dict, comm: dict) -> fx.Node:
+    """This rank's reduced shard summed over axis ``across``: the same shard of every other replica group (each
+    group cuts its buckets alike), so only 1/W of the gradient crosses groups from each rank."""
+    across = program.axes.get("across")
+    if across is None:
+        raise ConfigurationError(
+            "shard-optimizer{across=true} sums over axis 'across', and this program has none: it runs under "
+            "transpile(fault_tolerance=...), whose replica groups declare it."
+        )
+    bytes_ = shard.meta["val"].numel() * shard.meta["val"].element_size()
+    summed = {"kind": "all_reduce", "bucket": info["bucket"], "axis": "across", "bytes": bytes_}
+    reduced = cursor.emit(C10D.all_reduce.default, (shard, "sum", across.group_name), collective=summed, **comm)
+    return cursor.emit(WAIT, (reduced,), **comm)
 
 
 def _scatter_sum(program: StepProgram, cursor: Cursor, flat: fx.Node, shard: int, info: dict, comm: dict) -> fx.Node:

@@ -61,7 +61,8 @@ def main() -> None:
     parser.add_argument("--first-groups", type=int, default=3, help="the groups that start together")
     parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--refuse-at", type=int, default=-1)
-    parser.add_argument("--mode", choices=("fused_allreduce", "diloco"), default="fused_allreduce")
+    parser.add_argument("--mode", choices=("fused_allreduce", "zero2", "diloco"), default="fused_allreduce")
+    parser.add_argument("--min-replicas", type=int, default=2)
     args = parser.parse_args()
     life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a worker waits, into its group's log
@@ -71,7 +72,13 @@ def main() -> None:
 
 
 def _setting(args: argparse.Namespace) -> FaultTolerance:
-    return FaultTolerance(args.lighthouse, args.group, min_replicas=2, timeout=10, quorum_timeout=60)
+    return FaultTolerance(args.lighthouse, args.group, min_replicas=args.min_replicas, timeout=10, quorum_timeout=60)
+
+
+def _file(args: argparse.Namespace, suffix: str) -> Path:
+    """This rank's file: ``GROUP<suffix>`` in a group of one rank, ``GROUP-rRANK<suffix>`` in a larger one."""
+    rank = f"-r{dist.get_rank()}" if dist.get_world_size() > 1 else ""
+    return args.out / f"{args.group}{rank}{suffix}"
 
 
 def _first_groups_up(args: argparse.Namespace, life: int) -> None:
@@ -93,21 +100,25 @@ def _wait_for_steps_without(args: argparse.Namespace, steps: int) -> None:
 
 
 def data_parallel(args: argparse.Namespace, life: int) -> None:
+    """Data parallel across groups: ``fused_allreduce`` in groups of one rank, or ``zero2`` in groups of several
+    (each rank its share of the group's batch; the gradients reduce-scattered in the group, each shard summed
+    across the groups). ``--die-at K``: the group's last rank ends its first life mid-step at committed step K."""
     x, y = dataset()
     model, optimizer = fresh()
-    step = transpile(model, optimizer, "fused_allreduce", LOSS, fault_tolerance=_setting(args))
-    position = DataPosition(SAMPLES, PER_GROUP, seed=1)
+    step = transpile(model, optimizer, args.mode, LOSS, fault_tolerance=_setting(args))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    position = DataPosition(SAMPLES, PER_GROUP * world, seed=1)
     _first_groups_up(args, life)
     if life > 0:  # back after a death: only once the others have gone on without this group, whatever the load
         _wait_for_steps_without(args, TWO_PARTICIPANT_STEPS)
-    log = (args.out / f"{args.group}.jsonl").open("a")
+    log = _file(args, ".jsonl").open("a")
     trajectory: dict[int, dict] = {}  # committed step -> the state after it
     while True:
         indices = step.next_batch(position)
         seat = step.quorum.seat
-        if life == 0 and 0 <= args.die_at <= seat.committed_steps:
+        if life == 0 and 0 <= args.die_at <= seat.committed_steps and rank == world - 1:
             log.close()
-            os._exit(1)  # the whole group, mid-step: the others' all-reduce fails
+            os._exit(1)  # mid-step: the others' collectives fail, and torchrun restarts the whole group
         epoch = position.epoch
         refusing = seat.committed_steps == args.refuse_at and not (args.out / "refused.pt").exists()
         if refusing:
@@ -133,12 +144,14 @@ def data_parallel(args: argparse.Namespace, life: int) -> None:
         log.flush()
         if step.committed:
             trajectory[seat.committed_steps] = snapshot(model, optimizer, position)
+            if world > 1:  # this rank's slices of the optimizer's state
+                trajectory[seat.committed_steps]["shards"] = dict(step.programs["step"].shards)
         if step.committed and seat.committed_steps + 1 >= args.min_steps and seat.participants == args.groups:
             break  # every group of this quorum sees the same count and size, and stops after the same step
         time.sleep(0.02)
     log.close()
-    torch.save(snapshot(model, optimizer, position), args.out / f"{args.group}.pt")
-    torch.save(trajectory, args.out / f"{args.group}-life{life}.trajectory.pt")
+    torch.save(snapshot(model, optimizer, position), _file(args, ".pt"))
+    torch.save(trajectory, _file(args, f"-life{life}.trajectory.pt"))
     step.quorum.shutdown()
 
 

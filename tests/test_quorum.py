@@ -69,11 +69,12 @@ def _torchrun(out: Path, group: str, lighthouse: str, extra: list[str], ranks: i
 
 
 @contextlib.contextmanager
-def _lighthouse(out: Path) -> Iterator[tuple[str, list[subprocess.Popen]]]:
+def _lighthouse(out: Path, min_replicas: int = 2) -> Iterator[tuple[str, list[subprocess.Popen]]]:
     """torchft's lighthouse (heartbeat timeout 2 s), its address, and a list for the groups' torchrun jobs; on
     leaving, every job, its workers (torchrun starts each in a session of its own) and the lighthouse are gone."""
     port = free_port()
-    command = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "2", "--bind", f"[::]:{port}"]
+    command = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", str(min_replicas)]
+    command += ["--bind", f"[::]:{port}"]
     command += ["--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
     log = (out / "lighthouse.log").open("w")
     lighthouse = subprocess.Popen(command, env=dict(os.environ, RUST_LOG="warn"), stdout=log, stderr=subprocess.STDOUT)
@@ -125,6 +126,20 @@ def diloco_world(tmp_path_factory) -> Path:
         common = ["--mode", "diloco", "--groups", str(GROUPS), "--min-steps", "6"]
         extras = {"g2": ["--die-at", str(DILOCO_DIE_AT)]}
         jobs += [_torchrun(out, g, address, [*common, *extras.get(g, [])], RANKS) for g in ALL[:GROUPS]]
+        _finished(out, jobs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero_world(tmp_path_factory) -> Path:
+    """The lighthouse and two groups of two ranks under ``zero2``: g1's second rank dies mid-step at committed
+    step 3; g0 goes on alone; torchrun restarts g1, whose ranks heal their slices from g0's and rejoin; the run
+    ends at the first step of both at or after step 12."""
+    out = tmp_path_factory.mktemp("quorum_zero")
+    with _lighthouse(out, min_replicas=1) as (address, jobs):
+        common = ["--mode", "zero2", "--groups", "2", "--first-groups", "2", "--min-replicas", "1"]
+        extras = {"g1": ["--die-at", str(DIE_AT)]}
+        jobs += [_torchrun(out, g, address, [*common, *extras.get(g, [])], RANKS) for g in ("g0", "g1")]
         _finished(out, jobs)
     return out
 
@@ -274,25 +289,31 @@ def _syncs(out: Path) -> dict[int, list[list[dict]]]:
     return {number: list(groups.values()) for number, groups in merged.items()}
 
 
+def _whole_optimizer(states: list[dict], shards: list[dict], params: dict[str, torch.Tensor]) -> dict:
+    """An optimizer state dict put together from the ranks' slices (ZeRO: ``shards``, elements [lo, hi) of each
+    parameter, by name; ``params`` in the optimizer's order)."""
+    whole_state = copy.deepcopy(states[0])
+    for index, (name, param) in enumerate(params.items()):
+        for key, value in whole_state["state"][index].items():
+            if value.dim() == 0:
+                continue
+            whole = torch.empty(param.numel())
+            for state, held in zip(states, shards):
+                lo, hi = held.get(name, (0, whole.numel()))
+                whole[lo:hi] = state["state"][index][key]
+            whole_state["state"][index][key] = whole.view_as(param)
+    return whole_state
+
+
 def _whole(ranks: list[dict]) -> dict:
     """A group's state before a sync, from its ranks' saves: the weights (the same on every rank), the inner
-    optimizer's state put together from the ranks' slices (ZeRO-1: ``shards``, elements [lo, hi) of each
-    parameter), the outer optimizer and θ_global; and the group's batch, its ranks' in rank order."""
+    optimizer's state put together from the ranks' slices (ZeRO-1), the outer optimizer and θ_global; and the
+    group's batch, its ranks' in rank order."""
     first = ranks[0]["before"]
     for other in ranks[1:]:
         assert all(torch.equal(v, other["before"]["model"][n]) for n, v in first["model"].items())
-    inner = copy.deepcopy(first["inner"])
-    names = list(first["global"])
-    for index, name in enumerate(names):
-        state = inner["state"][index]
-        for key, value in state.items():
-            if value.dim() == 0:
-                continue
-            whole = torch.empty(first["model"][name].numel())
-            for held in ranks:
-                lo, hi = held["shards"].get(name, (0, whole.numel()))
-                whole[lo:hi] = held["before"]["inner"]["state"][index][key]
-            state[key] = whole.view_as(first["model"][name])
+    states, shards = [held["before"]["inner"] for held in ranks], [held["shards"] for held in ranks]
+    inner = _whole_optimizer(states, shards, first["global"])
     batch = torch.cat([held["indices"] for held in ranks])
     return {**first, "inner": inner, "batch": batch, "ranks": len(ranks)}
 
@@ -374,6 +395,72 @@ def test_diloco_survivors_sync_without_the_lost_group_and_it_returns_at_a_sync(d
     assert exact >= 1
 
 
+def test_zero2_groups_of_two_survive_a_lost_rank_and_every_step_is_the_reference(zero_world):
+    """``zero2`` in groups of two ranks (HSDP's layout): each bucket reduce-scattered in the group, each rank's
+    shard summed across the groups on torchft's group, the shard updated, the parameters all-gathered in the group.
+    g1 loses a rank mid-step: g0's ranks keep their processes, do not commit that step, and go on alone; g1 comes
+    back, each rank heals its own slice from g0's rank of its place, and both commit together again. After every
+    committed step every rank of every group that committed it holds the same weights, and they are the reference
+    step's: eager PyTorch on each rank's batch (taken by a replayed DataPosition, the group's batch split among its
+    ranks), each loss gradient seeded with 1/ranks × 1/participants, summed in the group and then across the
+    groups, SGD with momentum from the optimizer state put together from g0's slices: bitwise (one or two
+    participants, two ranks: every sum is one addition). Each sample is taken once per epoch."""
+    logs = {f"{g}-r{r}": _log(zero_world, f"{g}-r{r}") for g in ("g0", "g1") for r in range(RANKS)}
+    assert {r["traces"] for records in logs.values() for r in records} == {1}
+    for name in ("g0-r0", "g0-r1"):
+        assert {(r["pid"], r["life"]) for r in logs[name]} == {(logs[name][0]["pid"], 0)}, name
+        assert any(not r["committed"] and r["step"] == DIE_AT for r in logs[name]), "the step g1 died in"
+    back = [r for r in logs["g1-r0"] if r["life"] == 1]
+    assert back and back[0]["committed"] and back[0]["participants"] == 2, "g1 healed and took part again"
+    trajectories: dict[str, dict[int, dict]] = {}
+    for path in sorted(zero_world.glob("*.trajectory.pt")):  # g0-r0-life0, ...
+        trajectories.setdefault(path.name.split("-life")[0], {}).update(torch.load(path))
+    history = _history({name: records for name, records in logs.items() if name.endswith("r0")})
+    assert sorted(trajectories["g0-r0"]) == list(range(len(history)))
+    x, y = dataset()
+    model, optimizer = fresh()
+    position = DataPosition(SAMPLES, PER_GROUP * RANKS, seed=1)
+    taken: dict[int, list[int]] = {}
+    for step, participants in enumerate(history):
+        if step:
+            before = [trajectories[f"g0-r{r}"][step - 1] for r in range(RANKS)]
+            model.load_state_dict(before[0]["model"])
+            params = dict(model.named_parameters())
+            states, shards = [b["optimizer"] for b in before], [b["shards"] for b in before]
+            optimizer.load_state_dict(_whole_optimizer(states, shards, params))
+        seed = torch.tensor(1.0 / RANKS) * torch.reciprocal(torch.tensor(float(participants)))
+        total = None
+        for index in range(participants):
+            group_batch = position.quorum_part(index, participants)
+            taken.setdefault(position.epoch, []).extend(group_batch.tolist())
+            group_sum = None
+            for rank, part in enumerate(group_batch.chunk(RANKS)):
+                logged = [
+                    r["indices"]
+                    for name, records in logs.items()
+                    if name.endswith(f"r{rank}")
+                    for r in records
+                    if r["step"] == step and r["index"] == index and r["committed"]
+                ]
+                assert logged and all(ix == part.tolist() for ix in logged), (step, index, rank)
+                model.zero_grad()
+                LOSS(model(x[part]), y[part]).backward(seed)
+                grads = [p.grad.clone() for p in model.parameters()]
+                group_sum = grads if group_sum is None else [a + b for a, b in zip(group_sum, grads)]
+            total = group_sum if total is None else [a + b for a, b in zip(total, group_sum)]
+        for p, g in zip(model.parameters(), total):
+            p.grad = g
+        optimizer.step()
+        position.commit(participants)
+        for name, held in trajectories.items():
+            if step in held:
+                assert held[step]["position"] == position.state_dict(), (name, step)
+                for key, value in model.state_dict().items():
+                    assert torch.equal(value, held[step]["model"][key]), (name, step, key)
+    for epoch, samples in taken.items():
+        assert len(samples) == len(set(samples)), f"a sample taken twice in epoch {epoch}"
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 5), st.booleans()), min_size=1, max_size=40), st.integers(1, 6))
 def test_committed_steps_take_each_sample_once_per_epoch_whatever_the_quorums(steps, per_group):
@@ -403,8 +490,8 @@ def test_clear_errors_before_anything_runs(monkeypatch):
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
-    with pytest.raises(ConfigurationError, match="streaming_diloco; mode 'zero2' is not yet"):
-        transpile(model, sgd, "zero2", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
+    with pytest.raises(ConfigurationError, match="streaming_diloco; mode 'zero3' is not yet"):
+        transpile(model, sgd, "zero3", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
     ft = FaultTolerance("http://h:1", "g0")
     with pytest.raises(
         ConfigurationError, match="fragment_sync_delay does not run under fault_tolerance yet.*in flight"
@@ -432,8 +519,9 @@ def test_clear_errors_before_anything_runs(monkeypatch):
 
 def test_a_group_of_several_ranks_is_a_diloco_replica_with_zero_inside():
     """A replica group of two ranks: under ``diloco`` it is one replica (``replica_size`` = the group's size), with
-    ZeRO inside and the syncs on axis ``across`` over the participant count; the data-parallel modes and a whole
-    inner optimizer state per rank are refused, saying what to do."""
+    ZeRO inside and the syncs on axis ``across`` over the participant count; under ``zero2`` each shard is summed on
+    axis ``across`` (each rank alone in the world's view); ``fused_allreduce`` and a whole inner optimizer state per
+    rank are refused, saying what to do."""
     from transpiler.strategies.quorum import quorum_strategy
 
     with pytest.raises(ConfigurationError, match="mode 'fused_allreduce' with replica groups of one rank; this group"):
@@ -443,6 +531,9 @@ def test_a_group_of_several_ranks_is_a_diloco_replica_with_zero_inside():
     specs = quorum_strategy("diloco", {"replica_mode": "zero1", "sync_every": 4}, 2).specs()
     assert "shard-optimizer{axis=replica" in specs["sync"] and "participants=true" in specs["sync"]
     assert "axis=across" in specs["sync"] and "broadcast-params" not in ",".join(specs.values())
+    zero = quorum_strategy("zero2", {}, 2)
+    assert "across=true}" in zero.specs()["step"] and "participants=true" in zero.specs()["step"]
+    assert zero.layout.axes(2, 1) == {"across": (1,)} and zero.layout.groups(2) == []
 
 
 def test_the_participant_count_is_an_input_of_the_graph_and_needs_a_quorum():
@@ -472,8 +563,8 @@ def test_transpiler_dump_shows_the_program_a_quorum_runs(capsys):
     assert "x_participants" in code and "reciprocal" in code
     assert main(["dump", factory, "--mode", "fused_allreduce"]) == 0
     assert "x_participants" not in capsys.readouterr().out
-    assert main(["dump", factory, "--mode", "zero2", "--fault-tolerance"]) == 2
-    assert "mode 'zero2' is not yet" in capsys.readouterr().err
+    assert main(["dump", factory, "--mode", "zero3", "--fault-tolerance"]) == 2
+    assert "mode 'zero3' is not yet" in capsys.readouterr().err
     assert main(["dump", factory, "--mode", "diloco", "--fault-tolerance"]) == 2
     assert "shows modes of one program; 'diloco' has inner, sync" in capsys.readouterr().err
 

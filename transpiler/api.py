@@ -98,7 +98,8 @@ def transpile(
             )
         strategy = quorum_strategy(mode, options, placement.world_size)
         quorum = Quorum(fault_tolerance, placement, every_step=strategy.outer is None)
-        placement = quorum.placement(placement)
+        two_level = "across" in strategy.layout.axes(placement.world_size, placement.rank)
+        placement = quorum.placement(placement, two_level)
     else:
         strategy = build_strategy(mode, options)
     strategy.check(optimizer)

@@ -68,6 +68,21 @@ class ReplicaLayout:
 
 
 @dataclass(frozen=True)
+class AcrossGroups:
+    """``inner``'s layout, with axis ``across`` for every rank (itself alone, as the world sees it): the ranks of
+    its place in the other replica groups of a torchft quorum, which the quorum's process group joins. It adds no
+    group to create in the world."""
+
+    inner: Layout
+
+    def groups(self, world: int) -> list[tuple[int, ...]]:
+        return self.inner.groups(world)
+
+    def axes(self, world: int, rank: int) -> dict[str, tuple[int, ...]]:
+        return {"across": (rank,), **self.inner.axes(world, rank)}
+
+
+@dataclass(frozen=True)
 class AdaSumLayout:
     """AdaSum's groups (:class:`AdaSumGeometry`) with ``local_size`` ranks averaged first."""
 

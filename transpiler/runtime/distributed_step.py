@@ -181,17 +181,25 @@ class DistributedStep:
     # ------------------------------------------------------------ the quorum
     def next_batch(self, position: DataPosition) -> torch.Tensor:
         """Under ``fault_tolerance``: this step's quorum (waited for, and this group healed from a peer when it
-        is behind), then this group's sample indices for the step in ``position`` (whose ``global_batch`` is one
-        group's batch). The position moves only when the step commits, and travels with the state a returning
-        group heals from, so no sample is lost or taken twice among committed steps."""
+        is behind), then this rank's sample indices for the step in ``position`` (whose ``global_batch`` is one
+        group's batch, split among the group's ranks in rank order). The position moves only when the step
+        commits, and travels with the state a returning group heals from, so no sample is lost or taken twice
+        among committed steps."""
         if self.quorum is None or not self.quorum.every_step:
             raise ConfigurationError(
                 "next_batch() is for a step under fault_tolerance= that takes a quorum every step (allreduce, "
-                "fused_allreduce); use DataPosition.epoch_batches, or each group's own data under diloco."
+                "fused_allreduce, zero1, zero2); use DataPosition.epoch_batches, or each group's own data under "
+                "diloco."
+            )
+        world, rank = self.placement.world_size, self.placement.rank
+        if position.global_batch % world:
+            raise ConfigurationError(
+                f"the group's batch ({position.global_batch} samples: DataPosition's global_batch) must divide among "
+                f"its {world} ranks."
             )
         self._position = position
         seat = self.quorum.begin()
-        return position.quorum_part(seat.index, seat.participants)
+        return position.quorum_part(seat.index, seat.participants).chunk(world)[rank]
 
     def _healing_state(self) -> dict:
         position = self._position.state_dict() if self._position is not None else None

@@ -141,11 +141,11 @@ class Quorum:
         self.last_seat: Seat | None = None  # the quorum of the last step that took one
         self.joined = False  # this group took part in a quorum (and healed) since it started
 
-    def placement(self, placement: Placement) -> Placement:
-        """Where the programs' collectives go: for a group of one rank, across the groups, on the quorum's process
-        group; for a group of several, on the group's own world (inner steps), with axis ``across`` on the
-        quorum's group (:meth:`across`)."""
-        if placement.world_size > 1:
+    def placement(self, placement: Placement, two_level: bool) -> Placement:
+        """Where the programs' collectives go: on the group's own world where the strategy reduces in two levels
+        (``two_level``: a layout with axis ``across``, which the quorum's group serves, :meth:`across`); else,
+        for a group of one rank, across the groups, on the quorum's process group."""
+        if two_level:
             return placement
         return replace(placement, group_name=self.group_name, timeout=timedelta(seconds=self.setting.timeout))
 

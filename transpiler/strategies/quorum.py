@@ -24,13 +24,16 @@ from typing import Any
 
 from transpiler.errors import ConfigurationError
 from transpiler.graph.pipeline import Pass
+from transpiler.graph.rank_layouts import AcrossGroups
 
 from .modes import build_strategy
 from .options import make
 from .strategy import Strategy
 
-QUORUM_MODES = ("allreduce", "fused_allreduce", "diloco", "streaming_diloco")  # the modes built under a quorum
-GROUP_MODES = ("diloco", "streaming_diloco")  # the modes whose replica groups may have several ranks
+# the modes built under a quorum, and those whose replica groups may have several ranks
+QUORUM_MODES = ("allreduce", "fused_allreduce", "zero1", "zero2", "diloco", "streaming_diloco")
+GROUP_MODES = ("zero1", "zero2", "diloco", "streaming_diloco")
+_SHARDED = ("zero1", "zero2")  # reduce-scatter inside the group, then each shard summed across groups
 # options that change what a step is, which the quorum's one-step vote does not cover yet, with why
 _NOT_UNDER_QUORUM = {
     "accumulate_steps": (1, "spreads one update over several"),
@@ -55,6 +58,16 @@ def quorum_strategy(mode: str, options: dict[str, Any], group_size: int) -> Stra
             "each rank as its own group (torchrun --nproc-per-node 1, one REPLICA_GROUP_ID each), or use "
             f"{' or '.join(GROUP_MODES)}, whose replica groups may have several ranks."
         )
+    for name, (off, why) in _NOT_UNDER_QUORUM.items():
+        if options.get(name, off) != off:
+            raise ConfigurationError(
+                f"option {name} does not run under fault_tolerance yet: a quorum votes on each step, and {name} "
+                f"{why}. Drop it, or drop fault_tolerance."
+            )
+    if mode in _SHARDED:
+        strategy = build_strategy(mode, options)
+        variants = {variant: [_across(p) for p in _rewritten(passes)] for variant, passes in strategy.variants.items()}
+        return dataclasses.replace(strategy, variants=variants, layout=AcrossGroups(strategy.layout))
     replica_size = options.get("replica_size", group_size)
     if replica_size != group_size:
         raise ConfigurationError(
@@ -70,12 +83,6 @@ def quorum_strategy(mode: str, options: dict[str, Any], group_size: int) -> Stra
         )
     if group_size > 1:
         options = {**options, "replica_size": group_size}
-    for name, (off, why) in _NOT_UNDER_QUORUM.items():
-        if options.get(name, off) != off:
-            raise ConfigurationError(
-                f"option {name} does not run under fault_tolerance yet: a quorum votes on each step, and {name} "
-                f"{why}. Drop it, or drop fault_tolerance."
-            )
     strategy = build_strategy(mode, options)
     variants = {variant: _rewritten(passes) for variant, passes in strategy.variants.items()}
     return dataclasses.replace(strategy, variants=variants)
@@ -84,6 +91,11 @@ def quorum_strategy(mode: str, options: dict[str, Any], group_size: int) -> Stra
 def _rewritten(passes: list[Pass]) -> list[Pass]:
     kept = [p for p in passes if p.name not in _DROPPED]
     return [_counting(p) for p in kept]
+
+
+def _across(p: Pass) -> Pass:
+    """ZeRO's reduction, with each reduced shard then summed across the groups."""
+    return dataclasses.replace(p, across=True) if p.name == "shard-optimizer" else p
 
 
 def _counting(p: Pass) -> Pass:
