@@ -44,11 +44,15 @@ class Host:
     address: str
     switch: str  # the bridge's namespace
     agents: list[subprocess.Popen] = field(default_factory=list)
+    named: bool = False  # its processes see its own host name, which every host resolves to its address
 
     def run(self, command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
         """Start ``command`` inside this host, in its own process group (so that the whole host can be killed),
-        with gloo on this host's interface."""
+        with gloo on this host's interface; on a ``named`` host under a host name of its own (a UTS namespace:
+        torchft advertises ``socket.gethostname()``, which the namespaces otherwise share)."""
         env = {**env, "GLOO_SOCKET_IFNAME": self.interface}
+        if self.named:
+            command = ["unshare", "--uts", "sh", "-c", f'hostname {self.name} && exec "$@"', "sh", *command]
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", self.name, *command],
@@ -77,14 +81,23 @@ class Host:
         """Take this host's link down on the bridge's side: its packets stop, nobody is told."""
         _ip("-n", self.switch, "link", "set", f"s{self.interface}", "down")
 
+    def plug(self) -> None:
+        """Bring this host's link back up."""
+        _ip("-n", self.switch, "link", "set", f"s{self.interface}", "up")
+
 
 class Hosts:
-    """``count`` hosts on one bridge; a context manager that deletes everything it made."""
+    """``count`` hosts on one bridge; a context manager that deletes everything it made. ``named``: each host's
+    processes run under its namespace's name as host name, and every host resolves every name to its address
+    (``/etc/netns/NAME/hosts``, which ``ip netns exec`` puts over ``/etc/hosts``)."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, named: bool = False) -> None:
         tag = f"{os.getpid() % 100000}"
         self.switch = f"tpsw{tag}"
-        self.hosts = [Host(f"tph{tag}-{i}", f"v{tag}h{i}", f"{SUBNET}.{i + 1}", self.switch) for i in range(count)]
+        self.hosts = [
+            Host(f"tph{tag}-{i}", f"v{tag}h{i}", f"{SUBNET}.{i + 1}", self.switch, named=named) for i in range(count)
+        ]
+        self.named = named
 
     def __enter__(self) -> list[Host]:
         try:
@@ -102,6 +115,12 @@ class Hosts:
                 _ip("-n", host.name, "addr", "add", f"{host.address}/24", "dev", host.interface)
                 _ip("-n", host.name, "link", "set", host.interface, "up")
                 _ip("-n", host.name, "link", "set", "lo", "up")
+            if self.named:
+                names = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in self.hosts)
+                for host in self.hosts:
+                    folder = Path("/etc/netns") / host.name
+                    folder.mkdir(parents=True, exist_ok=True)
+                    (folder / "hosts").write_text(names)
         except BaseException:
             self.__exit__()
             raise
@@ -112,6 +131,7 @@ class Hosts:
             host.kill_all()
         for name in [h.name for h in self.hosts] + [self.switch]:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)  # takes its veth ends with it
+            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
 
 
 def torchrun(

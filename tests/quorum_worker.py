@@ -61,8 +61,15 @@ def main() -> None:
     parser.add_argument("--first-groups", type=int, default=3, help="the groups that start together")
     parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--refuse-at", type=int, default=-1)
+    parser.add_argument(
+        "--hold-at",
+        type=int,
+        default=-1,
+        help="at committed step K, after the quorum: write OUT/held, wait for OUT/cut",
+    )
     parser.add_argument("--mode", choices=("fused_allreduce", "zero2", "diloco"), default="fused_allreduce")
     parser.add_argument("--min-replicas", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=10, help="FaultTolerance.timeout, seconds")
     args = parser.parse_args()
     life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a worker waits, into its group's log
@@ -72,7 +79,9 @@ def main() -> None:
 
 
 def _setting(args: argparse.Namespace) -> FaultTolerance:
-    return FaultTolerance(args.lighthouse, args.group, min_replicas=args.min_replicas, timeout=10, quorum_timeout=60)
+    return FaultTolerance(
+        args.lighthouse, args.group, min_replicas=args.min_replicas, timeout=args.timeout, quorum_timeout=60
+    )
 
 
 def _file(args: argparse.Namespace, suffix: str) -> Path:
@@ -119,6 +128,10 @@ def data_parallel(args: argparse.Namespace, life: int) -> None:
         if life == 0 and 0 <= args.die_at <= seat.committed_steps and rank == world - 1:
             log.close()
             os._exit(1)  # mid-step: the others' collectives fail, and torchrun restarts the whole group
+        if seat.committed_steps == args.hold_at and not (args.out / "held").exists():
+            (args.out / "held").touch()  # the others wait in this step's collective while the test cuts the link
+            while not (args.out / "cut").exists():
+                time.sleep(0.02)
         epoch = position.epoch
         refusing = seat.committed_steps == args.refuse_at and not (args.out / "refused.pt").exists()
         if refusing:

@@ -86,16 +86,21 @@ def require_live(placement: Placement) -> None:
 
 
 def ensure_local_group() -> None:
+    """The private one-rank group, made once per process and registered again whenever the registry lost it:
+    ``destroy_process_group()`` (a world of its own that the process made and ended between two steps, as a
+    script that calls ``main()`` twice does) clears every registered name, this one too."""
     global _local_group
-    if _local_group is not None:
-        return
-    store = dist.HashStore()
-    backend = dist.ProcessGroupGloo(store, 0, 1)
-    group = ProcessGroup(store, 0, 1)
-    group._set_default_backend(ProcessGroup.BackendType.GLOO)
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
-    _register_process_group(LOCAL_GROUP, group)
-    _local_group = group
+    if _local_group is None:
+        store = dist.HashStore()
+        backend = dist.ProcessGroupGloo(store, 0, 1)
+        group = ProcessGroup(store, 0, 1)
+        group._set_default_backend(ProcessGroup.BackendType.GLOO)
+        group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+        _local_group = group
+    try:
+        dist.distributed_c10d._resolve_process_group(LOCAL_GROUP)
+    except (RuntimeError, ValueError, KeyError):
+        _register_process_group(LOCAL_GROUP, _local_group)
 
 
 def resolve_placement(world_size: int | None, rank: int | None, timeout: timedelta | None = None) -> Placement:
