@@ -195,7 +195,7 @@ def diloco(args: argparse.Namespace, life: int) -> None:
     inside = {"replica_mode": "zero1"} if world > 1 else {}
     step = transpile(model, optimizer, "diloco", LOSS, fault_tolerance=_setting(args), sync_every=SYNC_EVERY, **inside)
     _first_groups_up(args, life)
-    own = torch.arange(int(args.group[1:]), SAMPLES, args.first_groups)  # this group's samples
+    own = torch.arange(int(args.group[1:]), SAMPLES, args.groups)  # this group's samples
     log = (args.out / f"{args.group}.jsonl").open("a") if rank == 0 else None
     syncs: dict[int, dict] = {}
     calls = 0
@@ -204,6 +204,8 @@ def diloco(args: argparse.Namespace, life: int) -> None:
         if life == 0 and 0 <= args.die_at <= step.schedule.step and rank == world - 1:
             os._exit(1)  # the group's other ranks fail in its next collective, and torchrun restarts them all
         syncing = step.schedule.variant() == "sync"
+        if syncing:  # the sync's quorum first: a group that is behind (it joined late) heals here, before its
+            step.quorum.begin()  # state is read; the step then runs under this quorum
         start = calls * PER_GROUP * world % len(own)
         indices = own[start : start + PER_GROUP * world][rank * PER_GROUP : (rank + 1) * PER_GROUP]
         before = diloco_state(step) if syncing else None

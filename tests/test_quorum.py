@@ -365,15 +365,14 @@ def _whole_optimizer(states: list[dict], shards: list[dict], params: dict[str, t
 
 def _whole(ranks: list[dict]) -> dict:
     """A group's state before a sync, from its ranks' saves: the weights (the same on every rank), the inner
-    optimizer's state put together from the ranks' slices (ZeRO-1), the outer optimizer and θ_global; and the
-    group's batch, its ranks' in rank order."""
+    optimizer's state put together from the ranks' slices (ZeRO-1), the outer optimizer and θ_global; and each
+    rank's batch, in rank order."""
     first = ranks[0]["before"]
     for other in ranks[1:]:
         assert all(torch.equal(v, other["before"]["model"][n]) for n, v in first["model"].items())
     states, shards = [held["before"]["inner"] for held in ranks], [held["shards"] for held in ranks]
     inner = _whole_optimizer(states, shards, first["global"])
-    batch = torch.cat([held["indices"] for held in ranks])
-    return {**first, "inner": inner, "batch": batch, "ranks": len(ranks)}
+    return {**first, "inner": inner, "batches": [held["indices"] for held in ranks]}
 
 
 def _reference_sync(groups: list[dict]) -> dict[str, torch.Tensor]:
@@ -389,9 +388,9 @@ def _reference_sync(groups: list[dict]) -> dict[str, torch.Tensor]:
         inner = torch.optim.AdamW(model.parameters(), lr=0.01)
         inner.load_state_dict(group["inner"])
         grads = None
-        for part in group["batch"].chunk(group["ranks"]):
+        for part in group["batches"]:
             model.zero_grad()
-            LOSS(model(x[part]), y[part]).backward(torch.tensor(1.0 / group["ranks"]))
+            LOSS(model(x[part]), y[part]).backward(torch.tensor(1.0 / len(group["batches"])))
             mine = [p.grad.clone() for p in model.parameters()]
             grads = mine if grads is None else [a + b for a, b in zip(grads, mine)]
         for p, g in zip(model.parameters(), grads):
