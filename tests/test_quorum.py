@@ -662,8 +662,9 @@ def test_a_group_alone_on_a_bound_device_registers_and_is_the_step_without_a_quo
     each new subgroup on that device at once, which torchft's group cannot do before its first quorum (found on
     the H100: "No backend type associated with device type cuda"). A gloo world of one bound the same way stands
     in for it here: the quorum's group registers, and a group alone commits every step, bitwise the same mode's
-    step without a quorum, in ``fused_allreduce`` and in ``streaming_diloco`` (two fragments, each sync a quorum of
-    one). The GPU lane runs the same check on NCCL."""
+    step without a quorum, in ``fused_allreduce``, ``zero2`` (a group of one rank: its world of one, then the
+    shard summed across) and ``streaming_diloco`` (two fragments, each sync a quorum of one). The GPU lane runs
+    the same check on NCCL."""
     import torch.distributed as dist
 
     from tests.quorum_alone import one_group_against_plain
@@ -677,11 +678,12 @@ def test_a_group_alone_on_a_bound_device_registers_and_is_the_step_without_a_quo
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
     try:
         dist.distributed_c10d._get_default_group().bound_device_id = torch.device("cuda", 0)
-        worst = one_group_against_plain(torch.device("cpu"), tmp_path, ("fused_allreduce", "streaming_diloco"))
+        modes = ("fused_allreduce", "zero2", "streaming_diloco")
+        worst = one_group_against_plain(torch.device("cpu"), tmp_path, modes)
         refused = _refused_until_it_gives_up(tmp_path, max_retries=2)
     finally:
         dist.destroy_process_group()
-    assert worst == {"fused_allreduce": 0.0, "streaming_diloco": 0.0}
+    assert worst == {"fused_allreduce": 0.0, "zero2": 0.0, "streaming_diloco": 0.0}
     assert refused == 3
     # destroy_process_group() cleared every registered group, the private one of a step without a world too (the
     # suite's later tests in this process failed on it once): the step registers it again
