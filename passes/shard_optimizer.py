@@ -198,7 +198,8 @@ def _sum_across(program: StepProgram, cursor: Cursor, shard: fx.Node, info: dict
         )
     bytes_ = shard.meta["val"].numel() * shard.meta["val"].element_size()
     summed = {"kind": "all_reduce", "bucket": info["bucket"], "axis": "across", "bytes": bytes_}
-    reduced = cursor.emit(C10D.all_reduce.default, (shard, "sum", across.group_name), collective=summed, **comm)
+    # the shard is the scatter's own output, so it is summed in place (no clone), as fuse-allreduce does a bucket
+    reduced = cursor.emit(C10D.all_reduce_.default, (shard, "sum", across.group_name), collective=summed, **comm)
     return cursor.emit(WAIT, (reduced,), **comm)
 
 
