@@ -1,19 +1,23 @@
 """Does DiLoCo train? A character-level GPT on Python's own documentation, at W=4 over gloo, every strategy for the
-same number of tokens: DDP, ``local_sgd`` with k=H, ``diloco`` with H = 10, 50 and 100, and ``streaming_diloco``
-with a 4-bit exchange (docs/strategies/diloco.md).
+same number of tokens: DDP, ``local_sgd`` with k=H, ``diloco`` with H = 10, 15, 50 and 100, ``streaming_diloco``
+with a 4-bit exchange, ``sparseloco`` (H = 15 and 50, 1.6% and 3.1% of each chunk, 2-bit values) and ``demo``
+(one DCT coefficient of each chunk of 64 or 128) (docs/strategies/diloco.md, sparseloco.md, demo.md).
 
     python bench/diloco.py [--warmup-steps 600] [--schedule cosine|constant] [--steps 600] [--world 4] [--seed 0]
+                           [--model narrow|wide] [--runs LABEL ...]
 
 The corpus is ``pydoc_data.topics`` (the text of ``help()``, about 465k characters, shipped with CPython): no
 download. The last tenth is held out. Each rank draws its own windows of the first nine tenths. Every run starts
 from the same weights, with AdamW inside (lr 1e-3, weight decay 0.1); the DiLoCo runs take the paper's outer
-Nesterov SGD (lr 0.7, momentum 0.9). With ``--warmup-steps N`` those weights are first trained by DDP for N
-steps, once, as the paper starts DiLoCo from a pretrained model (its runs start at 24k of 88k steps); every run
-then starts from them with a fresh AdamW. The inner lr follows ``--schedule``: a cosine from 1e-3 down to 1e-4 over
-the run (the default; the paper's inner schedule after its warm-up), or constant; DDP takes the same. The tables
-of seed 0 go into the docs page (``diloco-warm`` with warm-up steps, ``diloco-cold`` without); another ``--seed``
-only prints its table. The loss reported is the held-out loss of the weights the paper evaluates:
-the global weights for DiLoCo (``step.global_weights()``), the model for the others, after the last step.
+Nesterov SGD (lr 0.7, momentum 0.9), SparseLoCo its own outer step (α = 1, β = 0.95, chunks of 4096), and DeMo plain
+SGD on its sign steps (lr 1e-3, weight decay 0.1, β = 0.999), as its paper. With ``--warmup-steps N`` those weights
+are first trained by DDP for N steps, once, as the paper starts DiLoCo from a pretrained model (its runs start at
+24k of 88k steps); every run then starts from them with a fresh AdamW. The inner lr follows ``--schedule``: a cosine
+from 1e-3 down to 1e-4 over the run (the default; the paper's inner schedule after its warm-up), or constant; DDP
+takes the same. The tables of seed 0 go into the docs page (``diloco-warm`` with warm-up steps, ``diloco-cold``
+without, ``-wide`` for ``--model wide``); another ``--seed``, or a choice of ``--runs``, only prints its table. The
+loss reported is the held-out loss of the weights the paper evaluates: the global weights for DiLoCo
+(``step.global_weights()``), the model for the others, after the last step.
 
 Bytes are what one rank sends, counted from each program's collectives: a ring all-reduce of B bytes sends
 ``2 (W-1)/W B``, an all-to-all or an all-gather of a B-byte buffer ``(W-1)/W B``; DDP all-reduces every gradient
@@ -51,6 +55,7 @@ DOC = ROOT / "docs" / "strategies" / "diloco.md"
 BEGIN, END = "<!-- diloco:begin -->", "<!-- diloco:end -->"  # diloco-cold / diloco-warm in the page
 SEQ, PER_RANK, EVAL_BATCHES = 64, 8, 16
 LR, FLOOR = 1e-3, 0.1  # the inner AdamW's lr, and where the cosine schedule ends (a share of LR)
+DEMO_LR = 1e-3  # DeMo's SGD on sign steps: each element moves by the lr, as AdamW's steps roughly do
 STREAMING = {"sync_every": 50, "fragments": 4, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
 RUNS = {  # label -> (mode, options)
     "DDP": ("ddp", {}),
@@ -59,7 +64,26 @@ RUNS = {  # label -> (mode, options)
     "diloco H=50": ("diloco", {"sync_every": 50}),
     "diloco H=100": ("diloco", {"sync_every": 100}),
     "streaming P=4 int4 H=50": ("streaming_diloco", {**STREAMING, "exchange_dtype": "int4"}),
+    "diloco H=15": ("diloco", {"sync_every": 15}),
+    "sparseloco H=15 k=64 (1.6%)": ("sparseloco", {"sync_every": 15, "topk": 64}),
+    "sparseloco H=15 k=128 (3.1%)": ("sparseloco", {"sync_every": 15, "topk": 128}),
+    "sparseloco H=50 k=64 (1.6%)": ("sparseloco", {"sync_every": 50, "topk": 64}),
+    "sparseloco H=50 k=128 (3.1%)": ("sparseloco", {"sync_every": 50, "topk": 128}),
 }
+DEMO = {"compression_decay": 0.999, "value_bits": 32}
+RUNS |= {
+    "demo chunk=64 k=1": ("demo", {**DEMO, "compression_chunk": 64, "compression_topk": 1}),
+    "demo chunk=128 k=1": ("demo", {**DEMO, "compression_chunk": 128, "compression_topk": 1}),
+}
+WIDE_RUNS = ["DDP", "diloco H=15", "sparseloco H=15 k=64 (1.6%)", "sparseloco H=15 k=128 (3.1%)", "demo chunk=128 k=1"]
+
+
+def default_runs(model: str) -> list[str]:
+    """Every run for the narrow GPT; for the wide one, the runs that show how the ratios move with size."""
+    return list(RUNS) if model == "narrow" else WIDE_RUNS
+
+
+GLOBAL_WEIGHTS = ("diloco", "streaming_diloco", "sparseloco")  # evaluated on θ_global, as the papers do
 SENT = {"all_reduce": 2.0, "all_reduce_": 2.0, "all_to_all_single": 1.0, "all_gather_into_tensor": 1.0}
 
 
@@ -80,9 +104,13 @@ def windows(ids: torch.Tensor, n: int, gen: torch.Generator) -> tuple[torch.Tens
     return rows[:, :-1].contiguous(), rows[:, 1:].reshape(-1).contiguous()
 
 
-def model_for(vocab: int, seed: int) -> nn.Module:
+SIZES = {"narrow": (4, 192, 4), "wide": (4, 320, 5)}  # --model: blocks, width, heads (1.8M and 5.0M parameters)
+
+
+def model_for(vocab: int, seed: int, size: str = "narrow") -> nn.Module:
     torch.manual_seed(seed)
-    return NarrowGPT(blocks=4, dim=192, heads=4, vocab=vocab, seq=SEQ)
+    blocks, dim, heads = SIZES[size]
+    return NarrowGPT(blocks=blocks, dim=dim, heads=heads, vocab=vocab, seq=SEQ)
 
 
 def sent_bytes(program, world: int) -> tuple[float, int]:
@@ -108,9 +136,9 @@ def held_out_loss(model: nn.Module, held: torch.Tensor) -> float:
     return sum(losses) / len(losses)
 
 
-def warmed_up(steps: int, train: torch.Tensor, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+def warmed_up(steps: int, train: torch.Tensor, vocab: int, seed: int, size: str) -> dict[str, torch.Tensor]:
     """The start of every run: the seed's weights, trained by DDP for ``steps`` steps (none: as they are)."""
-    model = model_for(vocab, seed)
+    model = model_for(vocab, seed, size)
     if steps:
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -131,14 +159,16 @@ def lr_factor(schedule: str, t: int, steps: int) -> float:
     return FLOOR + (1 - FLOOR) * 0.5 * (1 + math.cos(math.pi * min(t, steps) / steps))
 
 
-def run(
-    label: str, steps: int, train: torch.Tensor, held: torch.Tensor, vocab: int, start: dict, schedule: str, seed: int
-) -> dict:
+def run(label: str, args: argparse.Namespace, train: torch.Tensor, held: torch.Tensor, vocab: int, start: dict) -> dict:
     mode, options = RUNS[label]
+    steps, schedule, seed = args.steps, args.schedule, args.seed
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = model_for(vocab, seed)
+    model = model_for(vocab, seed, args.model)
     model.load_state_dict(start)
-    inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    if mode == "demo":  # DeMo's update is the sign of the decoded mean, which plain SGD applies (the paper's)
+        inner: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=DEMO_LR, weight_decay=0.1)
+    else:
+        inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     decay = torch.optim.lr_scheduler.LambdaLR(inner, lambda t: lr_factor(schedule, t, steps))
     params = sum(p.numel() for p in model.parameters())
     if mode == "ddp":
@@ -170,7 +200,7 @@ def run(
         else:
             s, p = sent_bytes(step.programs[step.last_variant], world)
             sent, peak = sent + s, max(peak, p)
-    if mode in ("diloco", "streaming_diloco"):
+    if mode in GLOBAL_WEIGHTS:
         with step.global_weights() as evaluated:
             loss = held_out_loss(evaluated, held)
     else:
@@ -193,10 +223,10 @@ def worker(out: str, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     torch.set_num_threads(1)
     train, held, vocab = corpus()
-    start = warmed_up(args.warmup_steps, train, vocab, args.seed)
+    start = warmed_up(args.warmup_steps, train, vocab, args.seed, args.model)
     results = []
     for label in args.runs:
-        result = run(label, args.steps, train, held, vocab, start, args.schedule, args.seed)
+        result = run(label, args, train, held, vocab, start)
         results.append(result | {"warmup": args.warmup_steps, "schedule": args.schedule, "seed": args.seed})
         if dist.get_rank() == 0:
             print(json.dumps(results[-1]), flush=True)
@@ -240,7 +270,7 @@ def table(results: list[dict], steps: int, world: int) -> str:
 
 
 VARIANT_NAMES = {  # program (its fragment number dropped) -> column
-    "step": "step (DDP)",
+    "step": "step (DDP, DeMo)",
     "local": "local (LocalSGD)",
     "inner": "inner",
     "sync": "sync (streaming: starts an exchange)",
@@ -254,10 +284,12 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--warmup-steps", type=int, default=0, help="DDP steps before every run, shared")
     parser.add_argument("--schedule", choices=("cosine", "constant"), default="cosine", help="the inner lr")
-    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="which runs (DDP first)")
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), help="which runs (DDP first; default: all)")
+    parser.add_argument("--model", choices=list(SIZES), default="narrow", help="the GPT's size (SIZES)")
     parser.add_argument("--seed", type=int, default=0, help="the weights' and the data's seed (0: the docs' tables)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.runs = args.runs or default_runs(args.model)
     if args.worker:
         worker(args.worker, args)
         return
@@ -266,14 +298,15 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.world)]
         cmd += ["--master-port", "29561", __file__, "--worker", str(out), "--steps", str(args.steps)]
         cmd += ["--warmup-steps", str(args.warmup_steps), "--schedule", args.schedule, "--seed", str(args.seed)]
+        cmd += ["--model", args.model]
         cmd += ["--runs", *args.runs]
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)), cwd=ROOT)
         results = json.loads(out.read_text())
     text = table(results, args.steps, args.world)
     print(text)
-    if args.seed:  # another seed's table is printed, not written: the page's tables are seed 0's
+    if args.seed or args.runs != default_runs(args.model):  # the page's tables: seed 0, the default runs
         return
-    marker = "warm" if args.warmup_steps else "cold"
+    marker = ("warm" if args.warmup_steps else "cold") + ("" if args.model == "narrow" else f"-{args.model}")
     write_section(DOC, BEGIN.replace("diloco:", f"diloco-{marker}:"), END.replace("diloco:", f"diloco-{marker}:"), text)
 
 

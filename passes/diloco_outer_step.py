@@ -20,6 +20,10 @@ sync copies it to the parameter's device after the inner update, where the Δ ne
 then hoist the copies just before the updates it fuses, still after the backward), and the new
 θ_global back to the host as the output, so between syncs the device holds no copy of it (torchft's
 ``backup_device``). The copies are nodes (``offload`` in their meta) that the dumps show.
+With ``topk > 0`` (SparseLoCo, Sarfi et al., 2025) each Δ is first added into an error buffer that never
+leaves the rank (``error_feedback.<param>``, ``e = error_decay·e + Δ``), and only the top-k entries of each
+chunk of ``e``, in ``value_bits``, are sent and taken out of it: one all-gather, decoded and summed in rank order
+(``sparse_pseudo_exchange.py``); the mode gives the outer update as plain SGD.
 The outer update reads only the averaged Δ: every node it takes as a gradient is tagged
 ``meta["averaged_delta_of"]``, which the verifier ``check_outer_reads_averaged`` checks.
 """
@@ -35,10 +39,10 @@ from transpiler.errors import ConfigurationError
 from transpiler.graph.edit import Cursor, ancestors, fake_mode, refresh_value
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Fact, Pass
-from transpiler.graph.ports import GLOBAL, IN_FLIGHT, OUTER, ExtraInit, Port, PortKind, is_input
+from transpiler.graph.ports import ERROR_FEEDBACK, GLOBAL, IN_FLIGHT, OUTER, ExtraInit, Port, PortKind, is_input
 from transpiler.graph.program import StepProgram
 
-from . import pseudo_exchange
+from . import pseudo_exchange, sparse_pseudo_exchange
 from .bucketing import bucket_cap_option, caps_in_bytes, first_bucket_option, reduce_in_buckets, unflatten
 from .gradient_flow import (
     add_input,
@@ -51,6 +55,7 @@ from .gradient_flow import (
 )
 from .partitions import module_fragments
 from .pseudo_exchange import EXCHANGES, carried_like
+from .sparse_pseudo_exchange import VALUE_BITS
 
 aten = torch.ops.aten
 PHASES = ("whole", "start", "finish")
@@ -74,6 +79,23 @@ class DiLoCoOuterStep(Pass):
     participants: bool = option(
         False, help="average over the step's input 'participants' (a torchft quorum's size), not the world size"
     )
+    topk: int = option(0, minimum=0, help="SparseLoCo: send the top-k of each chunk of an error buffer (0: all)")
+    chunk: int = option(4096, minimum=1, help="SparseLoCo: elements per chunk that the top-k picks from")
+    value_bits: int = option(32, minimum=2, maximum=32, help="SparseLoCo: bits per sent value (2, 4, 8 or 32)")
+    error_decay: float = option(0.0, minimum=0, maximum=1, help="SparseLoCo: β of the error buffer e = β·e + Δ")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.value_bits not in VALUE_BITS:
+            raise ConfigurationError(f"value_bits={self.value_bits}: SparseLoCo sends values of 2, 4, 8 or 32 bits.")
+        if self.topk > self.chunk:
+            raise ConfigurationError(f"topk={self.topk} of a chunk of {self.chunk} elements: give topk <= chunk.")
+        streaming = self.fragments > 1 or self.phase != "whole" or self.exchange != "float32"
+        if self.topk and streaming:
+            raise ConfigurationError(
+                "a sparse exchange (topk > 0) sends the whole model at each sync: it does not combine with "
+                "fragments, a phased exchange or exchange dtypes (Streaming DiLoCo's options)."
+            )
 
     def run(self, program: StepProgram) -> bool:
         if program.outer_update is None:
@@ -92,7 +114,10 @@ class DiLoCoOuterStep(Pass):
         locals_ = {name: values[where[name]] for name in names}
         globals_ = {name: self._global(program, name, locals_[name]) for name in names}
         streaming = self.fragments > 1 or self.phase != "whole" or self.exchange != "float32"
-        if not streaming:
+        kept: dict[str, fx.Node] = {}  # SparseLoCo's error buffers, as the sync leaves them
+        if self.topk:
+            sums, kept = self._sparse_sums(program, globals_, locals_)
+        elif not streaming:
             sums = self._bucketed_sums(program, globals_, locals_)
         else:
             sums = self._fragment_sums(program, globals_, locals_)
@@ -107,7 +132,8 @@ class DiLoCoOuterStep(Pass):
         }
         new_global, new_state = self._inline_outer(program, globals_, means)
         cursor = before_output(program)
-        extra_values, extra_ports = [], []
+        extra_values = list(kept.values())
+        extra_ports = [Port("extra", f"{ERROR_FEEDBACK}{n}") for n in kept]
         for name in names:
             theta = new_global[name]
             if self.alpha:  # α·θ_local + (1 - α)·θ_global, θ_local as it is now (τ inner steps after the start)
@@ -161,6 +187,24 @@ class DiLoCoOuterStep(Pass):
         caps = caps_in_bytes(self.bucket_cap_mb, self.first_bucket_mb)
         reduced = reduce_in_buckets(program, items, *caps, tag="pseudo-gradients")
         return dict(zip(locals_, reduced))
+
+    def _sparse_sums(
+        self, program: StepProgram, globals_: dict[str, fx.Node], locals_: dict[str, fx.Node]
+    ) -> tuple[dict[str, fx.Node], dict[str, fx.Node]]:
+        """SparseLoCo: each Δ added into its error buffer (``error_feedback.<param>``, ``e = β·e + Δ``, extra state
+        that never leaves the rank), the top-k of each chunk sent (``sparse_pseudo_exchange``). Returns the sums
+        and the buffers with what was sent taken out, which the sync outputs."""
+        cursor = before_output(program)
+        bad = [n for n, node in locals_.items() if node.meta["val"].dtype != torch.float32]
+        if bad:
+            raise ConfigurationError(f"SparseLoCo's error buffers are float32; parameters {bad[:3]} are not.")
+        buffers = {}
+        for name, node in locals_.items():
+            delta = cursor.emit(aten.sub.Tensor, (globals_[name], node), **COMM)
+            error = add_state(program, f"{ERROR_FEEDBACK}{name}", node, ExtraInit.zeros_like(name))
+            decayed = cursor.emit(aten.mul.Tensor, (error, self.error_decay), **COMM)
+            buffers[name] = cursor.emit(aten.add.Tensor, (decayed, delta), **COMM)
+        return sparse_pseudo_exchange.exchange(program, cursor, buffers, self.topk, self.chunk, self.value_bits)
 
     def _fragment_sums(
         self, program: StepProgram, globals_: dict[str, fx.Node], locals_: dict[str, fx.Node]

@@ -24,6 +24,7 @@ WHERE = {
     "allreduce-grads": "allreduce_grads:AllReduceGrads",
     "fuse-allreduce": "fuse_allreduce:FuseAllReduce",
     "sparse-allreduce": "sparse_allreduce:SparseAllReduce",
+    "demo-exchange": "demo_exchange:DeMoExchange",
     "allgather-grads": "allgather_grads:AllGatherGrads",
     "shard-optimizer": "shard_optimizer:ShardOptimizer",
     "local-sgd-average": "local_sgd:LocalSGDAverage",

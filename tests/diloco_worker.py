@@ -74,8 +74,11 @@ class PaperDiLoCo:
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.inner_steps(batches)
         self.t += 1
-        if self.t % H:
-            return
+        if self.t % H == 0:
+            self.sync()
+
+    def sync(self) -> None:
+        """The outer step on the mean Δ, and every replica restarts from θ_global."""
         for i, theta in enumerate(self.theta):
             deltas = [theta.detach() - list(m.parameters())[i].detach() for m in self.replicas]
             total = deltas[0]
@@ -213,17 +216,24 @@ def reference(rank: int, world: int, replica_size: int = 1, replica_mode: str = 
     options = {"sync_every": H, "replica_size": replica_size} | inside(replica_mode)
     inner = inner_optimizer(model.parameters())
     step = transpile(model, inner, mode="diloco", loss_fn=LOSS, **options)
-    record = {"variants": [], "replica": [], "paper": [], "global": [], "paper_global": []}
-    for batches in data(world, H * ROUNDS):
+    record = side_by_side(step, model, paper, data(world, H * ROUNDS), rank, rank // replica_size)
+    record["collectives"] = {v: collectives(p) for v, p in step.programs.items()}
+    record["moment_elements"] = sum(s["exp_avg"].numel() for s in inner.state.values())  # ZeRO: this rank's shard
+    return record
+
+
+def side_by_side(step, model: torch.nn.Module, paper: PaperDiLoCo, steps: list, rank: int, replica: int) -> dict:
+    """``step`` on this rank's batches and ``paper`` on everyone's, step by step: the program variant run, this
+    rank's weights and θ_global, and those of its replica (``replica``) in the paper's loop."""
+    record: dict = {"variants": [], "replica": [], "paper": [], "global": [], "paper_global": []}
+    for batches in steps:
         step(*batches[rank])
         paper.step(batches)
         record["variants"].append(step.last_variant)
         record["replica"].append(params_of(model))
-        record["paper"].append(params_of(paper.replicas[rank // replica_size]))
+        record["paper"].append(params_of(paper.replicas[replica]))
         record["global"].append({n: t.clone() for n, t in step.global_parameters().items()})
         record["paper_global"].append({n: t.detach().clone() for n, t in zip(record["paper"][-1], paper.theta)})
-    record["collectives"] = {v: collectives(p) for v, p in step.programs.items()}
-    record["moment_elements"] = sum(s["exp_avg"].numel() for s in inner.state.values())  # ZeRO: this rank's shard
     return record
 
 

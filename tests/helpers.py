@@ -8,6 +8,8 @@ import weakref
 import numpy as np
 import torch
 
+from tests.models import MLP, make_batch
+from transpiler import transpile
 from transpiler.graph.ports import Port
 
 
@@ -173,3 +175,44 @@ def _round_trip(x: np.ndarray, exchange: str, block: int) -> np.ndarray:
     else:
         codes = torch.from_numpy(scaled).to(torch.float8_e4m3fn).to(torch.float32).numpy()
     return (codes * scale).astype(np.float32).reshape(-1)
+
+
+def trained(mode: str, options: dict, inner, outer=None, autocast: bool = False) -> list[torch.Tensor]:
+    """12 calls of ``mode`` at W=1 on an MLP from seed 0, the given composition, optionally under bfloat16
+    autocast: the weights at the end."""
+    torch.manual_seed(0)
+    model = MLP()
+    kwargs = {"outer_optimizer": outer(model.parameters())} if outer else {}
+    step = transpile(model, inner(model.parameters()), mode, torch.nn.CrossEntropyLoss(), **options, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(12):
+        x, y = make_batch("mlp", 8, gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            step(x, y)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+COMPOSED = {"accumulate_steps": 2, "max_grad_norm": 0.05}  # the composition trained() is asked for most
+
+
+def resumed_matches(mode: str, options: dict, inner, folder, via: str) -> list[tuple[str, bool]]:
+    """8 calls of ``mode`` at W=1, and the same 8 resumed after the 4th from ``step.state_dict()`` (``via="state"``)
+    or a DCP checkpoint in ``folder`` (``"dcp"``) in a fresh model, optimizer and step: per parameter, whether the
+    two runs end with the same bits."""
+    gen = torch.Generator().manual_seed(1)
+    batches = [make_batch("mlp", 8, gen) for _ in range(8)]
+    ends, saved = {}, {}
+    for how in ("straight", "resumed"):
+        torch.manual_seed(0)
+        model = MLP()
+        step = transpile(model, inner(model.parameters()), mode, torch.nn.CrossEntropyLoss(), **options)
+        for t, batch in enumerate(batches, start=1):
+            if how == "resumed" and t == 5:
+                step.load_state_dict(saved) if via == "state" else step.load_checkpoint(folder)
+            if how == "resumed" and t <= 4:
+                continue
+            step(*batch)
+            if how == "straight" and t == 4:
+                saved = copy.deepcopy(step.state_dict()) if via == "state" else step.save_checkpoint(folder)
+        ends[how] = dict(model.named_parameters())
+    return [(n, torch.equal(p, ends["resumed"][n])) for n, p in ends["straight"].items()]

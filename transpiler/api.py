@@ -168,7 +168,13 @@ def outer_for(
         return None
     params = [p for group in inner.param_groups for p in group["params"]]
     if given is None:
-        return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+        return strategy.outer_sgd.build(params)
+    if strategy.outer_sgd.fixed:
+        raise ConfigurationError(
+            f"mode '{mode}' takes no outer_optimizer: its outer step is its own formula, θ_global − outer_lr × "
+            "the mean of what the replicas sent, with no momentum (the error buffers play its part). Set "
+            "outer_lr=..., and drop outer_optimizer."
+        )
     strategy.check_outer(given)
     if not isinstance(given, torch.optim.Optimizer):
         raise ConfigurationError(f"outer_optimizer must be a torch.optim.Optimizer, got {type(given).__name__}.")

@@ -56,12 +56,18 @@ GLOBAL = "global."  # θ_global, DiLoCo's global weights, ``global.<param>``
 IN_FLIGHT = "inflight."  # a collective carried unwaited to a later program (Streaming DiLoCo's exchange)
 ACCUMULATOR = "accum."  # gradient accumulators, zero after every update (accumulate-grads)
 RESIDUAL = "residual."  # what sparsification has not sent yet (sparse-allreduce)
+ERROR_FEEDBACK = "error_feedback."  # SparseLoCo's error buffer, never sent (diloco-outer-step with topk)
 SNAPSHOT = "snapshot."  # the parameters at the last sync (local-sgd-average)
 LOSS_SCALE = "loss_scale.scale"  # the dynamic loss scale (loss-scale)
 GROWTH_TRACKER = "loss_scale.growth_tracker"  # clean steps since the scale last changed (loss-scale)
 DIM_REDUCE = "dim_reduce."  # DimReduce's subspace state (dim-reduce)
 RESIDUAL_MOMENTUM = "residual_momentum."  # DimReduce's momentum outside the subspace (dim-reduce)
 PARTICIPANTS = "participants"  # the ranks a step's mean runs over, under a torchft quorum (scale-loss-grad)
+DEMO_MOMENTUM = "demo_momentum."  # DeMo's momentum, never sent (demo-exchange)
+PRIVATE = (
+    ERROR_FEEDBACK,
+    DEMO_MOMENTUM,
+)  # extra state that never leaves its rank but as a compressor's message (verify.py)
 REPLICATED = (LOSS_SCALE, GROWTH_TRACKER)  # extra state the same on every rank: a DCP checkpoint saves it once
 
 

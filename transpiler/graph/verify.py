@@ -18,7 +18,7 @@ from transpiler.errors import VerificationError
 from .bucket_layout import WHOLE_SHAPE, check_bucket_views
 from .collectives import CommOp, collective_sequence, communication_plan, is_collective, is_wait
 from .edit import ancestors
-from .ports import GLOBAL, IN_FLIGHT, OUTER, PortKind
+from .ports import GLOBAL, IN_FLIGHT, OUTER, PRIVATE, PortKind
 from .program import ROLES, StepProgram
 
 
@@ -156,6 +156,34 @@ def _outer_input(node: fx.Node) -> bool:
     return port is not None and (port.kind == PortKind.EXTRA and port.name.startswith(GLOBAL) or OUTER in port.name)
 
 
+def check_private_state_stays(program: StepProgram, final: bool) -> None:
+    """State that must never leave its rank (``ports.PRIVATE``: SparseLoCo's error buffers) reaches a collective
+    only through a node tagged ``meta["sent"]``, the message a compressor made of it."""
+    private = [n for n in program.graph.nodes if _is_private(n)]
+    if not private:
+        return
+    for node in program.graph.nodes:
+        if not is_collective(node):
+            continue
+        seen, todo = set(), deque(node.all_input_nodes)
+        while todo:
+            source = todo.popleft()
+            if source in seen or source.meta.get("sent"):
+                continue
+            seen.add(source)
+            if _is_private(source):
+                raise VerificationError(
+                    f"collective '{node.name}' sends '{source.meta['port'].name}' (or what is computed from it) "
+                    "without going through the compressor's message: that state never leaves its rank."
+                )
+            todo.extend(source.all_input_nodes)
+
+
+def _is_private(node: fx.Node) -> bool:
+    port = node.meta.get("port")
+    return node.op == "placeholder" and port is not None and port.name.startswith(PRIVATE)
+
+
 def check_fragments(programs: dict[str, StepProgram], variants: list[str], sync_every: int) -> None:
     """DiLoCo's fragments: the parameters the programs start sending Δ for (``meta["collective"]["pseudo-gradients"]``)
     cover every trainable parameter once over all fragments, and in ``variants`` (the schedule's first steps,
@@ -195,6 +223,7 @@ DEFAULT_VERIFIERS = [
     check_gradient_reductions,
     check_bucket_views,
     check_outer_reads_averaged,
+    check_private_state_stays,
 ]
 
 

@@ -100,7 +100,7 @@ def compose(recipe: Recipe, values: dict[str, Any]) -> Strategy:
     if groups:
         schedule = FreezeSchedule(schedule, groups, opts["freeze_type"], opts["freeze_p"], opts["freeze_seed"])
     checks = recipe.checks + ((FREEZE_SGD,) if groups else ())
-    return Strategy(variants, schedule, recipe.layout, checks, recipe.replicated, recipe.outer)
+    return Strategy(variants, schedule, recipe.layout, checks, recipe.replicated, recipe.outer, recipe.outer_sgd)
 
 
 def _fields(p: Pass) -> dict[str, Any]:

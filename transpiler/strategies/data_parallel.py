@@ -46,6 +46,22 @@ def fused(
     return Recipe({"step": [reduce]}, prefix(), [make("scale-loss-grad")], tail(), replicated=not sparsify)
 
 
+def demo(
+    compression_decay: float, compression_chunk: int, compression_topk: int, value_bits: int, sign: bool, **caps
+) -> Recipe:
+    """DeMo: no loss-gradient scaling (the exchange takes the mean itself), each rank's momentum kept local."""
+    exchange = make(
+        "demo-exchange",
+        decay=compression_decay,
+        chunk=compression_chunk,
+        topk=compression_topk,
+        value_bits=value_bits,
+        sign=sign,
+        **caps,
+    )
+    return Recipe({"step": [exchange]}, prefix(), [], tail())
+
+
 def adasum(target: str) -> Callable[..., Recipe]:
     def build(local_size: int) -> Recipe:
         return Recipe(

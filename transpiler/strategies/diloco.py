@@ -3,6 +3,8 @@ optimizer on the averaged pseudo-gradients; each replica one rank, or R ranks in
 
 from __future__ import annotations
 
+import dataclasses
+
 from transpiler.errors import ConfigurationError
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.rank_layouts import ReplicaLayout
@@ -11,7 +13,7 @@ from .checks import STREAMING_OUTER_SGD, Elementwise
 from .data_parallel import prefix
 from .options import make
 from .schedules import DiLoCoSchedule, Schedule, StreamingDiLoCoSchedule
-from .strategy import OptimizerCheck, Recipe
+from .strategy import OptimizerCheck, OuterSGD, Recipe
 
 
 def diloco(
@@ -30,6 +32,26 @@ def diloco(
     axis = "across" if replica_size > 1 else "world"
     body = {"inner": [], "sync": [make("diloco-outer-step", **caps, offload=offload_global, axis=axis)]}
     return _replicas(replica_size, replica_mode, body, caps, DiLoCoSchedule(sync_every), ())
+
+
+def sparseloco(
+    sync_every: int,
+    outer_lr: float,
+    error_decay: float,
+    chunk_size: int,
+    topk: int,
+    value_bits: int,
+    replica_size: int,
+    replica_mode: str,
+    offload_global: bool,
+) -> Recipe:
+    """SparseLoCo (Sarfi et al., 2025): DiLoCo's rounds, each replica's Δ added into an error buffer whose top-k
+    entries per chunk are sent, quantised; the outer step is plain SGD at lr ``outer_lr`` on their mean."""
+    axis = "across" if replica_size > 1 else "world"
+    sparse = {"topk": topk, "chunk": chunk_size, "value_bits": value_bits, "error_decay": error_decay}
+    body = {"inner": [], "sync": [make("diloco-outer-step", **sparse, offload=offload_global, axis=axis)]}
+    recipe = _replicas(replica_size, replica_mode, body, {}, DiLoCoSchedule(sync_every), ())
+    return dataclasses.replace(recipe, outer_sgd=OuterSGD(lr=outer_lr, momentum=0.0, nesterov=False, fixed=True))
 
 
 def streaming_diloco(

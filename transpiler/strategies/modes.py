@@ -88,6 +88,34 @@ def _streaming_options() -> dict[str, OptionSpec]:
     }
 
 
+def _sparseloco_options() -> dict[str, OptionSpec]:
+    return {
+        "sync_every": OptionSpec(int, 15, minimum=1, help="inner steps per outer round (H)"),
+        "outer_lr": OptionSpec(float, 1.0, minimum=0, help="α: θ_global − α × the mean of what the replicas sent"),
+        "error_decay": pass_option("diloco-outer-step", "error_decay", default=0.95),
+        "chunk_size": pass_option("diloco-outer-step", "chunk"),
+        "topk": pass_option("diloco-outer-step", "topk", default=64, minimum=1),
+        "value_bits": pass_option("diloco-outer-step", "value_bits", default=2),
+        **REPLICA_SIZE,
+        **options.offload(),
+        **ACCUMULATION,
+        **options.clipping(),
+    }
+
+
+def _demo_options() -> dict[str, OptionSpec]:
+    return {
+        "compression_decay": pass_option("demo-exchange", "decay"),
+        "compression_chunk": pass_option("demo-exchange", "chunk"),
+        "compression_topk": pass_option("demo-exchange", "topk"),
+        "value_bits": pass_option("demo-exchange", "value_bits"),
+        "sign": pass_option("demo-exchange", "sign"),
+        **options.buckets(),
+        **ACCUMULATION,
+        **options.clipping(),
+    }
+
+
 @functools.cache
 def modes() -> dict[str, Mode]:
     """Every mode by name, in the order ``transpiler modes`` lists them."""
@@ -130,6 +158,18 @@ def modes() -> dict[str, Mode]:
             "Streaming DiLoCo: fragments sync in turn, each exchange overlapping inner steps, low-precision wire",
             diloco.streaming_diloco,
             _streaming_options(),
+        ),
+        Mode(
+            "sparseloco",
+            "SparseLoCo: DiLoCo rounds sending the top-k of each chunk of an error buffer, quantised; outer SGD",
+            diloco.sparseloco,
+            _sparseloco_options(),
+        ),
+        Mode(
+            "demo",
+            "DeMo: each rank's momentum kept local, its top-k DCT coefficients per chunk all-gathered, sign step",
+            data_parallel.demo,
+            _demo_options(),
         ),
         Mode(
             "adasum",

@@ -24,6 +24,21 @@ class OptimizerCheck(Protocol):
 
 
 @dataclass(frozen=True)
+class OuterSGD:
+    """The outer optimizer a mode with an outer step builds when the user gives none: ``torch.optim.SGD`` with
+    these settings (DiLoCo's default is the paper's Nesterov SGD). ``fixed``: the outer step is the mode's own
+    formula (SparseLoCo's ``θ − α·mean``), so a given outer optimizer is refused."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    fixed: bool = False
+
+    def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov)
+
+
+@dataclass(frozen=True)
 class Recipe:
     """A mode's pipeline in parts, so wrapping strategies can be woven in (``composition.py``)."""
 
@@ -41,6 +56,7 @@ class Recipe:
     micro_body: list[Pass] | None = None  # what a sharded recipe's micro-step runs, when not ``body["step"]``
     gradient_axis: str = "world"  # the ranks that share a gradient: loss scaling and clipping work across them
     outer: tuple[OptimizerCheck, ...] | None = None  # see Strategy
+    outer_sgd: OuterSGD = OuterSGD()  # see Strategy
 
 
 @dataclass(frozen=True)
@@ -56,6 +72,7 @@ class Strategy:
     # not None: the mode applies an outer optimizer (DiLoCo), which transpile() traces beside the step, and these
     # are its checks
     outer: tuple[OptimizerCheck, ...] | None = None
+    outer_sgd: OuterSGD = OuterSGD()  # the outer optimizer when none is given
 
     def __post_init__(self) -> None:
         for passes in self.variants.values():
