@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 
 import torch
 import torch.fx as fx
@@ -49,21 +50,41 @@ def message_bytes(rows: int, k: int, chunk: int, bits: int) -> tuple[int, int, i
     return indices, values, 0 if bits == 32 else 4 * rows
 
 
+def _word(bits: int) -> tuple[int, int] | None:
+    """Codes per word and bytes per word when ``bits``-bit codes fill whole bytes in one int64 (``lcm(bits, 8)``
+    bits of at most 56, and a little-endian host); None: pack bit by bit."""
+    width = math.lcm(bits, 8)
+    return (width // bits, width // 8) if width <= 56 and sys.byteorder == "little" else None
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Non-negative integers below ``2^bits`` (any shape) to bytes, ``bits`` each, little-endian (module doc)."""
+    """Non-negative integers below ``2^bits`` (any shape) to bytes, ``bits`` each, little-endian (module doc): a
+    word of ``lcm(bits, 8)`` bits at a time where one fits in an int64, else bit by bit (the same bytes)."""
     flat = codes.reshape(-1).to(torch.int64)
-    shifts = torch.arange(bits, device=flat.device)
-    stream = ((flat.unsqueeze(1) >> shifts) & 1).reshape(-1)
-    stream = torch.nn.functional.pad(stream, (0, (-stream.numel()) % 8))
-    weights = torch.arange(8, device=flat.device)
-    return (stream.reshape(-1, 8) << weights).sum(1).to(torch.uint8)
+    size = math.ceil(flat.numel() * bits / 8)
+    word = _word(bits)
+    if word is None:
+        stream = ((flat.unsqueeze(1) >> torch.arange(bits, device=flat.device)) & 1).reshape(-1)
+        stream = torch.nn.functional.pad(stream, (0, (-stream.numel()) % 8))
+        return (stream.reshape(-1, 8) << torch.arange(8, device=flat.device)).sum(1).to(torch.uint8)
+    per, width = word
+    flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % per)).reshape(-1, per)
+    words = (flat << (torch.arange(per, device=flat.device) * bits)).sum(1, keepdim=True)
+    return words.view(torch.uint8)[:, :width].reshape(-1)[:size]
 
 
 def unpack_bits(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """The first ``count`` integers of ``bits`` bits each that :func:`pack_bits` wrote, as int64."""
-    stream = ((data.to(torch.int64).unsqueeze(1) >> torch.arange(8, device=data.device)) & 1).reshape(-1)
-    digits = stream[: count * bits].reshape(count, bits)
-    return (digits << torch.arange(bits, device=data.device)).sum(1)
+    word = _word(bits)
+    if word is None:
+        stream = ((data.to(torch.int64).unsqueeze(1) >> torch.arange(8, device=data.device)) & 1).reshape(-1)
+        digits = stream[: count * bits].reshape(count, bits)
+        return (digits << torch.arange(bits, device=data.device)).sum(1)
+    per, width = word
+    rows = torch.nn.functional.pad(data, (0, (-data.numel()) % width)).reshape(-1, width)
+    words = torch.nn.functional.pad(rows, (0, 8 - width)).contiguous().view(torch.int64)
+    codes = (words >> (torch.arange(per, device=data.device) * bits)) & (2**bits - 1)
+    return codes.reshape(-1)[:count]
 
 
 def quantise(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
