@@ -14,6 +14,9 @@ row's coefficients ``x Bᵀ``); the rows of every parameter make one ``[R, chunk
   (``L = 2^bits − 1``, round half to even), packed the same way, decoded ``(2q − L) · (s / L)``;
 - the rows' scales, float32 (none for 32 bits).
 
+Each part is padded with zero bytes to a multiple of 4, so every rank's float32 parts can be read in place from
+the gathered buffer, compiled or not.
+
 What is sent is the decoded value, so the rank subtracts exactly that from its buffer: ``e ← e − ê`` (with a basis,
 ``e ← e − ĉ B``). The messages are all-gathered; every rank decodes every rank's and adds them with
 ``scatter_add`` into a zero matrix, rank 0 first, so the sum's order is fixed and the same on every rank (with a
@@ -43,11 +46,21 @@ def index_bits(chunk: int) -> int:
 
 
 def message_bytes(rows: int, k: int, chunk: int, bits: int) -> tuple[int, int, int]:
-    """Bytes of the indices, the values and the scales of one rank's message for ``rows`` chunks."""
+    """Bytes of the indices, the values and the scales of one rank's message for ``rows`` chunks, each part
+    padded with zero bytes to a multiple of 4 (so the float32 parts are read in place, compiled or not)."""
     count = rows * k
-    indices = math.ceil(count * index_bits(chunk) / 8)
-    values = 4 * count if bits == 32 else math.ceil(count * bits / 8)
+    indices = _aligned(math.ceil(count * index_bits(chunk) / 8))
+    values = 4 * count if bits == 32 else _aligned(math.ceil(count * bits / 8))
     return indices, values, 0 if bits == 32 else 4 * rows
+
+
+def _aligned(size: int) -> int:
+    return size + (-size) % 4
+
+
+def _padded(part: torch.Tensor) -> torch.Tensor:
+    """Bytes padded with zeros to a multiple of 4."""
+    return torch.nn.functional.pad(part, (0, (-part.numel()) % 4))
 
 
 def _word(bits: int) -> tuple[int, int] | None:
@@ -112,8 +125,8 @@ def select(rows: torch.Tensor, k: int, bits: int) -> tuple[torch.Tensor, torch.T
     else:
         codes, scale = quantise(values, bits)
         sent = dequantise(codes, scale, bits)
-        parts = [pack_bits(codes, bits), scale.reshape(-1).view(torch.uint8)]
-    message = torch.cat([pack_bits(index, index_bits(rows.shape[1])), *parts])
+        parts = [_padded(pack_bits(codes, bits)), scale.reshape(-1).view(torch.uint8)]
+    message = torch.cat([_padded(pack_bits(index, index_bits(rows.shape[1]))), *parts])
     return message, torch.zeros_like(rows).scatter(1, index, sent)
 
 
@@ -126,10 +139,10 @@ def decode_sum(received: torch.Tensor, rows: int, k: int, chunk: int, bits: int)
         index = unpack_bits(message[:index_bytes], index_bits(chunk), rows * k).reshape(rows, k)
         body = message[index_bytes:]
         if bits == 32:
-            values = body.clone().view(torch.float32).reshape(rows, k)  # a copy: aligned to 4 bytes
+            values = body.view(torch.float32).reshape(rows, k)
         else:
             codes = unpack_bits(body[:value_bytes], bits, rows * k).reshape(rows, k)
-            scale = body[value_bytes:].clone().view(torch.float32).reshape(rows, 1)
+            scale = body[value_bytes:].view(torch.float32).reshape(rows, 1)
             values = dequantise(codes, scale, bits)
         total = total.scatter_add(1, index, values)
     return total

@@ -145,3 +145,19 @@ def test_state_dict_carries_the_momenta_and_a_dcp_checkpoint_is_refused(tmp_path
     assert all(same for _, same in resumed_matches("demo", DEMO, sgd, tmp_path, "state"))
     with pytest.raises(CheckpointError, match="keeps ranks apart.*Save step.state_dict"):
         resumed_matches("demo", DEMO, sgd, tmp_path, "dcp")
+
+
+def test_compiled_demo_follows_the_uncompiled_step():
+    """compile=True: the message's float32 parts are read in place (4-byte aligned), which Inductor keeps; within
+    1e-6 of the uncompiled step after 4 steps (measured: equal)."""
+    ends = {}
+    for flag in (False, True):
+        torch.manual_seed(0)
+        model = MLP()
+        step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.01), "demo", LOSS, compile=flag, **DEMO)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            step(*make_batch("mlp", 8, gen))
+        ends[flag] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(ends[True], ends[False]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

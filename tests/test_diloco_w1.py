@@ -370,11 +370,11 @@ def test_global_weights_before_any_step_are_the_parameters_and_other_modes_have_
         plain.global_parameters()
 
 
-@pytest.mark.parametrize("mode", ["diloco", "streaming_diloco"])
+@pytest.mark.parametrize("mode", ["diloco", "streaming_diloco", "sparseloco"])
 def test_compiled_programs_follow_the_uncompiled_ones_and_compile_once(mode):
     """compile=True over 4 outer rounds: each variant compiles once (the exchange carried between two compiled
-    programs included), and the weights stay within 1e-5 of the uncompiled step's (Inductor fuses and rounds
-    otherwise)."""
+    programs included; SparseLoCo's message read in place, its float32 parts 4-byte aligned), and the weights stay
+    within 1e-5 of the uncompiled step's (Inductor fuses and rounds otherwise)."""
     options = {"sync_every": 4}
     if mode == "streaming_diloco":
         options |= {"fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5, "exchange_dtype": "int4"}

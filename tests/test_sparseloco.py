@@ -101,8 +101,8 @@ def test_only_the_message_is_sent_and_its_bytes_are_the_formula(runs):
         wire = record["wire"]
         rows, k, chunk = wire["rows"], SPARSE["topk"], SPARSE["chunk_size"]
         expected = sum(message_bytes(rows, k, chunk, SPARSE["value_bits"]))
-        # indices 4 bits, values 2 bits, a float32 scale per chunk
-        assert expected == math.ceil(rows * k * 4 / 8) + math.ceil(rows * k * 2 / 8) + 4 * rows
+        # indices 4 bits, values 2 bits, each part padded to a multiple of 4 bytes; a float32 scale per chunk
+        assert expected == 4 * math.ceil(rows * k * 4 / 32) + 4 * math.ceil(rows * k * 2 / 32) + 4 * rows
         assert wire["collectives"] == [("_c10d_functional.all_gather_into_tensor.default", expected)]
         assert wire["gathered"] == world * expected
 
