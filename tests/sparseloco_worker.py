@@ -7,7 +7,7 @@ ranks that tests/test_diloco.py also uses.
    chunks) the ``k`` entries of largest ``|e|``, quantised as docs/strategies/sparseloco.md writes it and decoded
    (``ê_r``); ``e_r ← e_r − ê_r``; ``θ_global ← θ_global − α · (ê_0 + ê_1 + ...) / W``, summed in rank order;
    every replica restarts from θ_global. The quantiser is written here from the documented formula, not imported.
-   ``replica_size=2`` at W=4: two replicas of two ranks, ZeRO-1 inside.
+   ``replica_size=2`` at W=4: two replicas of two ranks, data parallel or ZeRO-1 inside.
 2. ``identity``: k = chunk, 32-bit values and β = 0 against ``diloco`` with outer ``SGD(lr=α)``.
 3. ``resume``: ``step.state_dict()`` mid-round (the error buffers non-zero) continues as the run that never stopped.
 4. ``wire``: the bytes of the all-gather's message, and the verifier refusing an error buffer that leaves the rank.
@@ -82,19 +82,19 @@ class PaperSparseLoCo(PaperDiLoCo):
                     p.copy_(theta)
 
 
-def options(sparse: dict, replica_size: int = 1) -> dict:
-    inside = {"replica_size": replica_size, "replica_mode": "zero1"} if replica_size > 1 else {}
-    return {"sync_every": H, **sparse, **inside}
+def options(sparse: dict, replica_size: int = 1, inside: str = "fused_allreduce") -> dict:
+    layout = {"replica_size": replica_size, "replica_mode": inside} if replica_size > 1 else {}
+    return {"sync_every": H, **sparse, **layout}
 
 
-def reference(rank: int, world: int, replica_size: int = 1) -> dict:
+def reference(rank: int, world: int, replica_size: int = 1, inside: str = "fused_allreduce") -> dict:
     torch.manual_seed(0)
     model = MLP()
     s = SPARSE
     paper = PaperSparseLoCo(
         model, world // replica_size, s["chunk_size"], s["topk"], s["value_bits"], s["error_decay"], s["outer_lr"]
     )
-    step = transpile(model, inner_optimizer(model.parameters()), "sparseloco", LOSS, **options(s, replica_size))
+    step = transpile(model, inner_optimizer(model.parameters()), "sparseloco", LOSS, **options(s, replica_size, inside))
     record = side_by_side(step, model, paper, data(world, H * ROUNDS), rank, rank // replica_size)
     errors = {k: v for k, v in step.state_dict()["transpiler"]["extra"].items() if k.startswith("error_feedback.")}
     mine = paper.errors[rank // replica_size]
@@ -168,7 +168,8 @@ def wire(rank: int, world: int) -> dict:
 def checks(rank: int, world: int) -> dict:
     out = {"reference": reference(rank, world), "wire": wire(rank, world)}
     if world == 4:
-        out["reference_2d_zero1"] = reference(rank, world, replica_size=2)
+        out["reference_2d"] = reference(rank, world, replica_size=2)
+        out["reference_2d_zero1"] = reference(rank, world, replica_size=2, inside="zero1")
     if world == 2:
         out |= {"identity": identity(rank, world), "resume": resume(rank, world)}
     return out

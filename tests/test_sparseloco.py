@@ -65,10 +65,12 @@ def test_every_replica_follows_the_paper_step_by_step(runs):
 
 @pytest.mark.bitwise
 @pytest.mark.parametrize("runs", [4], indirect=True, ids=["world4"])
-def test_two_replicas_of_two_ranks_with_zero1_inside_follow_the_paper(runs):
-    """W=4, ``replica_size=2``: AdamW's state sharded inside each replica, SparseLoCo across the two."""
+@pytest.mark.parametrize("case", ["reference_2d", "reference_2d_zero1"])
+def test_two_replicas_of_two_ranks_follow_the_paper(runs, case):
+    """W=4, ``replica_size=2``: each replica's two ranks all-reduce their gradients (or reduce-scatter them into
+    ZeRO-1 shards of AdamW's state), SparseLoCo across the two replicas."""
     _, ranks = runs
-    follows_the_paper(ranks, "reference_2d_zero1")
+    follows_the_paper(ranks, case)
 
 
 @pytest.mark.bitwise
