@@ -29,7 +29,7 @@ from transpiler.graph.program import StepProgram
 
 from .bucketing import BucketedGradientPass
 from .gradient_flow import add_constant, add_outputs, add_state, replace_gradient
-from .sparse_pseudo_exchange import VALUE_BITS, exchange
+from .sparse_pseudo_exchange import check_options, exchange
 
 aten = torch.ops.aten
 
@@ -56,10 +56,7 @@ class DeMoExchange(BucketedGradientPass):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.value_bits not in VALUE_BITS:
-            raise ConfigurationError(f"value_bits={self.value_bits}: DeMo sends coefficients of 2, 4, 8 or 32 bits.")
-        if self.topk > self.chunk:
-            raise ConfigurationError(f"topk={self.topk} of a chunk of {self.chunk} elements: give topk <= chunk.")
+        check_options(self.topk, self.chunk, self.value_bits, "DeMo")
 
     def reduce(self, program: StepProgram, grads: list[fx.Node]) -> None:
         bad = [g.meta["grad_of"] for g in grads if g.meta["val"].dtype != torch.float32]

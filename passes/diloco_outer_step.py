@@ -55,7 +55,6 @@ from .gradient_flow import (
 )
 from .partitions import module_fragments
 from .pseudo_exchange import EXCHANGES, carried_like
-from .sparse_pseudo_exchange import VALUE_BITS
 
 aten = torch.ops.aten
 PHASES = ("whole", "start", "finish")
@@ -86,16 +85,17 @@ class DiLoCoOuterStep(Pass):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.value_bits not in VALUE_BITS:
-            raise ConfigurationError(f"value_bits={self.value_bits}: SparseLoCo sends values of 2, 4, 8 or 32 bits.")
-        if self.topk > self.chunk:
-            raise ConfigurationError(f"topk={self.topk} of a chunk of {self.chunk} elements: give topk <= chunk.")
-        streaming = self.fragments > 1 or self.phase != "whole" or self.exchange != "float32"
-        if self.topk and streaming:
+        sparse_pseudo_exchange.check_options(self.topk, self.chunk, self.value_bits, "SparseLoCo")
+        if self.topk and self.streaming:
             raise ConfigurationError(
                 "a sparse exchange (topk > 0) sends the whole model at each sync: it does not combine with "
                 "fragments, a phased exchange or exchange dtypes (Streaming DiLoCo's options)."
             )
+
+    @property
+    def streaming(self) -> bool:
+        """Streaming DiLoCo's exchange: fragments, a phase or a wire format other than the defaults."""
+        return self.fragments > 1 or self.phase != "whole" or self.exchange != "float32"
 
     def run(self, program: StepProgram) -> bool:
         if program.outer_update is None:
@@ -113,11 +113,10 @@ class DiLoCoOuterStep(Pass):
         names = [name for name in where if parts[name] == self.fragment]
         locals_ = {name: values[where[name]] for name in names}
         globals_ = {name: self._global(program, name, locals_[name]) for name in names}
-        streaming = self.fragments > 1 or self.phase != "whole" or self.exchange != "float32"
         kept: dict[str, fx.Node] = {}  # SparseLoCo's error buffers, as the sync leaves them
         if self.topk:
             sums, kept = self._sparse_sums(program, globals_, locals_)
-        elif not streaming:
+        elif not self.streaming:
             sums = self._bucketed_sums(program, globals_, locals_)
         else:
             sums = self._fragment_sums(program, globals_, locals_)

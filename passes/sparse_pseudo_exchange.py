@@ -32,12 +32,22 @@ import sys
 import torch
 import torch.fx as fx
 
+from transpiler.errors import ConfigurationError
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor
 from transpiler.graph.program import StepProgram
 
 VALUE_BITS = (2, 4, 8, 32)
 aten = torch.ops.aten
+
+
+def check_options(topk: int, chunk: int, bits: int, who: str) -> None:
+    """The exchange's options, as a pass that uses it takes them: ``bits`` one of :data:`VALUE_BITS`, at most a
+    chunk's worth of entries sent per chunk. ``who`` names what sends (``SparseLoCo``, ``DeMo``)."""
+    if bits not in VALUE_BITS:
+        raise ConfigurationError(f"value_bits={bits}: {who} sends values of 2, 4, 8 or 32 bits.")
+    if topk > chunk:
+        raise ConfigurationError(f"topk={topk} of a chunk of {chunk} elements: give topk <= chunk.")
 
 
 def index_bits(chunk: int) -> int:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -241,24 +243,36 @@ def collectives(program) -> int:
     return sum(1 for n in program.graph.nodes if "collective" in n.meta)
 
 
-def identity(rank: int, world: int) -> dict:
-    """Outer SGD(lr=1, no momentum) makes θ_global - mean(θ_global - θ_i) = mean(θ_i): LocalSGD's average."""
+def each_run(rank: int, world: int, rounds: int, builds: dict[str, Callable[[torch.nn.Module], Any]]) -> dict:
+    """Each step ``builds`` names (a label, and what builds it on a model) from seed 0's MLP, on the same ``rounds``
+    rounds of batches: per step, the program variant run and this rank's weights."""
     torch.manual_seed(0)
     base = MLP()
     runs = {}
-    for mode in ("diloco", "local_sgd"):
+    for label, build in builds.items():
         model = copy.deepcopy(base)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        if mode == "diloco":
-            outer = torch.optim.SGD(model.parameters(), lr=1.0)
-            step = transpile(model, opt, mode=mode, loss_fn=LOSS, sync_every=H, outer_optimizer=outer)
-        else:
-            step = transpile(model, opt, mode=mode, loss_fn=LOSS, k_steps=H, begin_step=0)
-        runs[mode] = []
-        for batches in data(world, H * ROUNDS):
+        step = build(model)
+        runs[label] = []
+        for batches in data(world, H * rounds):
             step(*batches[rank])
-            runs[mode].append((step.last_variant, params_of(model)))
+            runs[label].append((step.last_variant, params_of(model)))
     return runs
+
+
+def identity(rank: int, world: int) -> dict:
+    """Outer SGD(lr=1, no momentum) makes θ_global - mean(θ_global - θ_i) = mean(θ_i): LocalSGD's average."""
+
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def diloco(model):
+        outer = torch.optim.SGD(model.parameters(), lr=1.0)
+        return transpile(model, sgd(model), mode="diloco", loss_fn=LOSS, sync_every=H, outer_optimizer=outer)
+
+    def local_sgd(model):
+        return transpile(model, sgd(model), mode="local_sgd", loss_fn=LOSS, k_steps=H, begin_step=0)
+
+    return each_run(rank, world, ROUNDS, {"diloco": diloco, "local_sgd": local_sgd})
 
 
 def alpha_one(rank: int, world: int) -> dict:

@@ -23,7 +23,16 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.diloco_worker import LOSS, H, PaperDiLoCo, data, inner_optimizer, params_of, side_by_side  # noqa: E402
+from tests.diloco_worker import (  # noqa: E402
+    LOSS,
+    H,
+    PaperDiLoCo,
+    data,
+    each_run,
+    inner_optimizer,
+    params_of,
+    side_by_side,
+)
 from tests.distributed import run_rank  # noqa: E402
 from tests.models import MLP  # noqa: E402
 from transpiler import transpile  # noqa: E402
@@ -105,23 +114,17 @@ def reference(rank: int, world: int, replica_size: int = 1, inside: str = "fused
 
 def identity(rank: int, world: int) -> dict:
     """Everything sent at full precision with no memory: SparseLoCo is DiLoCo with outer SGD(lr=α), no momentum."""
-    torch.manual_seed(0)
-    base = MLP()
-    runs = {}
-    for mode in ("sparseloco", "diloco"):
-        model = copy.deepcopy(base)
+
+    def sparseloco(model):
+        dense = {"chunk_size": 16, "topk": 16, "value_bits": 32, "error_decay": 0.0, "outer_lr": 0.8}
+        return transpile(model, inner_optimizer(model.parameters()), "sparseloco", LOSS, **options(dense))
+
+    def diloco(model):
+        outer = torch.optim.SGD(model.parameters(), lr=0.8)
         opt = inner_optimizer(model.parameters())
-        if mode == "sparseloco":
-            dense = {"chunk_size": 16, "topk": 16, "value_bits": 32, "error_decay": 0.0, "outer_lr": 0.8}
-            step = transpile(model, opt, mode, LOSS, **options(dense))
-        else:
-            outer = torch.optim.SGD(model.parameters(), lr=0.8)
-            step = transpile(model, opt, mode, LOSS, sync_every=H, outer_optimizer=outer)
-        runs[mode] = []
-        for batches in data(world, H * ROUNDS):
-            step(*batches[rank])
-            runs[mode].append((step.last_variant, params_of(model)))
-    return runs
+        return transpile(model, opt, "diloco", LOSS, sync_every=H, outer_optimizer=outer)
+
+    return each_run(rank, world, ROUNDS, {"sparseloco": sparseloco, "diloco": diloco})
 
 
 def resume(rank: int, world: int) -> dict:

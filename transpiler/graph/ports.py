@@ -64,10 +64,8 @@ DIM_REDUCE = "dim_reduce."  # DimReduce's subspace state (dim-reduce)
 RESIDUAL_MOMENTUM = "residual_momentum."  # DimReduce's momentum outside the subspace (dim-reduce)
 PARTICIPANTS = "participants"  # the ranks a step's mean runs over, under a torchft quorum (scale-loss-grad)
 DEMO_MOMENTUM = "demo_momentum."  # DeMo's momentum, never sent (demo-exchange)
-PRIVATE = (
-    ERROR_FEEDBACK,
-    DEMO_MOMENTUM,
-)  # extra state that never leaves its rank but as a compressor's message (verify.py)
+# extra state that never leaves its rank but as a compressor's message (verify.py)
+PRIVATE = (ERROR_FEEDBACK, DEMO_MOMENTUM)
 REPLICATED = (LOSS_SCALE, GROWTH_TRACKER)  # extra state the same on every rank: a DCP checkpoint saves it once
 
 

@@ -157,26 +157,23 @@ def _outer_input(node: fx.Node) -> bool:
 
 
 def check_private_state_stays(program: StepProgram, final: bool) -> None:
-    """State that must never leave its rank (``ports.PRIVATE``: SparseLoCo's error buffers) reaches a collective
-    only through a node tagged ``meta["sent"]``, the message a compressor made of it."""
-    private = [n for n in program.graph.nodes if _is_private(n)]
-    if not private:
-        return
+    """State that must never leave its rank (``ports.PRIVATE``: SparseLoCo's error buffers, DeMo's momenta)
+    reaches a collective only through a node tagged ``meta["sent"]``, the message a compressor made of it. One
+    pass in graph order: a node carries the private input it computes from, unless it is such a message."""
+    carried: dict[fx.Node, str] = {}
     for node in program.graph.nodes:
-        if not is_collective(node):
+        if _is_private(node):
+            carried[node] = node.meta["port"].name
             continue
-        seen, todo = set(), deque(node.all_input_nodes)
-        while todo:
-            source = todo.popleft()
-            if source in seen or source.meta.get("sent"):
-                continue
-            seen.add(source)
-            if _is_private(source):
-                raise VerificationError(
-                    f"collective '{node.name}' sends '{source.meta['port'].name}' (or what is computed from it) "
-                    "without going through the compressor's message: that state never leaves its rank."
-                )
-            todo.extend(source.all_input_nodes)
+        source = next((carried[n] for n in node.all_input_nodes if n in carried), None)
+        if source is None or node.meta.get("sent"):
+            continue
+        if is_collective(node):
+            raise VerificationError(
+                f"collective '{node.name}' sends '{source}' (or what is computed from it) without going through "
+                "the compressor's message: that state never leaves its rank."
+            )
+        carried[node] = source
 
 
 def _is_private(node: fx.Node) -> bool:
