@@ -62,31 +62,27 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def launch(script: Path, world: int, args: list[str], *, timeout: float) -> list[subprocess.CompletedProcess]:
-    """Start ``world`` ranks of ``script``; kill them all and fail if any hangs past ``timeout``."""
+    """Start ``world`` ranks of ``script`` (forks of the suite's rank server, ``tests/zygote.py``); kill them all
+    and fail if any hangs past ``timeout``."""
+    from tests import zygote
+
     port = free_port()
-    procs, logs = [], []
-    for rank in range(world):
-        env = rank_env(rank, world, port)
+    with tempfile.TemporaryDirectory(prefix="launch-") as folder:
         # a file, not a pipe: a rank that prints a lot must never block on a pipe nobody reads yet
-        logs.append(tempfile.TemporaryFile(mode="w+"))
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), *args], env=env, cwd=ROOT, stdout=logs[-1], stderr=subprocess.STDOUT
-            )
-        )
-    deadline = time.monotonic() + timeout
-    try:
+        logs = [Path(folder) / f"rank{rank}.log" for rank in range(world)]
+        procs = [zygote.start([str(script), *args], rank_env(rank, world, port), logs[rank]) for rank in range(world)]
+        deadline = time.monotonic() + timeout
         for p in procs:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise AssertionError(f"{script.name} with {world} ranks did not finish in {timeout}s (hang?)") from None
-    results = []
-    for p, log in zip(procs, logs):
-        log.seek(0)
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, log.read(), ""))
-        log.close()
+            p.join(timeout=max(deadline - time.monotonic(), 0.1))
+        if any(p.exitcode is None for p in procs):
+            for p in procs:
+                p.kill()
+                p.join()
+            raise AssertionError(f"{script.name} with {world} ranks did not finish in {timeout}s (hang?)")
+        results = [
+            subprocess.CompletedProcess([script.name, *args], p.exitcode, log.read_text(), "")
+            for p, log in zip(procs, logs)
+        ]
     failed = [r for r in results if r.returncode != 0]
     if failed:
         shown = "\n".join(f"--- rank {results.index(r)} (exit {r.returncode}):\n{r.stdout[-3000:]}" for r in failed)

@@ -1,11 +1,11 @@
 """Worlds of ranks kept for the whole test session, each running one worker's body after another.
 
-Spawning a world costs every rank an interpreter, torch, the package, the libraries the checks use and a process
-group: about 3 s at two ranks and 5 s at four on two cores, paid again by every file that needs a world. So a
-world of W ranks (gloo on loopback, 60 s timeout, one thread, as ``distributed.run_rank``) starts the first time
-a test asks for it and then serves every test that needs W ranks, in any file: each worker's body (``checks`` of
-``tests/zero_worker.py``, say) is a *job*, run by every rank with the same arguments, its results saved as
-``rank<r>.pt``, exactly as a world launched for it alone would save them.
+Starting a world costs every rank a process (a fork of the suite's rank server, ``tests/zygote.py``, which has
+imported torch and the package already), the libraries only some checks use, and a process group, paid again by
+every file that needs a world. So a world of W ranks (gloo on loopback, 60 s timeout, one thread, as
+``distributed.run_rank``) starts the first time a test asks for it and then serves every test that needs W ranks,
+in any file: each worker's body (``checks`` of ``tests/zero_worker.py``, say) is a *job*, run by every rank with
+the same arguments, its results saved as ``rank<r>.pt``, exactly as a world launched for it alone would save them.
 
 A job that fails, or outlives its timeout, may leave the other ranks inside a collective: that world is killed,
 the error shows each rank's output, and the next job starts a new world. A world is never shared with a job that
@@ -21,16 +21,17 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from tests.distributed import ROOT, free_port, rank_env
+from tests import zygote
+from tests.distributed import free_port, rank_env
 
 POLL = 0.005  # seconds between the session's looks for a job's end (a rank waits for a job on its stdin)
 
@@ -45,14 +46,14 @@ class World:
         self.jobs = 0
         port = free_port()
         self.logs = [self.control / f"rank{r}.log" for r in range(size)]  # a file, never a pipe nobody reads
-        self.procs: list[subprocess.Popen] = []
-        command = [sys.executable, "-m", "tests.worlds", str(self.control)]
+        self.procs: list[BaseProcess] = []
+        self.orders: list[TextIO] = []  # each rank's stdin, a pipe
         for rank in range(size):
-            with self.logs[rank].open("w") as log:  # the rank writes through its own copy
-                pipes = {"stdin": subprocess.PIPE, "stdout": log, "stderr": subprocess.STDOUT}
-                self.procs.append(
-                    subprocess.Popen(command, env=rank_env(rank, size, port), cwd=ROOT, text=True, **pipes)
-                )
+            self.logs[rank].touch()
+            read, write = os.pipe()
+            command = ["-m", "tests.worlds", str(self.control)]
+            self.procs.append(zygote.start(command, rank_env(rank, size, port), self.logs[rank], stdin_fd=read))
+            self.orders.append(os.fdopen(write, "w"))
 
     def run(self, target: str, out: Path, args: list[str], *, timeout: float) -> None:
         """Run ``module:function`` on every rank as ``function(rank, world, *args)``, its results saved in ``out``;
@@ -61,16 +62,16 @@ class World:
         self.jobs += 1
         starts = [log.stat().st_size for log in self.logs]
         order = json.dumps({"job": job, "target": target, "out": str(out), "args": args})
-        for p in self.procs:
-            p.stdin.write(order + "\n")
-            p.stdin.flush()
+        for orders in self.orders:
+            orders.write(order + "\n")
+            orders.flush()
         deadline = time.monotonic() + timeout
         while True:
             done = [(self.control / f"done-{job}-{r}").exists() for r in range(self.size)]
             if all(done):
                 return
             failed = [r for r in range(self.size) if (self.control / f"failed-{job}-{r}").exists()]
-            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+            dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
             late = time.monotonic() > deadline
             if failed or dead or late:
                 why = f"did not finish in {timeout}s (hang?)" if late else f"failed on ranks {failed or dead}"
@@ -81,20 +82,19 @@ class World:
             time.sleep(POLL)
 
     def alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs)
+        return all(p.exitcode is None for p in self.procs)
 
     def close(self) -> None:
-        for p in self.procs:  # end of input: the rank leaves
+        for orders in self.orders:  # end of input: the rank leaves
             try:
-                p.stdin.close()
+                orders.close()
             except OSError:
                 pass
         for p in self.procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
+            p.join(timeout=5)
+            if p.exitcode is None:
                 p.kill()
-                p.wait()
+                p.join()
 
     def _output(self, starts: list[int]) -> str:
         """What each rank printed since the job began."""

@@ -1,0 +1,82 @@
+"""Start the suite's rank processes as forks of a server that has imported torch and the package already.
+
+A rank started as ``python script.py`` spends 5 to 10 s of CPU importing torch, its tracing stack, this package and
+the libraries the checks use before its first line of work (docs/design.md, "The test suite and its time"). Each
+pytest process here starts one multiprocessing *forkserver*, which imports them once (``tests.zygote_preload``),
+and every rank is a fork of it: with its own environment, arguments, working directory, log and (for a world's
+rank) stdin, running its script as ``__main__`` as the interpreter would, and leaving without interpreter
+finalisation, as ``distributed.run_rank`` does.
+
+The server imports and nothing else: no tensor op, no thread (OpenBLAS's pool is kept to the main thread by
+``OMP_NUM_THREADS=1``, which every rank has anyway), so a fork of it is as clean as a fresh interpreter. What a
+fresh interpreter reads from the environment at import time (ATen's ``ATEN_CPU_CAPABILITY``, the thread count)
+is the same here: the server starts with the suite's environment, and ranks set their thread count themselves.
+torchrun and ``ip netns exec`` start their own interpreters; their tests do not come here.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import runpy
+import sys
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from tests.distributed import ROOT
+
+_CONTEXT = multiprocessing.get_context("forkserver")
+
+
+def _ensure_server() -> None:
+    """Start this process's server once, with one OpenMP/OpenBLAS thread (it must have no thread but its own)."""
+    multiprocessing.forkserver.set_forkserver_preload(["tests.zygote_preload"])
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def start(argv: list[str], env: dict[str, str], log: Path, *, stdin_fd: int | None = None) -> BaseProcess:
+    """Fork a rank running ``python *argv`` (a script path, or ``-m module``) with exactly ``env``, writing its
+    output to ``log`` (appended) and reading its stdin from ``stdin_fd`` (closed here once handed over)."""
+    _ensure_server()
+    stdin = Connection(stdin_fd, writable=False) if stdin_fd is not None else None
+    process = _CONTEXT.Process(target=_run, args=(argv, env, str(ROOT), str(log), stdin), daemon=False)
+    process.start()
+    if stdin is not None:
+        stdin.close()
+    return process
+
+
+def _run(argv: list[str], env: dict[str, str], cwd: str, log: str, stdin: Connection | None) -> None:
+    """The rank, in the fork: become ``python *argv`` started in ``cwd`` with ``env``."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    if stdin is not None:
+        os.dup2(stdin.fileno(), 0)
+        stdin.close()
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the rank's stdin for its whole life
+    if cwd not in sys.path:  # PYTHONPATH, as ``distributed.rank_env`` sets it
+        sys.path.insert(0, cwd)
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, str(Path(argv[0]).resolve().parent))  # the script's folder, as the interpreter puts it
+        runpy.run_path(argv[0], run_name="__main__")
