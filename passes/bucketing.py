@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from transpiler.errors import ConfigurationError
 from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor, node_bytes, position
@@ -49,6 +50,31 @@ def first_bucket_option() -> float:
 def compress_option() -> str:
     """The ``compress`` field of a reducing pass: the wire format of its all-reduces."""
     return option("none", choices=tuple(WIRE), help="all-reduce in half precision (SINGA fp16, DDP fp16/bf16 hooks)")
+
+
+def across_option(what: str) -> bool:
+    """The ``across`` field of a reducing pass: after its reduction, sum ``what`` over axis ``across`` too."""
+    return option(
+        False,
+        help=f"then sum {what} over axis 'across' (the ranks of its place in the other replica groups of a torchft "
+        "quorum: HSDP's layout)",
+    )
+
+
+def sum_across(program: StepProgram, cursor: Cursor, reduced: fx.Node, bucket: int, comm: dict, owner: str) -> fx.Node:
+    """``reduced`` (a value this rank's group has just reduced, ours alone) summed in place over axis ``across``:
+    the same value of every other replica group, which cut their buckets alike. ``owner`` names the pass, for the
+    error when the program has no such axis."""
+    across = program.axes.get("across")
+    if across is None:
+        raise ConfigurationError(
+            f"{owner}{{across=true}} sums over axis 'across', and this program has none: it runs under "
+            "transpile(fault_tolerance=...), whose replica groups declare it."
+        )
+    value = reduced.meta["val"]
+    summed = {"kind": "all_reduce", "bucket": bucket, "axis": "across", "bytes": value.numel() * value.element_size()}
+    done = cursor.emit(C10D.all_reduce_.default, (reduced, "sum", across.group_name), collective=summed, **comm)
+    return cursor.emit(WAIT, (done,), **comm)
 
 
 WIRE: dict[str, torch.dtype | None] = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -175,6 +201,7 @@ def reduce_in_buckets(
     tag: str,
     compress: torch.dtype | None = None,
     bucket_views: bool = False,
+    across: str | None = None,
 ) -> list[fx.Node]:
     """Sum all-reduce the named values in dtype/size buckets, each bucket right after its last member.
 
@@ -183,12 +210,15 @@ def reduce_in_buckets(
     (``grads``, ``deltas``...) in ``meta["collective"]``. With ``compress``
     (float16 or bfloat16) each bucket is cast to it, reduced, and cast back:
     callers scale values to their share *before* (no overflow in the sum). With ``bucket_views`` a bucket
-    of several uncompressed values is a persistent buffer they are written into (``bucket_views.py``).
+    of several uncompressed values is a persistent buffer they are written into (``bucket_views.py``). With
+    ``across`` (the pass's name) each reduced bucket is then summed over axis ``across`` (:func:`sum_across`), on
+    the wire.
     """
     nodes = [node for _, node in items]
     reduced: dict[fx.Node, fx.Node] = {}
     for index, members, cursor in placed_buckets(program, nodes, cap_bytes, first_cap_bytes):
-        reduced.update(_reduce_bucket(program, [items[i] for i in members], index, cursor, tag, compress, bucket_views))
+        chosen = [items[i] for i in members]
+        reduced.update(_reduce_bucket(program, chosen, index, cursor, tag, compress, bucket_views, across))
     return [reduced[n] for n in nodes]
 
 
@@ -200,6 +230,7 @@ def _reduce_bucket(
     tag: str,
     compress: torch.dtype | None,
     bucket_views: bool,
+    across: str | None,
 ) -> dict[fx.Node, fx.Node]:
     members = [members[i] for i in in_group_order(program, [name for name, _ in members])]
     nodes = [node for _, node in members]
@@ -217,7 +248,8 @@ def _reduce_bucket(
     starts = None  # packed; a persistent buffer aligns each start
     if len(nodes) == 1 and wire == dtype:
         reduced = cursor.emit(C10D.all_reduce.default, (nodes[0], "sum", program.group_name), collective=info, **comm)
-        return {nodes[0]: cursor.emit(WAIT, (reduced,), **comm)}
+        waited = cursor.emit(WAIT, (reduced,), **comm)
+        return {nodes[0]: sum_across(program, cursor, waited, index, comm, across) if across else waited}
     if len(nodes) == 1:
         flat = nodes[0]
     elif bucket_views and wire == dtype and not any(aliased_to_output(n) for n in nodes):
@@ -231,6 +263,8 @@ def _reduce_bucket(
     # a fused or cast buffer is ours alone, so it is reduced in place (no clone); a lone value is not
     reduced = cursor.emit(C10D.all_reduce_.default, (flat, "sum", program.group_name), collective=info, **comm)
     waited = cursor.emit(WAIT, (reduced,), **comm)
+    if across:
+        waited = sum_across(program, cursor, waited, index, comm, across)
     if wire != dtype:
         waited = cursor.emit(aten._to_copy.default, (waited,), {"dtype": dtype}, **comm)
     if len(nodes) == 1:

@@ -14,6 +14,8 @@ model measured at startup (``transpiler/graph/cost_model.py``, ``bucket_plan.py`
 With ``compress=fp16|bf16`` each bucket is cast to half precision, reduced
 and cast back; the gradients are already each rank's share (``scale-loss-grad``
 ran before), so the sum cannot overflow where the mean does not.
+With ``across`` (replica groups of several ranks under a torchft quorum) each bucket, once reduced in the group,
+is summed again over axis ``across``: the same bucket of the other groups, on torchft's process group.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .bucketing import (
     DEFAULT_CAP_MB,
     MB,
     WIRE,
+    across_option,
     bucket_cap_option,
     bucket_key,
     caps_in_bytes,
@@ -51,6 +54,7 @@ class FuseAllReduce(ReducingPass):
     gradient_as_bucket_view: bool = option(
         True, help="write gradients into persistent bucket buffers and read them back as views (DDP's option)"
     )
+    across: bool = across_option("each reduced bucket")
 
     def run(self, program: StepProgram) -> bool:
         grads = unreduced_gradients(program)
@@ -68,6 +72,7 @@ class FuseAllReduce(ReducingPass):
                 tag="grads",
                 compress=WIRE[self.compress],
                 bucket_views=self.gradient_as_bucket_view,
+                across=self.name if self.across else None,
             ),
         ):
             replace_gradient(grad, reduced)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from transpiler.errors import ConfigurationError, UnsupportedOptimizerError
+from transpiler.errors import UnsupportedOptimizerError
 from transpiler.graph.bucket_layout import FLAT_GRADS, FlatGrads
 from transpiler.graph.collectives import C10D, WAIT, is_collective
 from transpiler.graph.cost_model import LinkCost
@@ -52,10 +52,12 @@ from .bucketing import (
     DEFAULT_CAP_MB,
     MB,
     BucketedGradientPass,
+    across_option,
     bucket_cap_option,
     caps_in_bytes,
     in_group_order,
     placed_buckets,
+    sum_across,
 )
 from .gradient_flow import input_node, replace_gradient
 from .sharded_norms import norms_over_ranks
@@ -90,11 +92,7 @@ class ShardOptimizer(BucketedGradientPass):
         help="cut buckets only between modules, so a layer's parameters share one bucket (ZeRO-3 gathers the "
         "parameters by bucket: a layer then needs one gather)",
     )
-    across: bool = option(
-        False,
-        help="then sum each rank's reduced shard over axis 'across' (the ranks of its place in the other replica "
-        "groups of a torchft quorum: HSDP's layout)",
-    )
+    across: bool = across_option("each rank's reduced shard")
 
     def reduce(self, program: StepProgram, grads: list[fx.Node]) -> None:
         flat_params = [g for g in grads if g.meta["val"].dim() == 0]
@@ -172,7 +170,7 @@ class ShardOptimizer(BucketedGradientPass):
         shard = length // world
         mine = _scatter_sum(program, cursor, flat, shard, info, comm)
         if self.across:
-            mine = _sum_across(program, cursor, mine, info, comm)
+            mine = sum_across(program, cursor, mine, index, comm, self.name)
         mine.meta[FLAT_GRADS] = FlatGrads(
             f"grads{index}", tuple(names), tuple(starts), tuple(sizes), length, rank * shard
         )
@@ -185,22 +183,6 @@ class ShardOptimizer(BucketedGradientPass):
             replace_gradient(node, piece)
             program.shards[node.meta["grad_of"]] = (lo, hi)
         program.shard_axis = self.axis
-
-
-def _sum_across(program: StepProgram, cursor: Cursor, shard: fx.Node, info: dict, comm: dict) -> fx.Node:
-    """This rank's reduced shard summed over axis ``across``: the same shard of every other replica group (each
-    group cuts its buckets alike), so only 1/W of the gradient crosses groups from each rank."""
-    across = program.axes.get("across")
-    if across is None:
-        raise ConfigurationError(
-            "shard-optimizer{across=true} sums over axis 'across', and this program has none: it runs under "
-            "transpile(fault_tolerance=...), whose replica groups declare it."
-        )
-    bytes_ = shard.meta["val"].numel() * shard.meta["val"].element_size()
-    summed = {"kind": "all_reduce", "bucket": info["bucket"], "axis": "across", "bytes": bytes_}
-    # the shard is the scatter's own output, so it is summed in place (no clone), as fuse-allreduce does a bucket
-    reduced = cursor.emit(C10D.all_reduce_.default, (shard, "sum", across.group_name), collective=summed, **comm)
-    return cursor.emit(WAIT, (reduced,), **comm)
 
 
 def _scatter_sum(program: StepProgram, cursor: Cursor, flat: fx.Node, shard: int, info: dict, comm: dict) -> fx.Node:

@@ -43,9 +43,9 @@ def one_group_against_plain(
                 model = make_model("mlp").to(device)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
                 ft = FaultTolerance(f"http://localhost:{port}", f"alone-{mode}", timeout=30, quorum_timeout=60)
-                step = transpile(
-                    model, opt, mode, nn.CrossEntropyLoss(), fault_tolerance=ft if kind == "quorum" else None, **options
-                )
+                example = tuple(t.to(device) for t in make_batch("mlp", 16, torch.Generator().manual_seed(1)))
+                quorum = {"fault_tolerance": ft} if kind == "quorum" else {}
+                step = transpile(model, opt, mode, nn.CrossEntropyLoss(), example, **quorum, **options)
                 steps_by_kind[kind] = (model, step)
             gen, diff = torch.Generator().manual_seed(1), 0.0
             for _ in range(steps):

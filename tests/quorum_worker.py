@@ -51,6 +51,13 @@ def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, position:
     )
 
 
+def whole_snapshot(step, position: DataPosition) -> dict:
+    """:func:`snapshot` with whole parameters: under ``zero3`` each rank holds its slices between steps, and every
+    rank of the group gathers them here (the optimizer's state stays in slices)."""
+    with step.gathered(writeback=False):
+        return snapshot(step.model, step.optimizer, position)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -67,7 +74,7 @@ def main() -> None:
         default=-1,
         help="at committed step K, after the quorum: write OUT/held, wait for OUT/cut",
     )
-    parser.add_argument("--mode", choices=("fused_allreduce", "zero2", "diloco"), default="fused_allreduce")
+    parser.add_argument("--mode", choices=("fused_allreduce", "zero2", "zero3", "diloco"), default="fused_allreduce")
     parser.add_argument("--min-replicas", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=10, help="FaultTolerance.timeout, seconds")
     args = parser.parse_args()
@@ -109,12 +116,14 @@ def _wait_for_steps_without(args: argparse.Namespace, steps: int) -> None:
 
 
 def data_parallel(args: argparse.Namespace, life: int) -> None:
-    """Data parallel across groups: ``fused_allreduce`` in groups of one rank, or ``zero2`` in groups of several
-    (each rank its share of the group's batch; the gradients reduce-scattered in the group, each shard summed
-    across the groups). ``--die-at K``: the group's last rank ends its first life mid-step at committed step K."""
+    """Data parallel across groups: ``fused_allreduce`` in groups of one rank or of several, or ``zero2`` in groups
+    of several (each rank its share of the group's batch; the gradients all-reduced or reduce-scattered in the
+    group, each bucket or shard then summed across the groups). ``--die-at K``: the group's last rank ends its
+    first life mid-step at committed step K."""
     x, y = dataset()
     model, optimizer = fresh()
-    step = transpile(model, optimizer, args.mode, LOSS, fault_tolerance=_setting(args))
+    # zero3 needs the example batch: a rank heals its slices of the parameters before its first step
+    step = transpile(model, optimizer, args.mode, LOSS, (x[:PER_GROUP], y[:PER_GROUP]), fault_tolerance=_setting(args))
     rank, world = dist.get_rank(), dist.get_world_size()
     position = DataPosition(SAMPLES, PER_GROUP * world, seed=1)
     _first_groups_up(args, life)
@@ -135,11 +144,11 @@ def data_parallel(args: argparse.Namespace, life: int) -> None:
         epoch = position.epoch
         refusing = seat.committed_steps == args.refuse_at and not (args.out / "refused.pt").exists()
         if refusing:
-            before = snapshot(model, optimizer, position)
+            before = whole_snapshot(step, position)
             step.quorum.manager.report_error(RuntimeError("a vote against this step (the test's)"))
         loss = step(x[indices], y[indices])
         if refusing:
-            torch.save({"before": before, "after": snapshot(model, optimizer, position)}, args.out / "refused.pt")
+            torch.save({"before": before, "after": whole_snapshot(step, position)}, args.out / "refused.pt")
         record = {
             "pid": os.getpid(),
             "life": life,
@@ -156,14 +165,14 @@ def data_parallel(args: argparse.Namespace, life: int) -> None:
         log.write(json.dumps(record) + "\n")
         log.flush()
         if step.committed:
-            trajectory[seat.committed_steps] = snapshot(model, optimizer, position)
+            trajectory[seat.committed_steps] = whole_snapshot(step, position)
             if world > 1:  # this rank's slices of the optimizer's state
                 trajectory[seat.committed_steps]["shards"] = dict(step.programs["step"].shards)
         if step.committed and seat.committed_steps + 1 >= args.min_steps and seat.participants == args.groups:
             break  # every group of this quorum sees the same count and size, and stops after the same step
         time.sleep(0.02)
     log.close()
-    torch.save(snapshot(model, optimizer, position), _file(args, ".pt"))
+    torch.save(whole_snapshot(step, position), _file(args, ".pt"))
     torch.save(trajectory, _file(args, f"-life{life}.trajectory.pt"))
     step.quorum.shutdown()
 

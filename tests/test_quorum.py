@@ -12,6 +12,10 @@ committed and joins. The run ends after the first step with all four. What the c
 - after every committed step every group that committed it holds the same bits, and they are those of a
   reference step computed here from the participation history (each committed step: how many groups took part),
   with each sample taken once per epoch.
+
+The other worlds: three groups of two ranks under ``diloco``; two groups of two ranks under each of ``zero2``,
+``zero3`` and ``fused_allreduce`` (a rank lost mid-step, the group healed); and a partition across network
+namespaces.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import signal
 import subprocess
@@ -132,18 +137,18 @@ def diloco_world(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def zero_world(tmp_path_factory) -> Path:
-    """The lighthouse and two groups of two ranks under ``zero2``: g1's second rank dies mid-step at committed
-    step 3; g0 goes on alone; torchrun restarts g1, whose ranks heal their slices from g0's and rejoin; the run
-    ends at the first step of both at or after step 12."""
-    out = tmp_path_factory.mktemp("quorum_zero")
+@pytest.fixture(scope="module", params=["zero2", "zero3", "fused_allreduce"])
+def groups_world(request, tmp_path_factory) -> tuple[str, Path]:
+    """The lighthouse and two groups of two ranks under ``zero2`` or ``fused_allreduce``: g1's second rank dies
+    mid-step at committed step 3; g0 goes on alone; torchrun restarts g1, whose ranks heal from g0's and rejoin;
+    the run ends at the first step of both at or after step 12. The mode, and the folder."""
+    out = tmp_path_factory.mktemp(f"quorum_{request.param}")
     with _lighthouse(out, min_replicas=1) as (address, jobs):
-        common = ["--mode", "zero2", "--groups", "2", "--first-groups", "2", "--min-replicas", "1"]
+        common = ["--mode", request.param, "--groups", "2", "--first-groups", "2", "--min-replicas", "1"]
         extras = {"g1": ["--die-at", str(DIE_AT)]}
         jobs += [_torchrun(out, g, address, [*common, *extras.get(g, [])], RANKS) for g in ("g0", "g1")]
         _finished(out, jobs)
-    return out
+    return request.param, out
 
 
 CUT_AT = 3  # the committed step after which g2's link goes down, in the world of hosts
@@ -358,7 +363,7 @@ def _whole_optimizer(states: list[dict], shards: list[dict], params: dict[str, t
             whole = torch.empty(param.numel())
             for state, held in zip(states, shards):
                 lo, hi = held.get(name, (0, whole.numel()))
-                whole[lo:hi] = state["state"][index][key]
+                whole[lo:hi] = state["state"][index][key].reshape(-1)  # a slice, or the whole tensor
             whole_state["state"][index][key] = whole.view_as(param)
     return whole_state
 
@@ -452,17 +457,20 @@ def test_diloco_survivors_sync_without_the_lost_group_and_it_returns_at_a_sync(d
     assert exact >= 1
 
 
-def test_zero2_groups_of_two_survive_a_lost_rank_and_every_step_is_the_reference(zero_world):
-    """``zero2`` in groups of two ranks (HSDP's layout): each bucket reduce-scattered in the group, each rank's
-    shard summed across the groups on torchft's group, the shard updated, the parameters all-gathered in the group.
-    g1 loses a rank mid-step: g0's ranks keep their processes, do not commit that step, and go on alone; g1 comes
-    back, each rank heals its own slice from g0's rank of its place, and both commit together again. After every
-    committed step every rank of every group that committed it holds the same weights, and they are the reference
-    step's: eager PyTorch on each rank's batch (taken by a replayed DataPosition, the group's batch split among its
-    ranks), each loss gradient seeded with 1/ranks × 1/participants, summed in the group and then across the
-    groups, SGD with momentum from the optimizer state put together from g0's slices: bitwise (one or two
-    participants, two ranks: every sum is one addition). Each sample is taken once per epoch."""
-    logs = {f"{g}-r{r}": _log(zero_world, f"{g}-r{r}") for g in ("g0", "g1") for r in range(RANKS)}
+def test_groups_of_two_survive_a_lost_rank_and_every_step_is_the_reference(groups_world):
+    """Groups of two ranks (HSDP's layout), reduced in two levels. ``zero2``: each bucket reduce-scattered in the
+    group, each rank's shard summed across the groups on torchft's group, the shard updated, the parameters
+    all-gathered in the group. ``fused_allreduce``: each bucket all-reduced in the group, then summed across the
+    groups, every rank updating the whole model. g1 loses a rank mid-step: g0's ranks keep their processes, do not
+    commit that step, and go on alone; g1 comes back, each rank heals (its own slice, under ZeRO) from g0's rank of
+    its place, and both commit together again. After every committed step every rank of every group that committed
+    it holds the same weights, and they are the reference step's: eager PyTorch on each rank's batch (taken by a
+    replayed DataPosition, the group's batch split among its ranks), each loss gradient seeded with 1/ranks ×
+    1/participants, summed in the group and then across the groups, SGD with momentum from the optimizer state
+    put together from g0's slices: bitwise (one or two participants, two ranks: every sum is one addition). Each
+    sample is taken once per epoch."""
+    mode, out = groups_world
+    logs = {f"{g}-r{r}": _log(out, f"{g}-r{r}") for g in ("g0", "g1") for r in range(RANKS)}
     assert {r["traces"] for records in logs.values() for r in records} == {1}
     for name in ("g0-r0", "g0-r1"):
         assert {(r["pid"], r["life"]) for r in logs[name]} == {(logs[name][0]["pid"], 0)}, name
@@ -470,10 +478,12 @@ def test_zero2_groups_of_two_survive_a_lost_rank_and_every_step_is_the_reference
     back = [r for r in logs["g1-r0"] if r["life"] == 1]
     assert back and back[0]["committed"] and back[0]["participants"] == 2, "g1 healed and took part again"
     trajectories: dict[str, dict[int, dict]] = {}
-    for path in sorted(zero_world.glob("*.trajectory.pt")):  # g0-r0-life0, ...
+    for path in sorted(out.glob("*.trajectory.pt")):  # g0-r0-life0, ...
         trajectories.setdefault(path.name.split("-life")[0], {}).update(torch.load(path))
     history = _history({name: records for name, records in logs.items() if name.endswith("r0")})
     assert sorted(trajectories["g0-r0"]) == list(range(len(history)))
+    sliced = [bool(saved["shards"]) for held in trajectories.values() for saved in held.values()]
+    assert all(sliced) if mode.startswith("zero") else not any(sliced), "ZeRO's ranks hold slices, the others whole"
     x, y = dataset()
     model, optimizer = fresh()
     position = DataPosition(SAMPLES, PER_GROUP * RANKS, seed=1)
@@ -578,7 +588,9 @@ def test_clear_errors_before_anything_runs(monkeypatch):
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
-    with pytest.raises(ConfigurationError, match="streaming_diloco; mode 'zero3' is not yet"):
+    with pytest.raises(ConfigurationError, match="streaming_diloco; mode 'local_sgd' is not yet"):
+        transpile(model, sgd, "local_sgd", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
+    with pytest.raises(ConfigurationError, match="mode 'zero3' needs example_inputs=.*heals each rank's slices"):
         transpile(model, sgd, "zero3", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
     ft = FaultTolerance("http://h:1", "g0")
     with pytest.raises(
@@ -605,23 +617,65 @@ def test_clear_errors_before_anything_runs(monkeypatch):
         transpile(model, sgd, "fused_allreduce", LOSS, fault_tolerance={"lighthouse": "http://h:1"})
 
 
-def test_a_group_of_several_ranks_is_a_diloco_replica_with_zero_inside():
-    """A replica group of two ranks: under ``diloco`` it is one replica (``replica_size`` = the group's size), with
-    ZeRO inside and the syncs on axis ``across`` over the participant count; under ``zero2`` each shard is summed on
-    axis ``across`` (each rank alone in the world's view); ``fused_allreduce`` and a whole inner optimizer state per
-    rank are refused, saying what to do."""
+def test_a_group_of_several_ranks_reduces_in_the_group_then_across_the_groups():
+    """A replica group of two ranks, built to be looked at (``world_size=2`` and no world: torchft's group is the
+    label ``quorum``). ``allreduce`` and ``fused_allreduce``: every all-reduce in the group is followed by a sum of
+    the same buffer on torchft's group; ``zero2`` and ``zero3``: each reduce-scatter's shard is summed there; the
+    seed is times 1/2 and 1/participants. Under ``diloco`` the group is one replica (``replica_size`` = its size),
+    with ZeRO inside and the syncs on axis ``across`` (``streaming_diloco``: each fragment's sync); a whole inner
+    optimizer state per rank is refused, saying what to do."""
+    from transpiler.graph.collectives import collective_sequence
     from transpiler.strategies.quorum import quorum_strategy
 
-    with pytest.raises(ConfigurationError, match="mode 'fused_allreduce' with replica groups of one rank; this group"):
-        quorum_strategy("fused_allreduce", {}, 2)
     with pytest.raises(ConfigurationError, match="give replica_mode='zero1' or 'zero2'"):
         quorum_strategy("diloco", {}, 2)
     specs = quorum_strategy("diloco", {"replica_mode": "zero1", "sync_every": 4}, 2).specs()
     assert "shard-optimizer{axis=replica" in specs["sync"] and "participants=true" in specs["sync"]
     assert "axis=across" in specs["sync"] and "broadcast-params" not in ",".join(specs.values())
     zero = quorum_strategy("zero2", {}, 2)
-    assert "across=true}" in zero.specs()["step"] and "participants=true" in zero.specs()["step"]
     assert zero.layout.axes(2, 1) == {"across": (1,)} and zero.layout.groups(2) == []
+    batch = (torch.randn(4, 20), torch.randint(0, 5, (4,)))
+    inside = {"allreduce": "all_reduce", "fused_allreduce": "all_reduce_", "zero2": "all_to_all_single"}
+    inside["zero3"] = "all_to_all_single"
+    for mode, reduction in inside.items():
+        for rank in range(2):
+            model = MLP()
+            step = transpile(
+                model,
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                mode,
+                LOSS,
+                batch,
+                world_size=2,
+                rank=rank,
+                fault_tolerance=FaultTolerance(),
+            )
+            ops = collective_sequence(step.program.graph)
+            across = [op for op in ops if op.group == "quorum"]
+            grouped = [op for op in ops if op.op == reduction and op.group != "quorum"]
+            assert across and len(across) == len(grouped), (mode, ops)
+            sizes = [math.prod(op.shape) for op in grouped]
+            # the shard, or the bucket (allreduce: each gradient, summed across as it is waited for)
+            assert sorted(math.prod(op.shape) for op in across) == sorted(
+                n // 2 if mode.startswith("zero") else n for n in sizes
+            ), mode
+            assert {op.op for op in across} == {"all_reduce_"} and "x_participants" in step.graph_module.code
+            with pytest.raises(ConfigurationError, match="can be inspected but not run"):
+                step(*batch)
+    # Streaming DiLoCo, ZeRO-1 inside: the inner steps talk in the group only; each fragment's sync sums the
+    # whole fragment on torchft's group, and the fragments cover the model once
+    model = MLP()
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01)
+    options = {"replica_mode": "zero1", "fragments": 2, "sync_every": 4}
+    step = transpile(
+        model, adamw, "streaming_diloco", LOSS, batch, world_size=2, fault_tolerance=FaultTolerance(), **options
+    )
+    across = {
+        variant: [math.prod(op.shape) for op in collective_sequence(program.graph) if op.group == "quorum"]
+        for variant, program in step.programs.items()
+    }
+    assert across["inner"] == [] and [len(across[v]) for v in ("sync0", "sync1")] == [1, 1]
+    assert across["sync0"][0] + across["sync1"][0] == sum(p.numel() for p in model.parameters())
 
 
 def test_the_participant_count_is_an_input_of_the_graph_and_needs_a_quorum():
@@ -641,8 +695,9 @@ def test_the_participant_count_is_an_input_of_the_graph_and_needs_a_quorum():
 
 
 def test_transpiler_dump_shows_the_program_a_quorum_runs(capsys):
-    """``transpiler dump --fault-tolerance``: the mode's pipeline as a quorum runs it (no torchft needed to look),
-    with the participant count as the input ``participants``; a mode not built for a quorum is a clear error."""
+    """``transpiler dump --fault-tolerance``: the program a replica group of ``--world-size`` ranks runs under a
+    quorum (no torchft needed to look), with the participant count as the input ``participants`` and the sums
+    across groups on torchft's group, labelled ``quorum``; a mode not built for a quorum is a clear error."""
     from transpiler.cli import main
 
     factory = "tests/models.py:tiny_factory"
@@ -651,10 +706,14 @@ def test_transpiler_dump_shows_the_program_a_quorum_runs(capsys):
     assert "x_participants" in code and "reciprocal" in code
     assert main(["dump", factory, "--mode", "fused_allreduce"]) == 0
     assert "x_participants" not in capsys.readouterr().out
-    assert main(["dump", factory, "--mode", "zero3", "--fault-tolerance"]) == 2
-    assert "mode 'zero3' is not yet" in capsys.readouterr().err
-    assert main(["dump", factory, "--mode", "diloco", "--fault-tolerance"]) == 2
-    assert "shows modes of one program; 'diloco' has inner, sync" in capsys.readouterr().err
+    assert main(["dump", factory, "--mode", "adasum", "--fault-tolerance"]) == 2
+    assert "mode 'adasum' is not yet" in capsys.readouterr().err
+    # ZeRO's two levels (a group of two ranks, the default world size): the shard summed on torchft's group
+    assert main(["dump", factory, "--mode", "zero2", "--fault-tolerance"]) == 0
+    assert "all_to_all_single" in (code := capsys.readouterr().out) and "'sum', 'quorum')" in code
+    # DiLoCo's sync, a group of one rank: the pseudo-gradients summed on torchft's group over the participant count
+    assert main(["dump", factory, "--mode", "diloco", "--world-size", "1", "--fault-tolerance"]) == 0
+    assert "'sum', 'quorum')" in (code := capsys.readouterr().out) and "x_participants" in code
 
 
 def test_a_group_alone_on_a_bound_device_registers_and_is_the_step_without_a_quorum(tmp_path, monkeypatch):
@@ -662,8 +721,8 @@ def test_a_group_alone_on_a_bound_device_registers_and_is_the_step_without_a_quo
     each new subgroup on that device at once, which torchft's group cannot do before its first quorum (found on
     the H100: "No backend type associated with device type cuda"). A gloo world of one bound the same way stands
     in for it here: the quorum's group registers, and a group alone commits every step, bitwise the same mode's
-    step without a quorum, in ``fused_allreduce``, ``zero2`` (a group of one rank: its world of one, then the
-    shard summed across) and ``streaming_diloco`` (two fragments, each sync a quorum of one). The GPU lane runs
+    step without a quorum, in ``fused_allreduce``, ``zero2`` and ``zero3`` (a group of one rank: its world of one,
+    then the shard summed across) and ``streaming_diloco`` (two fragments, each sync a quorum of one). The GPU lane runs
     the same check on NCCL."""
     import torch.distributed as dist
 
@@ -678,12 +737,12 @@ def test_a_group_alone_on_a_bound_device_registers_and_is_the_step_without_a_quo
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=60))
     try:
         dist.distributed_c10d._get_default_group().bound_device_id = torch.device("cuda", 0)
-        modes = ("fused_allreduce", "zero2", "streaming_diloco")
+        modes = ("fused_allreduce", "zero2", "zero3", "streaming_diloco")
         worst = one_group_against_plain(torch.device("cpu"), tmp_path, modes)
         refused = _refused_until_it_gives_up(tmp_path, max_retries=2)
     finally:
         dist.destroy_process_group()
-    assert worst == {"fused_allreduce": 0.0, "zero2": 0.0, "streaming_diloco": 0.0}
+    assert worst == {"fused_allreduce": 0.0, "zero2": 0.0, "zero3": 0.0, "streaming_diloco": 0.0}
     assert refused == 3
     # destroy_process_group() cleared every registered group, the private one of a step without a world too (the
     # suite's later tests in this process failed on it once): the step registers it again
@@ -728,3 +787,19 @@ def _refused_until_it_gives_up(folder: Path, max_retries: int) -> int:
         server.kill()
         server.wait(timeout=30)
     return runs + 1
+
+
+def test_only_a_failed_collective_is_retried_and_any_other_error_is_raised():
+    """Under a quorum a step whose collective failed (a peer left) is retried; any other error is a bug and is
+    raised. The messages are those the worlds above saw; an error that merely mentions a process group or an
+    abort is not a collective's failure."""
+    from transpiler.errors import CommunicationError
+    from transpiler.runtime.quorum import _is_peer_failure
+
+    gloo = "[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:63148: Connection reset by peer"
+    assert _is_peer_failure(RuntimeError(gloo))
+    assert _is_peer_failure(RuntimeError("[unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation"))
+    assert _is_peer_failure(CommunicationError("rank 1: 'all_reduce__default' ... failed after 0.0 s"))
+    assert _is_peer_failure(torch.distributed.DistBackendError("NCCL communicator was aborted"))
+    assert not _is_peer_failure(ValueError("ProcessGroup name not set"))
+    assert not _is_peer_failure(RuntimeError("the model aborted: shapes [3] and [4] do not match"))

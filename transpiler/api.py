@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from transpiler.graph.options import parse_options
 from transpiler.graph.program import StepProgram
 from transpiler.runtime import cuda_graph as cuda_graph_module
 from transpiler.runtime.distributed_step import DistributedStep
 from transpiler.runtime.process_group import as_timeout, resolve_placement, subgroup_names
-from transpiler.runtime.quorum import FaultTolerance, Quorum
+from transpiler.runtime.quorum import FaultTolerance, InspectedQuorum, Quorum
 from transpiler.runtime.trajectory import TRAJECTORY_OPTIONS, TrajectoryWriter
 from transpiler.strategies.modes import build_strategy
 from transpiler.strategies.quorum import quorum_strategy
@@ -74,7 +75,9 @@ def transpile(
     (docs/strategies/diloco.md).
     ``fault_tolerance=FaultTolerance(lighthouse=..., replica_id=...)`` runs this torchrun job as one replica group
     under a torchft quorum: a lost group costs the others one uncommitted step, not a restart, and a group that
-    comes back heals from a live peer (``transpiler/runtime/quorum.py``, docs/fault_tolerance.md).
+    comes back heals from a live peer (``transpiler/runtime/quorum.py``, docs/fault_tolerance.md). With
+    ``world_size``/``rank`` and no process group it builds, for inspection, the program a replica group of
+    ``world_size`` ranks runs under a quorum (torchft's group is the label ``quorum`` in its graphs).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -90,16 +93,26 @@ def transpile(
     if "trajectory_every" in saving and not saving.get("save_trajectory"):
         raise ConfigurationError("trajectory_every only applies with save_trajectory=DIR; give both or neither.")
     placement = resolve_placement(world_size, rank, as_timeout(timeout))
-    quorum = None
+    quorum: Quorum | None = None
+    seats: Quorum | InspectedQuorum | None = None  # where the collectives across replica groups go
     if fault_tolerance is not None:
         if not isinstance(fault_tolerance, FaultTolerance):
             raise ConfigurationError(
                 f"fault_tolerance must be a transpiler.FaultTolerance, got {type(fault_tolerance).__name__}."
             )
         strategy = quorum_strategy(mode, options, placement.world_size)
-        quorum = Quorum(fault_tolerance, placement, every_step=strategy.outer is None)
+        if world_size is not None and not dist.is_initialized():  # built to be looked at: torchft is not needed
+            seats = InspectedQuorum()
+        else:
+            if example_inputs is None and any(p.shards_params for p in strategy.passes()):
+                raise ConfigurationError(
+                    f"under fault_tolerance, mode '{mode}' needs example_inputs= (one batch as the step will get "
+                    "it): a group that starts late or comes back heals each rank's slices of the parameters from a "
+                    "peer at its first quorum, before its first step, and a rank knows its slices once it is built."
+                )
+            seats = quorum = Quorum(fault_tolerance, placement, every_step=strategy.outer is None)
         two_level = "across" in strategy.layout.axes(placement.world_size, placement.rank)
-        placement = quorum.placement(placement, two_level)
+        placement = seats.placement(placement, two_level)
     else:
         strategy = build_strategy(mode, options)
     strategy.check(optimizer)
@@ -116,7 +129,7 @@ def transpile(
     if saving.get("save_trajectory") and placement.rank == 0:
         observers.append(TrajectoryWriter(Path(saving["save_trajectory"]), saving.get("trajectory_every", 1)))
     plan = strategy.for_rank(placement.world_size, placement.rank)
-    across = quorum.across(plan.axes) if quorum is not None else {}  # a group of several ranks: torchft's group
+    across = seats.across(plan.axes) if seats is not None else {}  # a group of several ranks: torchft's group
     subgroups = subgroup_names(placement, [g for g in plan.groups if g not in across]) | across
     builder = StepBuilder(
         model,

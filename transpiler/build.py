@@ -132,9 +132,7 @@ class StepBuilder:
     def _setup(self, batch: tuple, programs: dict[str, StepProgram]) -> Setup:
         """What every rank compares before these programs first run (``handshake.py``)."""
         placement, outer = self.placement, self.outer
-        # a group of one rank of this world (each rank's torchft group, seen from inside its replica group) has
-        # nothing to match among the world's ranks
-        alone = {name for ranks, name in self.subgroups.items() if len(ranks) == 1}
+        members, alone = world_groups(self.subgroups, placement)
         return Setup(
             world_size=placement.world_size,
             mode=self.strategy.specs(),
@@ -144,21 +142,23 @@ class StepBuilder:
             optimizer=describe_optimizer(self.optimizer)
             | ({f"outer {k}": v for k, v in describe_optimizer(outer).items()} if outer is not None else {}),
             batch=tuple(str(t.dtype).removeprefix("torch.") for t in batch),
-            communication={
-                v: [
-                    op
-                    for op in communication_plan(p.graph)
-                    if op.collective is None or op.collective.group not in alone
-                ]
-                for v, p in programs.items()
-            },
-            groups={name: ranks for ranks, name in self.subgroups.items() if name not in alone}
-            | {placement.group_name: tuple(range(placement.world_size))},
+            communication={v: communication_plan(p.graph, alone) for v, p in programs.items()},
+            groups=members,
             sources={name: digest for p in programs.values() for name, digest in p.sources.items()},
             compiled=self.compile,
             shards={name: span for p in programs.values() for name, span in p.shards.items()},
             shard_place=shard_place(next(iter(programs.values()))),
         )
+
+
+def world_groups(
+    subgroups: dict[tuple[int, ...], str], placement: Placement
+) -> tuple[dict[str, tuple[int, ...]], frozenset[str]]:
+    """The groups whose collectives the world's ranks must match (name -> ranks), and those each rank is alone
+    in, which have nothing to match among them (each rank's torchft group, seen from inside its replica group)."""
+    alone = frozenset(name for ranks, name in subgroups.items() if len(ranks) == 1)
+    members = {name: ranks for ranks, name in subgroups.items() if name not in alone}
+    return members | {placement.group_name: tuple(range(placement.world_size))}, alone
 
 
 def updates_of(schedule: Schedule, count: int) -> list[str]:
@@ -231,9 +231,7 @@ def rewrite(
         ranks = range(w) if w <= CROSS_RANK_LIMIT else sorted({0, 1, w - 1})
         others = [mine if r == placement.rank else for_rank(r, history=False) for r in ranks]
         if subgroups and w <= CROSS_RANK_LIMIT:  # subgroups or point-to-point: simulate every rank's sequence
-            check_communication(
-                others, {name: ranks for ranks, name in subgroups.items()} | {placement.group_name: tuple(range(w))}
-            )
+            check_communication(others, *world_groups(subgroups, placement))
         else:
             check_cross_rank(others)
         if len(others) == w:

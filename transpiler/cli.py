@@ -18,8 +18,8 @@ from transpiler.graph.pipeline import format_value
 from transpiler.graph.ports import IN_FLIGHT
 from transpiler.graph.program import StepProgram
 from transpiler.graph.render import to_dot, to_json, to_svg, unified_diff
+from transpiler.runtime.quorum import FaultTolerance
 from transpiler.strategies.modes import modes
-from transpiler.strategies.quorum import quorum_strategy
 
 from .api import transpile
 from .errors import FactoryError, TranspilerError
@@ -136,11 +136,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
         print(f"# ---- after {label} ----\n{program.graph_module.code}", file=sys.stderr)
 
     mode, options = ("none", {}) if args.before else (args.mode, key_values(args.option))
-    if args.fault_tolerance and not args.before:  # the pipeline a quorum runs, as a spec: no torchft needed
-        specs = quorum_strategy(mode, options, 1).specs()
-        if len(specs) > 1:
-            raise FactoryError(f"--fault-tolerance shows modes of one program; '{mode}' has {', '.join(specs)}.")
-        (mode,), options = specs.values(), {}
+    # the program a replica group of --world-size ranks runs under a quorum: no torchft needed to look at it
+    quorum = {"fault_tolerance": FaultTolerance()} if args.fault_tolerance and not args.before else {}
     step = transpile(
         model,
         optimizer,
@@ -151,6 +148,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
         rank=args.rank,
         verify=not args.no_verify,
         on_pass=show if args.print_between_passes else None,
+        **quorum,
         **options,
     )
     variants = step.programs
@@ -262,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument(
         "--fault-tolerance",
         action="store_true",
-        help="the program as it runs under transpile(fault_tolerance=...): the participant count as an input",
+        help="the program a replica group of --world-size ranks runs under transpile(fault_tolerance=...): the "
+        "participant count as an input, the sums across groups on torchft's group (labelled 'quorum')",
     )
     dump.add_argument("--no-verify", action="store_true", help="skip the verifiers between passes")
     dump.add_argument("-o", "--output", help="write here instead of stdout")

@@ -7,6 +7,7 @@ parameters, so verifiers, the CLI and benchmarks can read it back.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -85,12 +86,14 @@ class CommOp:
         return f"exchange with {self.peer} (send {self.send}, receive {self.recv} {self.dtype})"
 
 
-def communication_plan(graph: fx.Graph) -> list[CommOp]:
-    """The collectives and exchanges of a graph, in the order it issues them."""
+def communication_plan(graph: fx.Graph, outside: Collection[str] = ()) -> list[CommOp]:
+    """The collectives and exchanges of a graph, in the order it issues them; ``outside`` names groups whose
+    collectives are left out (a group each rank is alone in, as the world sees it: torchft's across groups)."""
     plan = []
     for node in graph.nodes:
         if is_collective(node):
-            plan.append(CommOp(signature(node)))
+            if (op := CommOp(signature(node))).collective.group not in outside:
+                plan.append(op)
         elif is_exchange(node):
             send = node.args[0].meta["val"]
             plan.append(CommOp(None, node.args[1], send.numel(), node.args[2], str(send.dtype).removeprefix("torch.")))

@@ -188,7 +188,7 @@ class DistributedStep:
         if self.quorum is None or not self.quorum.every_step:
             raise ConfigurationError(
                 "next_batch() is for a step under fault_tolerance= that takes a quorum every step (allreduce, "
-                "fused_allreduce, zero1, zero2); use DataPosition.epoch_batches, or each group's own data under "
+                "fused_allreduce, zero1, zero2, zero3); use DataPosition.epoch_batches, or each group's own data under "
                 "diloco."
             )
         world, rank = self.placement.world_size, self.placement.rank
@@ -264,7 +264,7 @@ class DistributedStep:
         outer optimizer's state is the entry ``"outer_optimizer"``, and the global
         weights are in the transpiler's ``extra`` state (``global.<param>``).
         """
-        return snapshots.state_dict(self._state)
+        return snapshots.state_dict(self._state, self._lent)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a :meth:`state_dict` exactly, on this rank, after checking it fits this step.

@@ -22,9 +22,13 @@ from .sharded_params import LentParameters
 from .step_state import StepState
 
 
-def state_dict(state: StepState) -> dict:
+def state_dict(state: StepState, lent: LentParameters) -> dict:
     """A deep copy, because ``optimizer.state_dict()`` shares its per-parameter dicts with the live optimizer,
-    which every step updates."""
+    which every step updates. Under ``zero3`` it holds this rank's slices of the parameters, as
+    :func:`load_state_dict` reads them, from the build on (before the first step too: a group under a quorum
+    serves its state to a healing peer then)."""
+    if not state.lent:  # inside step.gathered() the model is whole, and its snapshot too
+        held_whole(state, lent)
     outer = state.outer_optimizer
     entries = {"outer_optimizer": outer.state_dict()} if outer is not None else {}
     land_in_flight(state.extra)

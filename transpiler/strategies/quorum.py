@@ -10,6 +10,12 @@ the groups must start alike (a seeded model), as under torchft. ``flatten-update
 so that the update writes new tensors (the flat update writes into the parameters' flat storage) and a step that
 the quorum does not commit leaves the old ones untouched; the update stays multi-tensor (``foreach-update``).
 
+In a replica group of several ranks the data-parallel modes reduce in two levels (HSDP's layout): each bucket
+(``allreduce``: each gradient) is all-reduced in the group's own process group, then summed on axis ``across``
+with the same bucket of the other groups; ZeRO-1/2 reduce-scatter in the group and sum each rank's shard across.
+The loss gradient is seeded with 1/ranks × 1/participants. Every rank of every group holds the same weights (and,
+but for ZeRO's slices, the same optimizer state), so a rank heals from whichever peer torchft pairs it with.
+
 A replica group of several ranks is one of DiLoCo's replicas (HSDP's layout, ``replica_size`` = the group's size):
 its inner steps are data parallel over the group's own process group with ZeRO-1/2 inside (``replica_mode``),
 each rank holding its slice of the inner optimizer's state, which it heals from the rank of its place in a peer
@@ -30,10 +36,12 @@ from .modes import build_strategy
 from .options import make
 from .strategy import Strategy
 
-# the modes built under a quorum, and those whose replica groups may have several ranks
-QUORUM_MODES = ("allreduce", "fused_allreduce", "zero1", "zero2", "diloco", "streaming_diloco")
-GROUP_MODES = ("zero1", "zero2", "diloco", "streaming_diloco")
-_SHARDED = ("zero1", "zero2")  # reduce-scatter inside the group, then each shard summed across groups
+# the modes built under a quorum
+QUORUM_MODES = ("allreduce", "fused_allreduce", "zero1", "zero2", "zero3", "diloco", "streaming_diloco")
+# reduced in two levels: in the group (reduce-scatter for ZeRO), then each bucket or shard summed across groups;
+# the data-parallel ones only for a group of several ranks (one rank reduces across the groups directly)
+_TWO_LEVEL = ("zero1", "zero2", "zero3")
+_DATA_PARALLEL = ("allreduce", "fused_allreduce")
 # options that change what a step is, which the quorum's one-step vote does not cover yet, with why
 _NOT_UNDER_QUORUM = {
     "accumulate_steps": (1, "spreads one update over several"),
@@ -52,19 +60,13 @@ def quorum_strategy(mode: str, options: dict[str, Any], group_size: int) -> Stra
             f"fault_tolerance is built for modes {', '.join(QUORUM_MODES)}; mode '{mode}' is not yet. Use one "
             "of those, or drop fault_tolerance (torchrun's elastic restarts still recover every mode)."
         )
-    if group_size > 1 and mode not in GROUP_MODES:
-        raise ConfigurationError(
-            f"fault_tolerance runs mode '{mode}' with replica groups of one rank; this group has {group_size}. Run "
-            "each rank as its own group (torchrun --nproc-per-node 1, one REPLICA_GROUP_ID each), or use "
-            f"{' or '.join(GROUP_MODES)}, whose replica groups may have several ranks."
-        )
     for name, (off, why) in _NOT_UNDER_QUORUM.items():
         if options.get(name, off) != off:
             raise ConfigurationError(
                 f"option {name} does not run under fault_tolerance yet: a quorum votes on each step, and {name} "
                 f"{why}. Drop it, or drop fault_tolerance."
             )
-    if mode in _SHARDED:
+    if mode in _TWO_LEVEL or (mode in _DATA_PARALLEL and group_size > 1):
         strategy = build_strategy(mode, options)
         variants = {variant: [_across(p) for p in _rewritten(passes)] for variant, passes in strategy.variants.items()}
         return dataclasses.replace(strategy, variants=variants, layout=AcrossGroups(strategy.layout))
@@ -94,8 +96,8 @@ def _rewritten(passes: list[Pass]) -> list[Pass]:
 
 
 def _across(p: Pass) -> Pass:
-    """ZeRO's reduction, with each reduced shard then summed across the groups."""
-    return dataclasses.replace(p, across=True) if p.name == "shard-optimizer" else p
+    """The gradients' reduction in the group, with each reduced bucket or shard then summed across the groups."""
+    return dataclasses.replace(p, across=True) if p.reduces_gradients and hasattr(p, "across") else p
 
 
 def _counting(p: Pass) -> Pass:
