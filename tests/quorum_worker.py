@@ -29,6 +29,7 @@ from transpiler import DataPosition, FaultTolerance, transpile
 
 SAMPLES, PER_GROUP = 96, 4  # a step of 3 groups takes 12 samples: 8 steps an epoch
 SYNC_EVERY = 4  # DiLoCo's H
+FRAGMENTS = 2  # Streaming DiLoCo's P
 TWO_PARTICIPANT_STEPS = 10  # a group that died comes back only after the others committed this many without it
 LOSS = torch.nn.functional.cross_entropy
 
@@ -64,6 +65,9 @@ def main() -> None:
     parser.add_argument("group")
     parser.add_argument("--lighthouse", required=True)
     parser.add_argument("--min-steps", type=int, default=12)
+    parser.add_argument(
+        "--together", type=int, default=1, help="diloco: end after this many syncs in a row with every group"
+    )
     parser.add_argument("--groups", type=int, default=3, help="the groups of the last quorum: it ends the run")
     parser.add_argument("--first-groups", type=int, default=3, help="the groups that start together")
     parser.add_argument("--die-at", type=int, default=-1)
@@ -74,14 +78,15 @@ def main() -> None:
         default=-1,
         help="at committed step K, after the quorum: write OUT/held, wait for OUT/cut",
     )
-    parser.add_argument("--mode", choices=("fused_allreduce", "zero2", "zero3", "diloco"), default="fused_allreduce")
+    modes = ("fused_allreduce", "zero2", "zero3", "diloco", "streaming_diloco")
+    parser.add_argument("--mode", choices=modes, default="fused_allreduce")
     parser.add_argument("--min-replicas", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=10, help="FaultTolerance.timeout, seconds")
     args = parser.parse_args()
     life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a worker waits, into its group's log
     dist.init_process_group("gloo")
-    (diloco if args.mode == "diloco" else data_parallel)(args, life)
+    (diloco if args.mode.endswith("diloco") else data_parallel)(args, life)
     dist.destroy_process_group()
 
 
@@ -190,7 +195,8 @@ def diloco_state(step) -> dict:
 
 
 def diloco(args: argparse.Namespace, life: int) -> None:
-    """DiLoCo across groups: H inner AdamW steps on the group's own samples, then a sync under the quorum. A group
+    """DiLoCo across groups: H inner AdamW steps on the group's own samples, then a sync under the quorum (under
+    ``streaming_diloco``, one fragment's sync every H/P steps, the fragments in turn). A group
     of several ranks trains its replica with ZeRO-1 inside (``replica_mode="zero1"``: each rank holds a slice of
     the inner optimizer's state, and heals that slice from the same rank of a peer group), each rank on its share
     of the group's batch. ``--die-at K``: the first life of the group's last rank ends before inner step K
@@ -202,17 +208,20 @@ def diloco(args: argparse.Namespace, life: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     rank, world = dist.get_rank(), dist.get_world_size()
     inside = {"replica_mode": "zero1"} if world > 1 else {}
-    step = transpile(model, optimizer, "diloco", LOSS, fault_tolerance=_setting(args), sync_every=SYNC_EVERY, **inside)
+    if args.mode == "streaming_diloco":  # each fragment syncs every H steps, the two H/2 apart
+        inside["fragments"] = FRAGMENTS
+    step = transpile(model, optimizer, args.mode, LOSS, fault_tolerance=_setting(args), sync_every=SYNC_EVERY, **inside)
     _first_groups_up(args, life)
     own = torch.arange(int(args.group[1:]), SAMPLES, args.groups)  # this group's samples
     log = (args.out / f"{args.group}.jsonl").open("a") if rank == 0 else None
     syncs: dict[int, dict] = {}
-    calls = 0
+    calls = together = 0  # together: the committed syncs in a row that every group took part in
     while True:
         step.quorum.join()  # a returning group heals here, before the state it syncs from is read
         if life == 0 and 0 <= args.die_at <= step.schedule.step and rank == world - 1:
             os._exit(1)  # the group's other ranks fail in its next collective, and torchrun restarts them all
-        syncing = step.schedule.variant() == "sync"
+        variant = step.schedule.variant()
+        syncing = variant.startswith("sync")
         if syncing:  # the sync's quorum first: a group that is behind (it joined late) heals here, before its
             step.quorum.begin()  # state is read; the step then runs under this quorum
         start = calls * PER_GROUP * world % len(own)
@@ -229,9 +238,16 @@ def diloco(args: argparse.Namespace, life: int) -> None:
             log.write(json.dumps(record) + "\n")
             log.flush()
         if syncing and step.committed:
-            after, shards = diloco_state(step), dict(step.programs["sync"].shards)
-            syncs[seat.committed_steps] = {"before": before, "after": after, "indices": indices, "shards": shards}
-            if seat.committed_steps + 1 >= args.min_steps and seat.participants == args.groups:
+            after, shards = diloco_state(step), dict(step.programs[variant].shards)
+            syncs[seat.committed_steps] = {
+                "before": before,
+                "after": after,
+                "indices": indices,
+                "shards": shards,
+                "variant": variant,
+            }
+            together = together + 1 if seat.participants == args.groups else 0
+            if seat.committed_steps + 1 >= args.min_steps and together >= args.together:
                 break
         time.sleep(0.02)
     if log is not None:

@@ -13,9 +13,9 @@ committed and joins. The run ends after the first step with all four. What the c
   reference step computed here from the participation history (each committed step: how many groups took part),
   with each sample taken once per epoch.
 
-The other worlds: three groups of two ranks under ``diloco``; two groups of two ranks under each of ``zero2``,
-``zero3`` and ``fused_allreduce`` (a rank lost mid-step, the group healed); and a partition across network
-namespaces.
+The other worlds: three groups of two ranks under ``diloco``; two groups of two ranks under ``streaming_diloco``
+and under each of ``zero2``, ``zero3`` and ``fused_allreduce`` (a rank lost, the group healed); and a partition
+across network namespaces.
 """
 
 from __future__ import annotations
@@ -149,6 +149,21 @@ def groups_world(request, tmp_path_factory) -> tuple[str, Path]:
         jobs += [_torchrun(out, g, address, [*common, *extras.get(g, [])], RANKS) for g in ("g0", "g1")]
         _finished(out, jobs)
     return request.param, out
+
+
+@pytest.fixture(scope="module")
+def streaming_world(tmp_path_factory) -> Path:
+    """The lighthouse and two groups of two ranks under ``streaming_diloco`` (P=2, H=4, ZeRO-1 inside each group):
+    g1's second rank dies before inner step 5, mid-round, and torchrun brings the group back; the run ends after
+    four syncs in a row of both (each fragment twice), at or after sync 6."""
+    out = tmp_path_factory.mktemp("quorum_streaming")
+    with _lighthouse(out, min_replicas=1) as (address, jobs):
+        common = ["--mode", "streaming_diloco", "--groups", "2", "--first-groups", "2", "--min-replicas", "1"]
+        common += ["--min-steps", "6", "--together", "4"]
+        extras = {"g1": ["--die-at", str(DILOCO_DIE_AT)]}
+        jobs += [_torchrun(out, g, address, [*common, *extras.get(g, [])], RANKS) for g in ("g0", "g1")]
+        _finished(out, jobs)
+    return out
 
 
 CUT_AT = 3  # the committed step after which g2's link goes down, in the world of hosts
@@ -430,31 +445,76 @@ def test_diloco_survivors_sync_without_the_lost_group_and_it_returns_at_a_sync(d
     assert two, "a sync of the two survivors"
     back = [r for r in logs["g2"] if r["life"] == 1]
     assert back[0]["sync"] and back[0]["participants"] == GROUPS, "g2's first step back is a sync of all three"
+    assert _check_syncs(diloco_world, logs, "g2", lambda variant: None) >= 1
+
+
+def test_streaming_diloco_groups_of_two_sync_fragment_by_fragment_and_heal(streaming_world):
+    """``streaming_diloco`` (P=2, H=4) in two groups of two ranks, ZeRO-1 inside: each fragment's sync takes a
+    quorum and averages that fragment's pseudo-gradients over its participants. g1 loses a rank mid-round: g0's
+    ranks keep their processes and sync alone; g1 comes back, each rank heals its own slice at a fragment's sync
+    and takes part in it. After every committed sync every rank of every group holds the same θ_global; the synced
+    fragment's weights are θ_global and its θ_global is the reference sync's (the paper's formula on that
+    fragment), bitwise (one or two participants); the other fragment's θ_global is as it was."""
+    from passes.diloco_outer_step import fragments_of
+    from tests.quorum_worker import FRAGMENTS, SYNC_EVERY
+
+    logs = _records_of(streaming_world, ["g0", "g1"])
+    assert {r["traces"] for g in logs.values() for r in g} == {1}
+    assert len({r["pid"] for r in logs["g0"]}) == 1 and {r["life"] for r in logs["g0"]} == {0}
+    assert {r["life"] for r in logs["g1"]} == {0, 1}
+    assert any(r["sync"] and r["committed"] and r["participants"] == 1 for r in logs["g0"]), "g0 synced alone"
+    back = [r for r in logs["g1"] if r["life"] == 1]
+    assert back[0]["sync"] and back[0]["participants"] == 2, "g1's first step back is a sync of both"
+    model, batch = MLP(), (torch.randn(4, 20), torch.randint(0, 5, (4,)))
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01)
+    options = {"replica_mode": "zero1", "fragments": FRAGMENTS, "sync_every": SYNC_EVERY}
+    ft = FaultTolerance()
+    step = transpile(model, adamw, "streaming_diloco", LOSS, batch, world_size=RANKS, fault_tolerance=ft, **options)
+    fragment = fragments_of(step.programs["sync0"], FRAGMENTS)
+    assert sorted(set(fragment.values())) == list(range(FRAGMENTS))
+    synced = {f"sync{f}": {n for n, part in fragment.items() if part == f} for f in range(FRAGMENTS)}
+    variants = {saved["variant"] for held in _syncs(streaming_world).values() for saved in held[0]}
+    assert variants == set(synced), variants
+    assert _check_syncs(streaming_world, logs, "g1", synced.get) >= 4
+    both = [r for r in logs["g1"] if r["life"] == 1 and r["sync"] and r["committed"]]
+    assert len(both) >= 4 and all(r["participants"] == 2 for r in both), "four syncs of both after g1 came back"
+
+
+def _check_syncs(out: Path, logs: dict[str, list[dict]], dying: str, synced: Callable[[str], set[str] | None]) -> int:
+    """Every committed sync a DiLoCo world saved: every rank of every group that committed it holds the same
+    θ_global, the synced parameters' weights equal it (``synced``: the names a sync variant syncs; None, all), the
+    others' θ_global is as it was, each rank holds its own slice of the inner state, and the synced θ_global is the
+    reference sync's, bitwise with one or two participants and within 1e-6 with three (gloo's ring order). How
+    many were checked bitwise."""
     exact = 0
-    for number, held in _syncs(diloco_world).items():
-        first = held[0][0]["after"]
+    for number, held in _syncs(out).items():
+        first, before = held[0][0]["after"], held[0][0]["before"]
+        names = synced(held[0][0]["variant"]) or set(first["global"])
         for ranks in held:
             assert len(ranks) == RANKS, number
             for saved in ranks:
                 for name, value in first["global"].items():
                     assert torch.equal(value, saved["after"]["global"][name]), (number, name)
-                    assert torch.equal(value, saved["after"]["model"][name]), (number, name)
+                    if name in names:
+                        assert torch.equal(value, saved["after"]["model"][name]), (number, name)
             slices = [saved["shards"] for saved in ranks]
             assert slices[0] != slices[1], "each rank holds its own slice of the inner optimizer's state"
         if number == 0:
             continue  # the join's quorum before the first inner step: no sync
         participants = next(r["participants"] for g in logs.values() for r in g if r.get("step") == number)
-        if len(held) < participants:  # g2's first life synced too, and died before saving what it saw
-            assert number in {r["step"] for r in logs["g2"] if r["life"] == 0 and r["sync"]}, number
+        if len(held) < participants:  # the dying group's first life synced too, and died before saving it
+            assert number in {r["step"] for r in logs[dying] if r["life"] == 0 and r["sync"]}, number
             continue
+        for name in set(first["global"]) - names:
+            assert torch.equal(first["global"][name], before["global"][name]), (number, name)
         expected = _reference_sync([_whole(ranks) for ranks in held])
-        if participants == 2:
+        if participants <= 2:
             exact += 1
-            assert all(torch.equal(expected[n], first["global"][n]) for n in expected), number
+            assert all(torch.equal(expected[n], first["global"][n]) for n in names), number
         else:
-            worst = max((expected[n] - first["global"][n]).abs().max().item() for n in expected)
+            worst = max((expected[n] - first["global"][n]).abs().max().item() for n in names)
             assert worst <= 1e-6, (number, worst)
-    assert exact >= 1
+    return exact
 
 
 def test_groups_of_two_survive_a_lost_rank_and_every_step_is_the_reference(groups_world):
