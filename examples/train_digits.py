@@ -11,8 +11,9 @@ restarts the workers, which resume from the newest checkpoint at whatever world 
 
 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh store for each restart's workers, pytorch/pytorch#135712.)
 
-Without restarting the survivors: replica groups of one process each under a torchft quorum (--fault-tolerance;
-start the lighthouse first with `torchft_lighthouse --min_replicas 2`), one command per group:
+Without restarting the survivors: replica groups under a torchft quorum (--fault-tolerance; start the
+lighthouse first with `torchft_lighthouse --min_replicas 2`), one command per group, of one process or several
+(each group then reduces inside itself, and across the groups on torchft's group):
 
     TORCHFT_LIGHTHOUSE=http://HOST:29510 REPLICA_GROUP_ID=g0 torchrun --nproc-per-node 1 --max-restarts 3 \
         --rdzv-backend c10d --rdzv-endpoint localhost:0 examples/train_digits.py --fault-tolerance --global-batch 32
