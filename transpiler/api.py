@@ -101,7 +101,7 @@ def transpile(
                 f"fault_tolerance must be a transpiler.FaultTolerance, got {type(fault_tolerance).__name__}."
             )
         strategy = quorum_strategy(mode, options, placement.world_size)
-        if world_size is not None and not dist.is_initialized():  # built to be looked at: torchft is not needed
+        if world_size is not None and not (dist.is_available() and dist.is_initialized()):  # to be looked at
             seats = InspectedQuorum()
         else:
             if example_inputs is None and any(p.shards_params for p in strategy.passes()):
