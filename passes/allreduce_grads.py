@@ -32,8 +32,7 @@ class AllReduceGrads(ReducingPass):
         order = position(program.graph)  # computed once: the readers are original nodes
         first_readers = [min(g.users, key=order.__getitem__) for g in grads]
         items = [(g.meta["grad_of"], g) for g in grads]
-        across = self.name if self.across else None
-        reduced_grads = reduce_in_buckets(program, items, 0, 0, tag="grads", across=across)
+        reduced_grads = reduce_in_buckets(program, items, 0, 0, tag="grads", across=self.across)
         for grad, reader, reduced in zip(grads, first_readers, reduced_grads):
             replace_gradient(grad, reduced)
             # the group's wait, the sum across groups and its wait (or the wait alone) go right before the reader

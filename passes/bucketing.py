@@ -61,14 +61,13 @@ def across_option(what: str) -> bool:
     )
 
 
-def sum_across(program: StepProgram, cursor: Cursor, reduced: fx.Node, bucket: int, comm: dict, owner: str) -> fx.Node:
+def sum_across(program: StepProgram, cursor: Cursor, reduced: fx.Node, bucket: int, comm: dict) -> fx.Node:
     """``reduced`` (a value this rank's group has just reduced, ours alone) summed in place over axis ``across``:
-    the same value of every other replica group, which cut their buckets alike. ``owner`` names the pass, for the
-    error when the program has no such axis."""
+    the same value of every other replica group, which cut their buckets alike."""
     across = program.axes.get("across")
     if across is None:
         raise ConfigurationError(
-            f"{owner}{{across=true}} sums over axis 'across', and this program has none: it runs under "
+            "a pass with across=true sums over axis 'across', and this program has none: it runs under "
             "transpile(fault_tolerance=...), whose replica groups declare it."
         )
     value = reduced.meta["val"]
@@ -201,7 +200,7 @@ def reduce_in_buckets(
     tag: str,
     compress: torch.dtype | None = None,
     bucket_views: bool = False,
-    across: str | None = None,
+    across: bool = False,
 ) -> list[fx.Node]:
     """Sum all-reduce the named values in dtype/size buckets, each bucket right after its last member.
 
@@ -211,8 +210,7 @@ def reduce_in_buckets(
     (float16 or bfloat16) each bucket is cast to it, reduced, and cast back:
     callers scale values to their share *before* (no overflow in the sum). With ``bucket_views`` a bucket
     of several uncompressed values is a persistent buffer they are written into (``bucket_views.py``). With
-    ``across`` (the pass's name) each reduced bucket is then summed over axis ``across`` (:func:`sum_across`), on
-    the wire.
+    ``across`` each reduced bucket is then summed over axis ``across`` (:func:`sum_across`), on the wire.
     """
     nodes = [node for _, node in items]
     reduced: dict[fx.Node, fx.Node] = {}
@@ -230,7 +228,7 @@ def _reduce_bucket(
     tag: str,
     compress: torch.dtype | None,
     bucket_views: bool,
-    across: str | None,
+    across: bool,
 ) -> dict[fx.Node, fx.Node]:
     members = [members[i] for i in in_group_order(program, [name for name, _ in members])]
     nodes = [node for _, node in members]
@@ -249,7 +247,7 @@ def _reduce_bucket(
     if len(nodes) == 1 and wire == dtype:
         reduced = cursor.emit(C10D.all_reduce.default, (nodes[0], "sum", program.group_name), collective=info, **comm)
         waited = cursor.emit(WAIT, (reduced,), **comm)
-        return {nodes[0]: sum_across(program, cursor, waited, index, comm, across) if across else waited}
+        return {nodes[0]: sum_across(program, cursor, waited, index, comm) if across else waited}
     if len(nodes) == 1:
         flat = nodes[0]
     elif bucket_views and wire == dtype and not any(aliased_to_output(n) for n in nodes):
@@ -264,7 +262,7 @@ def _reduce_bucket(
     reduced = cursor.emit(C10D.all_reduce_.default, (flat, "sum", program.group_name), collective=info, **comm)
     waited = cursor.emit(WAIT, (reduced,), **comm)
     if across:
-        waited = sum_across(program, cursor, waited, index, comm, across)
+        waited = sum_across(program, cursor, waited, index, comm)
     if wire != dtype:
         waited = cursor.emit(aten._to_copy.default, (waited,), {"dtype": dtype}, **comm)
     if len(nodes) == 1:

@@ -72,7 +72,7 @@ class FuseAllReduce(ReducingPass):
                 tag="grads",
                 compress=WIRE[self.compress],
                 bucket_views=self.gradient_as_bucket_view,
-                across=self.name if self.across else None,
+                across=self.across,
             ),
         ):
             replace_gradient(grad, reduced)

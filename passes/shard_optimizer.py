@@ -170,7 +170,7 @@ class ShardOptimizer(BucketedGradientPass):
         shard = length // world
         mine = _scatter_sum(program, cursor, flat, shard, info, comm)
         if self.across:
-            mine = sum_across(program, cursor, mine, index, comm, self.name)
+            mine = sum_across(program, cursor, mine, index, comm)
         mine.meta[FLAT_GRADS] = FlatGrads(
             f"grads{index}", tuple(names), tuple(starts), tuple(sizes), length, rank * shard
         )

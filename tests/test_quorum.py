@@ -722,6 +722,11 @@ def test_a_group_of_several_ranks_reduces_in_the_group_then_across_the_groups():
             assert {op.op for op in across} == {"all_reduce_"} and "x_participants" in step.graph_module.code
             with pytest.raises(ConfigurationError, match="can be inspected but not run"):
                 step(*batch)
+    # outside a quorum no program has axis 'across': the option alone is a clear error
+    model = MLP()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigurationError, match="across=true sums over axis 'across', and this program has none"):
+        transpile(model, sgd, "scale-loss-grad,fuse-allreduce{across=true}", LOSS, batch, world_size=2)
     # Streaming DiLoCo, ZeRO-1 inside: the inner steps talk in the group only; each fragment's sync sums the
     # whole fragment on torchft's group, and the fragments cover the model once
     model = MLP()

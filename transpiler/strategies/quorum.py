@@ -12,7 +12,7 @@ the quorum does not commit leaves the old ones untouched; the update stays multi
 
 In a replica group of several ranks the data-parallel modes reduce in two levels (HSDP's layout): each bucket
 (``allreduce``: each gradient) is all-reduced in the group's own process group, then summed on axis ``across``
-with the same bucket of the other groups; ZeRO-1/2 reduce-scatter in the group and sum each rank's shard across.
+with the same bucket of the other groups; ZeRO-1/2/3 reduce-scatter in the group and sum each rank's shard across.
 The loss gradient is seeded with 1/ranks × 1/participants. Every rank of every group holds the same weights (and,
 but for ZeRO's slices, the same optimizer state), so a rank heals from whichever peer torchft pairs it with.
 
