@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test lane, the example captured, the GPU benchmark and the CPU suite on the GPU machine's torch
-# (issue 17). Run through the device tool with carry [".whl"] (pydot's wheel); logs land in $OUT.
+# (issue 17). Run through the device tool with carry [".whl"]: pydot's wheel, and torchft's with its opentelemetry
+# wheels and protobuf (the image has none of them; without them the quorum check skips). Logs land in $OUT.
 # Sections: lane, fsdp, example, bench, cpu (default: lane fsdp example bench), in that order, e.g.
 # `bash bench/device/gpu_lane.sh cpu`. fsdp: zero3 against FSDP2 on one GPU (issue 42), bench/fsdp.py --device cuda.
 set -u
@@ -31,5 +32,6 @@ if [[ $sections == *bench* ]]; then
 fi
 if [[ $sections == *cpu* ]]; then
   echo "== CPU suite on this torch"
-  timeout 420 python3 -m pytest -p no:cacheprovider -o addopts="" -q -n 14 -m "not gpu" 2>&1 | grep -E "passed|failed|FAILED|ERROR" | head -30 | tee $OUT/cpu_suite.txt
+  timeout 420 python3 -m pytest -p no:cacheprovider -o addopts="" -q -n 8 --dist loadfile -m "not gpu" >$OUT/cpu_suite.txt 2>&1
+  grep -E "^(FAILED|ERROR) |passed|failed" $OUT/cpu_suite.txt | tail -30
 fi
