@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests import zygote
+
 ROOT = Path(__file__).resolve().parent.parent
 SUBNET = "10.231.0"  # inside the namespaces only
 
@@ -152,6 +154,7 @@ def torchrun(
     address is the ``endpoint``'s hosts the rendezvous store (``is_host``: torchrun's own guess compares the
     endpoint with the machine's hostname, which a namespace shares with the others)."""
     is_host = endpoint.rsplit(":", 1)[0] == host.address
+    worker, forks = zygote.torchrun_worker(script)  # each worker a fork of the suite's server, in this namespace
     command = [
         sys.executable,
         "-m",
@@ -166,12 +169,12 @@ def torchrun(
         f"--local-addr={host.address}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=0.5",
-        script,
+        *worker,
         *args,
     ]
     # A fresh worker store each round: with the agent's shared store, a restart reads the keys the last round's
     # workers left and connects to dead peers (pytorch/pytorch#135712; docs/fault_tolerance.md)
-    base = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    base = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **forks)
     base.update(env or {})
     return host.run(command, base, log)
 

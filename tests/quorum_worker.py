@@ -111,13 +111,33 @@ def _first_groups_up(args: argparse.Namespace, life: int) -> None:
 
 
 def _wait_for_steps_without(args: argparse.Namespace, steps: int) -> None:
-    """Until another group's log shows ``steps`` steps committed with one participant fewer than the first groups."""
+    """Until another group's log shows ``steps`` steps (DiLoCo: syncs) committed with one participant fewer than the
+    first groups."""
     while True:
         for path in args.out.glob("g*.jsonl"):
             lines = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-            if sum(r["committed"] and r["participants"] == args.first_groups - 1 for r in lines) >= steps:
+            if sum(r["committed"] and r.get("participants") == args.first_groups - 1 for r in lines) >= steps:
                 return
         time.sleep(0.05)
+
+
+def _together(args: argparse.Namespace, sync: int) -> int:
+    """The committed syncs in a row up to ``sync`` that every group took part in, read from every group's log once
+    each has logged ``sync``. Every rank of every group that took part in ``sync`` reads the same answer, so all
+    end at the same sync; a group's own count would differ from the others' when it returned mid-streak."""
+    while True:
+        logs = [
+            [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+            for path in args.out.glob("g*.jsonl")
+        ]
+        if len(logs) == args.groups and all(any(r.get("step") == sync for r in log) for log in logs):
+            break
+        time.sleep(0.02)
+    full = {r["step"] for log in logs for r in log if r.get("committed") and r.get("participants") == args.groups}
+    count = 0
+    while sync - count in full:
+        count += 1
+    return count
 
 
 def data_parallel(args: argparse.Namespace, life: int) -> None:
@@ -127,13 +147,15 @@ def data_parallel(args: argparse.Namespace, life: int) -> None:
     first life mid-step at committed step K."""
     x, y = dataset()
     model, optimizer = fresh()
+    if life > 0:  # back after a death only once the others have gone on without this group, whatever the load;
+        # and before its manager heartbeats: torchft's lighthouse forms no quorum unless more than half of the
+        # groups it hears from ask for one, so a group of two would wait for this one for ever
+        _wait_for_steps_without(args, TWO_PARTICIPANT_STEPS)
     # zero3 needs the example batch: a rank heals its slices of the parameters before its first step
     step = transpile(model, optimizer, args.mode, LOSS, (x[:PER_GROUP], y[:PER_GROUP]), fault_tolerance=_setting(args))
     rank, world = dist.get_rank(), dist.get_world_size()
     position = DataPosition(SAMPLES, PER_GROUP * world, seed=1)
     _first_groups_up(args, life)
-    if life > 0:  # back after a death: only once the others have gone on without this group, whatever the load
-        _wait_for_steps_without(args, TWO_PARTICIPANT_STEPS)
     log = _file(args, ".jsonl").open("a")
     trajectory: dict[int, dict] = {}  # committed step -> the state after it
     while True:
@@ -203,6 +225,8 @@ def diloco(args: argparse.Namespace, life: int) -> None:
     (mid-round); its torchrun restarts the whole group. Each committed sync is saved by every rank with the state
     before and after it and the rank's slices, for the test's reference outer step; the group's rank 0 logs."""
     x, y = dataset()
+    if life > 0:  # back only once the others have synced without this group (as data_parallel does)
+        _wait_for_steps_without(args, 1)
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -215,7 +239,7 @@ def diloco(args: argparse.Namespace, life: int) -> None:
     own = torch.arange(int(args.group[1:]), SAMPLES, args.groups)  # this group's samples
     log = (args.out / f"{args.group}.jsonl").open("a") if rank == 0 else None
     syncs: dict[int, dict] = {}
-    calls = together = 0  # together: the committed syncs in a row that every group took part in
+    calls = 0
     while True:
         step.quorum.join()  # a returning group heals here, before the state it syncs from is read
         if life == 0 and 0 <= args.die_at <= step.schedule.step and rank == world - 1:
@@ -246,9 +270,9 @@ def diloco(args: argparse.Namespace, life: int) -> None:
                 "shards": shards,
                 "variant": variant,
             }
-            together = together + 1 if seat.participants == args.groups else 0
-            if seat.committed_steps + 1 >= args.min_steps and together >= args.together:
-                break
+            if seat.committed_steps + 1 >= args.min_steps and seat.participants == args.groups:
+                if _together(args, seat.committed_steps) >= args.together:
+                    break
         time.sleep(0.02)
     if log is not None:
         log.close()

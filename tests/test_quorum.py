@@ -38,6 +38,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests import zygote
 from tests.distributed import ROOT, free_port
 from tests.hosts import Hosts, namespaces_unavailable, wait_all
 from tests.hosts import torchrun as torchrun_on
@@ -52,6 +53,7 @@ ALL = [f"g{i}" for i in range(GROUPS + 1)]  # the three, and g3 that joins
 
 
 def _torchrun(out: Path, group: str, lighthouse: str, extra: list[str], ranks: int = 1) -> subprocess.Popen:
+    worker, forks = zygote.torchrun_worker(ROOT / "tests" / "quorum_worker.py")
     command = [
         sys.executable,
         "-m",
@@ -62,7 +64,7 @@ def _torchrun(out: Path, group: str, lighthouse: str, extra: list[str], ranks: i
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         f"--rdzv-id={group}",
         "--monitor-interval=0.5",
-        str(ROOT / "tests" / "quorum_worker.py"),
+        *worker,
         str(out),
         group,
         "--lighthouse",
@@ -70,7 +72,7 @@ def _torchrun(out: Path, group: str, lighthouse: str, extra: list[str], ranks: i
         *(["--groups", str(len(ALL))] if "--groups" not in extra else []),
         *extra,
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RUST_LOG="warn")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RUST_LOG="warn", **forks)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a restarted worker gets a fresh store (docs/fault_tolerance.md)
     return subprocess.Popen(command, env=env, stdout=(out / f"{group}.log").open("w"), stderr=subprocess.STDOUT)
 

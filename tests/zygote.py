@@ -21,6 +21,8 @@ import multiprocessing.forkserver
 import os
 import runpy
 import sys
+import tempfile
+import time
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -28,6 +30,7 @@ from pathlib import Path
 from tests.distributed import ROOT
 
 _CONTEXT = multiprocessing.get_context("forkserver")
+_WORKER_SERVER: list[str] = []  # this process's torchrun-worker server's address, once started
 
 
 def _ensure_server() -> None:
@@ -56,27 +59,57 @@ def start(argv: list[str], env: dict[str, str], log: Path, *, stdin_fd: int | No
     return process
 
 
+def torchrun_worker(script: Path | str) -> tuple[list[str], dict[str, str]]:
+    """What a torchrun command names instead of ``script`` so that its workers are forks of this process's server
+    (``tests/fork_server.py``, started on first use), and the environment torchrun must pass on for it."""
+    if not _WORKER_SERVER:
+        from tests import fork_server
+
+        _ensure_server()
+        address = str(Path(tempfile.mkdtemp(prefix="forks-")) / "server")
+        server = _CONTEXT.Process(target=fork_server.serve, args=(address,), daemon=True)
+        server.start()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(address):
+            assert server.is_alive() and time.monotonic() < deadline, "the worker server did not start"
+            time.sleep(0.01)
+        _WORKER_SERVER.append(address)
+    return [str(ROOT / "tests" / "forked.py"), str(script)], {"FORK_SERVER": _WORKER_SERVER[0]}
+
+
 def _run(argv: list[str], env: dict[str, str], cwd: str, log: str, stdin: Connection | None) -> None:
     """The rank, in the fork: become ``python *argv`` started in ``cwd`` with ``env``."""
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    become(argv, env, cwd, stdout=out, stderr=out, stdin=stdin.fileno() if stdin is not None else None)
+    os.close(out)
+    if stdin is not None:
+        stdin.close()
+    run_as_main(argv)
+
+
+def become(argv: list[str], env: dict[str, str], cwd: str, *, stdout: int, stderr: int, stdin: int | None) -> None:
+    """Make this fork the process ``python -u *argv`` would start in ``cwd`` with ``env`` and these descriptors as
+    its standard streams (copied onto 0, 1 and 2; the caller closes its own)."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    sys.stdout.reconfigure(line_buffering=True, write_through=True)
+    sys.stderr.reconfigure(line_buffering=True, write_through=True)
     if stdin is not None:
-        os.dup2(stdin.fileno(), 0)
-        stdin.close()
+        os.dup2(stdin, 0)
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the rank's stdin for its whole life
     if cwd not in sys.path:  # PYTHONPATH, as ``distributed.rank_env`` sets it
         sys.path.insert(0, cwd)
+    sys.argv = [argv[1], *argv[2:]] if argv[0] == "-m" else list(argv)
+    if argv[0] != "-m":
+        sys.path.insert(0, str(Path(argv[0]).resolve().parent))  # the script's folder, as the interpreter puts it
+
+
+def run_as_main(argv: list[str]) -> None:
+    """Run the script (or ``-m`` module) of ``argv`` as ``__main__``, once :func:`become` has set the process up."""
     if argv[0] == "-m":
-        sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
-        sys.argv = list(argv)
-        sys.path.insert(0, str(Path(argv[0]).resolve().parent))  # the script's folder, as the interpreter puts it
         runpy.run_path(argv[0], run_name="__main__")
