@@ -78,13 +78,17 @@ def _torchrun(out: Path, group: str, lighthouse: str, extra: list[str], ranks: i
 
 
 @contextlib.contextmanager
-def _lighthouse(out: Path, min_replicas: int = 2) -> Iterator[tuple[str, list[subprocess.Popen]]]:
+def _lighthouse(
+    out: Path, min_replicas: int = 2, join_timeout_ms: int = 1000
+) -> Iterator[tuple[str, list[subprocess.Popen]]]:
     """torchft's lighthouse (heartbeat timeout 2 s), its address, and a list for the groups' torchrun jobs; on
-    leaving, every job, its workers (torchrun starts each in a session of its own) and the lighthouse are gone."""
+    leaving, every job, its workers (torchrun starts each in a session of its own) and the lighthouse are gone.
+    ``join_timeout_ms``: how long a quorum waits, from its first member's request, for the groups that heartbeat
+    but have not asked yet."""
     port = free_port()
     command = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", str(min_replicas)]
     command += ["--bind", f"[::]:{port}"]
-    command += ["--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
+    command += ["--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", "2000"]
     log = (out / "lighthouse.log").open("w")
     lighthouse = subprocess.Popen(command, env=dict(os.environ, RUST_LOG="warn"), stdout=log, stderr=subprocess.STDOUT)
     jobs: list[subprocess.Popen] = []
@@ -131,7 +135,9 @@ def diloco_world(tmp_path_factory) -> Path:
     rank dies before inner step 5, mid-round, and torchrun brings the group back; the run ends after the first sync
     of all three at or after sync 6."""
     out = tmp_path_factory.mktemp("quorum_diloco")
-    with _lighthouse(out) as (address, jobs):
+    # A returning group asks for its first quorum as soon as it has healed, up to a round before the survivors'
+    # next sync: with a short join timeout the first survivor to arrive would form a quorum with it alone
+    with _lighthouse(out, join_timeout_ms=10_000) as (address, jobs):
         common = ["--mode", "diloco", "--groups", str(GROUPS), "--min-steps", "6"]
         extras = {"g2": ["--die-at", str(DILOCO_DIE_AT)]}
         jobs += [_torchrun(out, g, address, [*common, *extras.get(g, [])], RANKS) for g in ALL[:GROUPS]]
