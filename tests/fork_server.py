@@ -13,6 +13,7 @@ worker with it. The server has no thread, so each fork is as clean as the server
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import json
 import os
@@ -42,10 +43,9 @@ def serve(address: str) -> None:
             if key.fileobj is listener:
                 _start(listener.accept()[0], selector)
             elif key.data[0] == "client":  # the client hung up before its worker ended: it was killed
-                _, pid, pidfd = key.data
                 selector.unregister(key.fileobj)
                 key.fileobj.close()
-                _kill(pid, signal.SIGKILL)
+                _kill(key.data[1], signal.SIGKILL)
             else:
                 _, pid, conn = key.data
                 selector.unregister(key.fileobj)
@@ -53,7 +53,8 @@ def serve(address: str) -> None:
                 status = os.waitpid(pid, 0)[1]
                 if conn.fileno() != -1:
                     selector.unregister(conn)
-                    conn.sendall(STATUS.pack(status))
+                    with contextlib.suppress(OSError):  # a client killed with its worker (a lost host) hears nothing
+                        conn.sendall(STATUS.pack(status))
                     conn.close()
 
 
@@ -72,7 +73,7 @@ def _start(conn: socket.socket, selector: selectors.BaseSelector) -> None:
         os.close(fd)
     conn.sendall(PID.pack(pid))
     pidfd = os.pidfd_open(pid)
-    selector.register(conn, selectors.EVENT_READ, ("client", pid, pidfd))
+    selector.register(conn, selectors.EVENT_READ, ("client", pid))
     selector.register(pidfd, selectors.EVENT_READ, ("worker", pid, conn))
 
 

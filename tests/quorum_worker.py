@@ -114,11 +114,18 @@ def _wait_for_steps_without(args: argparse.Namespace, steps: int) -> None:
     """Until another group's log shows ``steps`` steps (DiLoCo: syncs) committed with one participant fewer than the
     first groups."""
     while True:
-        for path in args.out.glob("g*.jsonl"):
-            lines = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+        for lines in _logs(args):
             if sum(r["committed"] and r.get("participants") == args.first_groups - 1 for r in lines) >= steps:
                 return
         time.sleep(0.05)
+
+
+def _logs(args: argparse.Namespace) -> list[list[dict]]:
+    """Every group's log so far (each rank's, outside DiLoCo), less a line still being written."""
+    return [
+        [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+        for path in args.out.glob("g*.jsonl")
+    ]
 
 
 def _together(args: argparse.Namespace, sync: int) -> int:
@@ -126,10 +133,7 @@ def _together(args: argparse.Namespace, sync: int) -> int:
     each has logged ``sync``. Every rank of every group that took part in ``sync`` reads the same answer, so all
     end at the same sync; a group's own count would differ from the others' when it returned mid-streak."""
     while True:
-        logs = [
-            [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-            for path in args.out.glob("g*.jsonl")
-        ]
+        logs = _logs(args)
         if len(logs) == args.groups and all(any(r.get("step") == sync for r in log) for log in logs):
             break
         time.sleep(0.02)

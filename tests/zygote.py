@@ -11,11 +11,13 @@ The server imports and nothing else: no tensor op, no thread (OpenBLAS's pool is
 ``OMP_NUM_THREADS=1``, which every rank has anyway), so a fork of it is as clean as a fresh interpreter. What a
 fresh interpreter reads from the environment at import time (ATen's ``ATEN_CPU_CAPABILITY``, the thread count)
 is the same here: the server starts with the suite's environment, and ranks set their thread count themselves.
-torchrun and ``ip netns exec`` start their own interpreters; their tests do not come here.
+torchrun's workers come here too, through a client torchrun starts (``tests/forked.py``) and a server forked from
+this one (``tests/fork_server.py``, :func:`torchrun_worker`); torchrun's agents start their own interpreters.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -30,7 +32,6 @@ from pathlib import Path
 from tests.distributed import ROOT
 
 _CONTEXT = multiprocessing.get_context("forkserver")
-_WORKER_SERVER: list[str] = []  # this process's torchrun-worker server's address, once started
 
 
 def _ensure_server() -> None:
@@ -62,19 +63,23 @@ def start(argv: list[str], env: dict[str, str], log: Path, *, stdin_fd: int | No
 def torchrun_worker(script: Path | str) -> tuple[list[str], dict[str, str]]:
     """What a torchrun command names instead of ``script`` so that its workers are forks of this process's server
     (``tests/fork_server.py``, started on first use), and the environment torchrun must pass on for it."""
-    if not _WORKER_SERVER:
-        from tests import fork_server
+    return [str(ROOT / "tests" / "forked.py"), str(script)], {"FORK_SERVER": _worker_server()}
 
-        _ensure_server()
-        address = str(Path(tempfile.mkdtemp(prefix="forks-")) / "server")
-        server = _CONTEXT.Process(target=fork_server.serve, args=(address,), daemon=True)
-        server.start()
-        deadline = time.monotonic() + 60
-        while not os.path.exists(address):
-            assert server.is_alive() and time.monotonic() < deadline, "the worker server did not start"
-            time.sleep(0.01)
-        _WORKER_SERVER.append(address)
-    return [str(ROOT / "tests" / "forked.py"), str(script)], {"FORK_SERVER": _WORKER_SERVER[0]}
+
+@functools.cache
+def _worker_server() -> str:
+    """Start this process's torchrun-worker server, a fork of the rank server; its address."""
+    from tests import fork_server
+
+    _ensure_server()
+    address = str(Path(tempfile.mkdtemp(prefix="forks-")) / "server")
+    server = _CONTEXT.Process(target=fork_server.serve, args=(address,), daemon=True)
+    server.start()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(address):
+        assert server.is_alive() and time.monotonic() < deadline, "the worker server did not start"
+        time.sleep(0.01)
+    return address
 
 
 def _run(argv: list[str], env: dict[str, str], cwd: str, log: str, stdin: Connection | None) -> None:
