@@ -357,10 +357,8 @@ def test_cost_units_start_at_modules_worth_a_collective_and_hold_whole_modules(h
     """With a given all-gather cost (a link of n½ = ``half`` bytes), zero3's default units: every module's
     parameters in one unit, units of consecutive modules in production order; a unit starts at a module of at
     least the threshold (n½ as a power of two), and every later module of it is smaller; a model of small modules
-    is one unit. A number for ``bucket_cap_mb`` still overrides the choice."""
-    beta = 1e-9
-    link = LinkCost(half * beta, beta, overlaps=True)
-    monkeypatch.setattr(StepBuilder, "_link_cost", lambda self: link)
+    is one unit."""
+    link = _link_of(half, monkeypatch)
     torch.manual_seed(0)
     model = Blocks()
     example = (torch.randn(4, 16), torch.randint(0, 10, (4,)))
@@ -375,11 +373,27 @@ def test_cost_units_start_at_modules_worth_a_collective_and_hold_whole_modules(h
     assert all(size[unit[0]] >= threshold for unit in units[1:]), (threshold, units)
     assert all(size[m] < threshold for unit in units for m in unit[1:]), (threshold, units)
     assert len(units) == (1 if half > 5000 else len([m for m in modules[1:] if size[m] >= threshold]) + 1)
-    other = Blocks()
+
+
+def test_a_number_for_bucket_cap_mb_overrides_the_measured_cost(monkeypatch):
+    """Where the ranks have measured an all-gather cost (one link, as above: the choice does not depend on
+    which), a number for ``bucket_cap_mb`` still sets zero3's units, and ``decisions`` says nothing was chosen."""
+    _link_of(2000, monkeypatch)
+    torch.manual_seed(0)
+    model = Blocks()
+    example = (torch.randn(4, 16), torch.randint(0, 10, (4,)))
     given = transpile(
-        other, torch.optim.AdamW(other.parameters()), "zero3", LOSS, example, world_size=2, rank=0, bucket_cap_mb=0.004
+        model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, world_size=2, rank=0, bucket_cap_mb=0.004
     )
     assert "shard-optimizer" not in given.program.decisions
+
+
+def _link_of(half: int, monkeypatch: pytest.MonkeyPatch) -> LinkCost:
+    """An all-gather link of n½ = ``half`` bytes, as the step's ranks would measure it."""
+    beta = 1e-9
+    link = LinkCost(half * beta, beta, overlaps=True)
+    monkeypatch.setattr(StepBuilder, "_link_cost", lambda self: link)
+    return link
 
 
 def test_zero3_in_a_world_of_one_fills_units_to_the_bound():
