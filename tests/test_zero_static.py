@@ -376,8 +376,8 @@ def test_cost_units_start_at_modules_worth_a_collective_and_hold_whole_modules(h
 
 
 def test_a_number_for_bucket_cap_mb_overrides_the_measured_cost(monkeypatch):
-    """Where the ranks have measured an all-gather cost (one link, as above: the choice does not depend on
-    which), a number for ``bucket_cap_mb`` still sets zero3's units, and ``decisions`` says nothing was chosen."""
+    """Where the ranks have measured an all-gather cost (one link, as above: the override does not depend on
+    which), a number for ``bucket_cap_mb`` still overrides the choice: ``decisions`` records none."""
     _link_of(2000, monkeypatch)
     torch.manual_seed(0)
     model = Blocks()
