@@ -8,7 +8,10 @@ in any file: each worker's body (``checks`` of ``tests/zero_worker.py``, say) is
 the same arguments, its results saved as ``rank<r>.pt``, exactly as a world launched for it alone would save them.
 
 A job that fails, or outlives its timeout, may leave the other ranks inside a collective: that world is killed,
-the error shows each rank's output, and the next job starts a new world. A world is never shared with a job that
+the error shows each rank's output and how it ended, and the next job starts a new world. A job during which a rank
+died of a native crash (SIGSEGV, SIGABRT...: torch 2.13's gloo corrupts its heap now and then, docs/design.md
+"Known limits") runs once more in a new world, with a warning that carries the crashed run's output; a second crash
+fails the test. A Python error, a wrong result or a timeout is never retried. A world is never shared with a job that
 breaks it on purpose (``tests/safety_worker.py``'s faults launch their own, ``distributed.launch``). Jobs share
 a process, so a job must leave nothing behind that changes another's results (a patched module, a global
 default); torch's RNG, the one thing jobs commonly change, starts each job from a fresh process's seed.
@@ -21,10 +24,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -34,6 +39,16 @@ from tests import zygote
 from tests.distributed import free_port, rank_env
 
 POLL = 0.005  # seconds between the session's looks for a job's end (a rank waits for a job on its stdin)
+SETTLE = 2.0  # seconds a failed job's ranks get to leave before their exit codes are read
+NATIVE_CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
+
+
+class RankCrashed(AssertionError):
+    """A rank died of a native crash (a signal, not a Python error) during a job."""
+
+
+class RetriedAfterCrash(UserWarning):
+    """A job ran a second time because a rank died of a native crash the first time (the crash's output)."""
 
 
 class World:
@@ -74,11 +89,14 @@ class World:
             dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
             late = time.monotonic() > deadline
             if failed or dead or late:
+                exits = [p.exitcode for p in self.procs] if late else self._settled_exits()
+                crashed = [r for r, code in enumerate(exits) if code is not None and -code in NATIVE_CRASHES]
                 why = f"did not finish in {timeout}s (hang?)" if late else f"failed on ranks {failed or dead}"
                 for p in self.procs:
                     p.kill()
                 self.close()
-                raise AssertionError(f"{target} with {self.size} ranks {why}:\n{self._output(starts)}")
+                error = RankCrashed if crashed else AssertionError
+                raise error(f"{target} with {self.size} ranks {why}:\n{self._output(starts, exits)}")
             time.sleep(POLL)
 
     def alive(self) -> bool:
@@ -96,14 +114,34 @@ class World:
                 p.kill()
                 p.join()
 
-    def _output(self, starts: list[int]) -> str:
-        """What each rank printed since the job began."""
+    def _settled_exits(self) -> list[int | None]:
+        """Each rank's exit code once every rank has left or :data:`SETTLE` seconds have passed: a rank that
+        crashes takes its peers down within a moment (their collectives fail), and whichever is seen first, the
+        crash must be told apart from a Python error."""
+        deadline = time.monotonic() + SETTLE
+        while any(p.exitcode is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(POLL)
+        return [p.exitcode for p in self.procs]
+
+    def _output(self, starts: list[int], exits: list[int | None]) -> str:
+        """What each rank printed since the job began (less faulthandler's list of extension modules, which would
+        crowd out the stacks), and how it ended."""
         shown = []
-        for rank, (log, start) in enumerate(zip(self.logs, starts)):
+        for rank, (log, start, code) in enumerate(zip(self.logs, starts, exits)):
             with log.open() as f:
                 f.seek(start)
-                shown.append(f"--- rank {rank}:\n{f.read()[-3000:]}")
+                lines = f.read().splitlines(keepends=True)
+            printed = "".join(line for line in lines if not line.startswith("Extension modules:"))
+            shown.append(f"--- rank {rank} ({_ending(code)}):\n{printed[-3000:]}")
         return "\n".join(shown)
+
+
+def _ending(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code >= 0:
+        return f"exit {code}"
+    return f"died of {signal.Signals(-code).name if -code in set(signal.Signals) else f'signal {-code}'}"
 
 
 _WORLDS: dict[int, World] = {}
@@ -114,10 +152,17 @@ def run_in_world(size: int, target: str, out: Path, args: tuple = (), *, timeout
     return each rank's results, in rank order (our own files: loaded whole, not ``weights_only``)."""
     import torch
 
-    world = _WORLDS.get(size)
-    if world is None or not world.alive():
-        world = _WORLDS[size] = World(size)
-    world.run(target, out, [str(a) for a in args], timeout=timeout)
+    for attempt in range(2):
+        world = _WORLDS.get(size)
+        if world is None or not world.alive():
+            world = _WORLDS[size] = World(size)
+        try:
+            world.run(target, out, [str(a) for a in args], timeout=timeout)
+            break
+        except RankCrashed as crash:
+            if attempt:
+                raise
+            warnings.warn(RetriedAfterCrash(f"ran again in a new world after a native crash: {crash}"), stacklevel=2)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(size)]
 
 

@@ -17,6 +17,7 @@ this one (``tests/fork_server.py``, :func:`torchrun_worker`); torchrun's agents 
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import multiprocessing
 import multiprocessing.forkserver
@@ -83,12 +84,15 @@ def _worker_server() -> str:
 
 
 def _run(argv: list[str], env: dict[str, str], cwd: str, log: str, stdin: Connection | None) -> None:
-    """The rank, in the fork: become ``python *argv`` started in ``cwd`` with ``env``."""
+    """The rank, in the fork: become ``python *argv`` started in ``cwd`` with ``env``. A native crash (a signal
+    such as SIGSEGV) prints every thread's Python stack to the log (``faulthandler``), so a rank that dies that
+    way says where its threads were instead of leaving an empty log."""
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     become(argv, env, cwd, stdout=out, stderr=out, stdin=stdin.fileno() if stdin is not None else None)
     os.close(out)
     if stdin is not None:
         stdin.close()
+    faulthandler.enable(all_threads=True)
     run_as_main(argv)
 
 
