@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -94,9 +95,10 @@ class World:
                 why = f"did not finish in {timeout}s (hang?)" if late else f"failed on ranks {failed or dead}"
                 for p in self.procs:
                     p.kill()
+                output = self._output(starts, exits)
                 self.close()
                 error = RankCrashed if crashed else AssertionError
-                raise error(f"{target} with {self.size} ranks {why}:\n{self._output(starts, exits)}")
+                raise error(f"{target} with {self.size} ranks {why}:\n{output}")
             time.sleep(POLL)
 
     def alive(self) -> bool:
@@ -113,6 +115,7 @@ class World:
             if p.exitcode is None:
                 p.kill()
                 p.join()
+        shutil.rmtree(self.control, ignore_errors=True)
 
     def _settled_exits(self) -> list[int | None]:
         """Each rank's exit code once every rank has left or :data:`SETTLE` seconds have passed: a rank that
