@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -39,6 +40,18 @@ def run_rank(body: Callable[..., Any], *, destroy_group: bool = True) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def ending(code: int | None) -> str:
+    """How a rank process ended, from its exit code (negative: the signal that killed it)."""
+    if code is None:
+        return "still running"
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        return f"died of {signal.Signals(-code).name}"
+    except ValueError:  # a real-time signal has no name
+        return f"died of signal {-code}"
 
 
 def free_port() -> int:
@@ -85,6 +98,6 @@ def launch(script: Path, world: int, args: list[str], *, timeout: float) -> list
         ]
     failed = [r for r in results if r.returncode != 0]
     if failed:
-        shown = "\n".join(f"--- rank {results.index(r)} (exit {r.returncode}):\n{r.stdout[-3000:]}" for r in failed)
+        shown = "\n".join(f"--- rank {results.index(r)} ({ending(r.returncode)}):\n{r.stdout[-3000:]}" for r in failed)
         raise AssertionError(f"{script.name}: {len(failed)} rank(s) failed:\n{shown}")
     return results

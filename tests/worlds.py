@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tests import zygote
-from tests.distributed import free_port, rank_env
+from tests.distributed import ending, free_port, rank_env
 
 POLL = 0.005  # seconds between the session's looks for a job's end (a rank waits for a job on its stdin)
 SETTLE = 2.0  # seconds a failed job's ranks get to leave before their exit codes are read
@@ -135,16 +135,8 @@ class World:
                 f.seek(start)
                 lines = f.read().splitlines(keepends=True)
             printed = "".join(line for line in lines if not line.startswith("Extension modules:"))
-            shown.append(f"--- rank {rank} ({_ending(code)}):\n{printed[-3000:]}")
+            shown.append(f"--- rank {rank} ({ending(code)}):\n{printed[-3000:]}")
         return "\n".join(shown)
-
-
-def _ending(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code >= 0:
-        return f"exit {code}"
-    return f"died of {signal.Signals(-code).name if -code in set(signal.Signals) else f'signal {-code}'}"
 
 
 _WORLDS: dict[int, World] = {}
