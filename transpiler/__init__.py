@@ -6,7 +6,7 @@ The package is layered (``docs/design.md``): ``graph`` (the step program, passes
 the ones below it; ``tests/test_layers.py`` holds both packages to that with import-linter.
 """
 
-from .api import transpile
+from .api import TraceCache, trace_training_step, transpile
 from .errors import (
     CheckpointError,
     CommunicationError,
@@ -15,12 +15,14 @@ from .errors import (
     PipelineSpecError,
     RankMismatchError,
     RetraceWarning,
+    TraceMismatchError,
     TranspilerError,
     UnsupportedModelError,
     UnsupportedOptimizerError,
     VerificationError,
 )
 from .runtime import Checkpointer, DataPosition, DistributedStep, FaultTolerance
+from .trace.signature import StepTrace
 
 __all__ = [
     "CheckpointError",
@@ -34,9 +36,13 @@ __all__ = [
     "PipelineSpecError",
     "RankMismatchError",
     "RetraceWarning",
+    "StepTrace",
+    "TraceCache",
+    "TraceMismatchError",
     "TranspilerError",
     "UnsupportedModelError",
     "UnsupportedOptimizerError",
     "VerificationError",
+    "trace_training_step",
     "transpile",
 ]

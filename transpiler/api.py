@@ -20,8 +20,11 @@ from transpiler.runtime.trajectory import TRAJECTORY_OPTIONS, TrajectoryWriter
 from transpiler.strategies.modes import build_strategy
 from transpiler.strategies.quorum import quorum_strategy
 from transpiler.strategies.strategy import Strategy
+from transpiler.trace.environment import AutocastState
 from transpiler.trace.optimizers import as_optimizer
-from transpiler.trace.tracer import LossFn
+from transpiler.trace.signature import StepTrace
+from transpiler.trace.trace_cache import TraceCache
+from transpiler.trace.tracer import LossFn, trace_signed
 
 from .build import StepBuilder
 from .errors import ConfigurationError
@@ -45,6 +48,7 @@ def transpile(
     keep_freed_memory: bool = True,
     outer_optimizer: torch.optim.Optimizer | None = None,
     fault_tolerance: FaultTolerance | None = None,
+    trace: StepTrace | TraceCache | None = None,
     **options: Any,
 ) -> DistributedStep:
     """Trace one training step and rewrite it into this rank's distributed program.
@@ -78,6 +82,11 @@ def transpile(
     comes back heals from a live peer (``transpiler/runtime/quorum.py``, docs/fault_tolerance.md). With
     ``world_size``/``rank`` and no process group it builds, for inspection, the program a replica group of
     ``world_size`` ranks runs under a quorum (torchft's group is the label ``quorum`` in its graphs).
+    ``trace`` (from :func:`trace_training_step`) is the step traced ahead: the first build copies it instead of
+    tracing, after checking that it was made for this model's structure and attributes, this optimizer's class
+    and hyper-parameters, this loss and this batch (a ``TraceMismatchError`` names the first difference). A
+    :class:`TraceCache` instead serves every build (a new batch shape, eval mode) from the traces it holds, and
+    keeps the ones it makes.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -85,6 +94,11 @@ def transpile(
     for flag, value in (("compile", compile), ("cuda_graph", cuda_graph), ("keep_freed_memory", keep_freed_memory)):
         if not isinstance(value, bool):
             raise ConfigurationError(f"{flag} must be True or False, got {value!r}.")
+    if trace is not None and not isinstance(trace, (StepTrace, TraceCache)):
+        raise ConfigurationError(
+            "trace must be what transpiler.trace_training_step() returns, or a transpiler.TraceCache; got "
+            f"{type(trace).__name__}."
+        )
     if isinstance(max_cached_programs, bool) or not isinstance(max_cached_programs, int) or max_cached_programs < 1:
         raise ConfigurationError(f"max_cached_programs must be an int >= 1, got {max_cached_programs!r}.")
     saving = parse_options(
@@ -145,6 +159,7 @@ def transpile(
         compile=compile,
         cuda_graph=cuda_graph,
         keep_freed_memory=keep_freed_memory,
+        reuse=trace,
     )
     step = DistributedStep(
         model,
@@ -165,6 +180,26 @@ def transpile(
     if example_inputs is not None:
         step.prepare(tuple(example_inputs))
     return step
+
+
+def trace_training_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    loss_fn: LossFn = None,
+    example_inputs: tuple = (),
+) -> StepTrace:
+    """Trace one training step (forward, loss, backward, update) once, for several ``transpile(..., trace=...)``
+    calls to share: one model under several modes, or fresh instances of the same model and optimizer (a
+    benchmark's sweep, a test's references). Tracing is about half of what building a step costs. The trace is
+    taken under the caller's autocast state and holds no tensor of the model; its graph is
+    ``trace.program.graph_module``. What the forward reads besides the model's parameters, buffers and attributes
+    (a global, say) is not checked: reuse a trace only for the same code."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(example_inputs, (tuple, list)):
+        raise ConfigurationError("example_inputs must be one batch as the step will get it: (*model_inputs, target).")
+    trace, _, _ = trace_signed(model, as_optimizer(optimizer), loss_fn, tuple(example_inputs), AutocastState.current())
+    return trace
 
 
 def outer_for(

@@ -40,7 +40,9 @@ from transpiler.strategies.schedules import ACCUMULATE, Schedule
 from transpiler.strategies.strategy import RankPlan, Strategy
 from transpiler.trace.environment import AutocastState
 from transpiler.trace.outer import trace_outer_update
-from transpiler.trace.tracer import LossFn, trace_step
+from transpiler.trace.signature import StepTrace
+from transpiler.trace.trace_cache import TraceCache
+from transpiler.trace.tracer import LossFn, trace_signed
 
 from .errors import ConfigurationError
 
@@ -66,6 +68,8 @@ class StepBuilder:
     compile: bool = False
     cuda_graph: bool = False
     keep_freed_memory: bool = True
+    # ``transpile(trace=...)``: a trace made ahead, for the first build; or a cache that serves every build
+    reuse: StepTrace | TraceCache | None = None
     # learnt by earlier builds: a sharded mode's slices of this rank (None: no mode shards), the whole shape of
     # each parameter ZeRO-3 holds as a slice, and the cost model measured per batch shape
     shards: dict[str, tuple[int, int]] | None = field(init=False)
@@ -77,9 +81,13 @@ class StepBuilder:
 
     def __call__(self, batch: tuple, autocast: AutocastState) -> Built:
         check_frozen_whole(self.model, self.whole)
-        traced, state, plan = trace_step(
-            self.model, self.optimizer, self.loss_fn, batch, autocast, shards=self.shards, whole_shapes=self.whole
-        )
+        args = (self.model, self.optimizer, self.loss_fn, batch, autocast, self.shards, self.whole)
+        if isinstance(self.reuse, TraceCache):
+            trace, state, plan = self.reuse.signed(*args)
+        else:
+            trace, state, plan = trace_signed(*args, reuse=self.reuse)
+            self.reuse = None  # later cache keys (shapes, modes) trace anew
+        traced = trace.program
         outer_plan = None
         if self.outer is not None:
             traced.outer_update, outer_plan = trace_outer_update(self.outer, state)

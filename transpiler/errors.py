@@ -46,6 +46,10 @@ class CheckpointError(ConfigurationError):
     """A checkpoint does not fit the step it is loaded into."""
 
 
+class TraceMismatchError(ConfigurationError):
+    """A trace handed to ``transpile(trace=...)`` was made for another model, optimizer, loss or batch."""
+
+
 class CommunicationError(TranspilerError):
     """A collective failed: a peer rank stalled past the timeout, died, or never arrived."""
 

@@ -25,7 +25,7 @@ from transpiler.graph.ports import ExtraInit
 from transpiler.graph.program import StepProgram
 from transpiler.trace.environment import AutocastState
 from transpiler.trace.optimizers import TWINS, OptimizerPlan
-from transpiler.trace.tracer import ModelState, check_batch
+from transpiler.trace.step_inputs import ModelState, check_batch
 
 from .handshake import Setup
 from .scalar_bank import ScalarBank

@@ -19,7 +19,8 @@ from transpiler.graph.program import OuterUpdate
 
 from .functional import trace_functional, twin_updates
 from .optimizers import GenericPlan, OptimizerPlan, make_plan
-from .tracer import ModelState, _scalar_inputs_as_floats
+from .step_inputs import ModelState
+from .tracer import _scalar_inputs_as_floats
 
 
 def trace_outer_update(outer: torch.optim.Optimizer, state: ModelState) -> tuple[OuterUpdate, OptimizerPlan]:

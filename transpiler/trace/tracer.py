@@ -11,23 +11,23 @@ outputs are listed as :class:`~transpiler.program.Port` s.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 
-from transpiler.errors import ConfigurationError, UnsupportedModelError, UnsupportedOptimizerError
+from transpiler.errors import TraceMismatchError, UnsupportedModelError, UnsupportedOptimizerError
 from transpiler.graph.ports import Port, PortKind, is_input
 from transpiler.graph.program import StepProgram
 
 from .environment import AUTOCAST_OFF, AutocastState
 from .functional import trace_functional, twin_updates
-from .optimizers import GenericPlan, OptimizerPlan, make_plan
+from .optimizers import GenericPlan, OptimizerPlan
+from .signature import StepTrace
+from .step_inputs import LossFn, ModelState, signature_of, step_inputs
 
-LossFn = Callable[..., torch.Tensor] | None
 _DATA_DEPENDENT = (
     "data-dependent",
     "DataDependentOutputException",
@@ -36,53 +36,6 @@ _DATA_DEPENDENT = (
     "item()",
     "DynamicOutputShapeException",
 )
-
-
-@dataclass
-class ModelState:
-    """The model's tensors in the order the graph takes them."""
-
-    names: list[str]  # trainable parameter names (tied parameters once)
-    params: list[torch.nn.Parameter]
-    frozen_names: list[str]
-    frozen: list[torch.nn.Parameter]
-    buffer_names: list[str]
-    buffers: list[torch.Tensor]
-
-
-def collect_model_state(model: torch.nn.Module) -> ModelState:
-    named = list(model.named_parameters())  # tied parameters appear once
-    trainable = [(n, p) for n, p in named if p.requires_grad]
-    if not trainable:
-        raise ConfigurationError(
-            "the model has no trainable parameters (every parameter has requires_grad=False); "
-            "there is nothing to train or reduce."
-        )
-    frozen = [(n, p) for n, p in named if not p.requires_grad]
-    buffers = list(model.named_buffers())
-    return ModelState(
-        [n for n, _ in trainable],
-        [p for _, p in trainable],
-        [n for n, _ in frozen],
-        [p for _, p in frozen],
-        [n for n, _ in buffers],
-        [b for _, b in buffers],
-    )
-
-
-def check_batch(batch: tuple, *, loss_fn: LossFn) -> None:
-    if not isinstance(batch, (tuple, list)) or not batch:
-        raise ConfigurationError("example_inputs must be a non-empty tuple of tensors, e.g. (x, y).")
-    if loss_fn is not None and len(batch) < 2:
-        raise ConfigurationError(
-            "with a loss_fn the batch is (*model_inputs, target): give at least two tensors, "
-            "or pass loss_fn=None if the model returns its own loss."
-        )
-    for i, t in enumerate(batch):
-        if not isinstance(t, torch.Tensor):
-            raise ConfigurationError(
-                f"batch element {i} is a {type(t).__name__}; every batch element must be a tensor."
-            )
 
 
 def trace_step(
@@ -94,22 +47,32 @@ def trace_step(
     shards: Mapping[str, tuple[int, int]] | None = None,
     whole_shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> tuple[StepProgram, ModelState, OptimizerPlan]:
+    """:func:`trace_signed` without a trace to reuse: the traced program, the model's state and the plan."""
+    trace, state, plan = trace_signed(model, optimizer, loss_fn, batch, autocast, shards, whole_shapes)
+    return trace.program, state, plan
+
+
+def trace_signed(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    batch: tuple,
+    autocast: AutocastState = AUTOCAST_OFF,
+    shards: Mapping[str, tuple[int, int]] | None = None,
+    whole_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    reuse: StepTrace | None = None,
+) -> tuple[StepTrace, ModelState, OptimizerPlan]:
     """Trace forward, loss, backward and optimizer update of one step into a StepProgram; the forward and the
     loss under ``autocast`` (the caller's), the backward and the update without it, as eager autocast runs.
     ``shards`` (parameter name -> flat ``[lo, hi)``, empty before a sharded mode's first program) is given
     under a mode that holds the optimizer state as 1-D slices: the update is traced whole, on stand-ins
     shaped as the parameter, and the mode cuts it again. ``whole_shapes`` (ZeRO-3) gives the whole shape of
     each parameter the model holds as a 1-D slice between steps: it is traced on an uninitialised stand-in of
-    that shape."""
-    check_batch(batch, loss_fn=loss_fn)
-    state = collect_model_state(model)
-    plan = make_plan(optimizer, state.params, state.names)
+    that shape. ``reuse``: a trace of a step with the same signature (``signature.py``), copied instead of
+    tracing again; a :class:`TraceMismatchError` names the first difference."""
+    inputs = step_inputs(model, optimizer, loss_fn, batch, shards, whole_shapes)
+    state, plan, wholes, opt_states = inputs.state, inputs.plan, inputs.params, inputs.opt_states
     generic = isinstance(plan, GenericPlan)
-    wholes = [_param_as_whole(p, (whole_shapes or {}).get(name)) for name, p in zip(state.names, state.params)]
-    opt_states = [
-        [t if shards is None else _traced_as_whole(t, p, shards.get(name)) for t in plan.state_tensors(i)]
-        for i, (name, p) in enumerate(zip(state.names, wholes))
-    ]
     counts = [len(s) for s in opt_states]
     n_p, n_f, n_b = len(state.params), len(state.frozen), len(state.buffers)
     n_model_out: list[int] = []
@@ -117,6 +80,16 @@ def trace_step(
     slots = [slot.name for slot in plan.scalar_slots()]
     # the twins' slots live where the parameters are (a captured program reads them there); the generic
     # path's lrs become floats after tracing
+    signature = signature_of(model, optimizer, loss_fn, batch, autocast, inputs)
+    if reuse is not None:
+        difference = signature.first_difference(reuse.signature)
+        if difference is not None:
+            raise TraceMismatchError(
+                f"the trace given to transpile(trace=...) was made for another step: {difference}. Trace this "
+                "model, optimizer and batch with transpiler.trace_training_step(), or leave trace= out."
+            )
+        plan.adopt(reuse.learnt)
+        return StepTrace(reuse.program.clone(), signature, reuse.learnt), state, plan
     scalar_device = state.params[0].device if plan.scalars_as_tensors and state.params else torch.device("cpu")
 
     def step_fn(*flat: torch.Tensor):
@@ -191,26 +164,7 @@ def trace_step(
             else "its default path, Python scalars traced symbolically"
         )
         program.decisions["optimizer"] = f"{type(optimizer).__name__}.step() traced in {how}"
-    return program, state, plan
-
-
-def _param_as_whole(p: torch.Tensor, shape: tuple[int, ...] | None) -> torch.Tensor:
-    """A parameter held as a 1-D slice (ZeRO-3, ``shape`` its whole shape) as an uninitialised tensor of its
-    whole shape: tracing reads only shapes. Others as they are."""
-    if shape is None or tuple(p.shape) == tuple(shape):
-        return p
-    return torch.empty(shape, dtype=p.dtype, device=p.device)
-
-
-def _traced_as_whole(t: torch.Tensor, param: torch.Tensor, bounds: tuple[int, int] | None) -> torch.Tensor:
-    """A state tensor held as a slice of ``param`` (1-D, ``hi - lo`` elements; before the slices are known, as
-    a loaded checkpoint holds them, any 1-D tensor no larger than the parameter) is traced as an
-    uninitialised tensor shaped as the parameter: its values never matter to tracing. Other state as it is."""
-    if t.shape == param.shape or t.dim() != 1:
-        return t
-    if t.numel() != (bounds[1] - bounds[0] if bounds is not None else min(t.numel(), param.numel())):
-        return t
-    return torch.empty_like(param, dtype=t.dtype)
+    return StepTrace(program, signature, plan.learnt()), state, plan
 
 
 def _distinct(grads: tuple) -> list:

@@ -50,6 +50,7 @@ class GenericPlan(OptimizerPlan):
 
     kind = "generic"
     scalars_as_tensors = False  # each lr is fed as a float; Python arithmetic on it is traced symbolically
+    LEARNT = ("tensor_path", "output_keys")
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], names: list[str]):
         why = next((why for kind, why in REFUSED.items() if isinstance(optimizer, kind)), None)

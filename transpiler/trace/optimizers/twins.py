@@ -18,6 +18,7 @@ is ``addcdiv(p, a * s, d)``; ``mul``/``div`` by a 0-d float64 tensor equal
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,6 +92,17 @@ class OptimizerPlan:
             )
         self.group_of = {pos: g for g in self.groups for pos in g.param_positions}
         self.params = params
+
+    LEARNT: tuple[str, ...] = ()  # what tracing sets on the plan, which a reused trace hands a new plan
+
+    def learnt(self) -> dict:
+        """What tracing taught this plan (copied)."""
+        return {key: copy.deepcopy(getattr(self, key)) for key in self.LEARNT}
+
+    def adopt(self, learnt: dict) -> None:
+        """Take what tracing taught another plan of the same optimizer (a reused trace's)."""
+        for key, value in learnt.items():
+            setattr(self, key, copy.deepcopy(value))
 
     # ---------------------------------------------------------------- checks
     def _check_group(self, group: dict, gi: int) -> None:

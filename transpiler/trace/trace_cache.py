@@ -1,0 +1,57 @@
+"""Traces kept by signature, for a process that builds many steps of the same model and optimizer: several modes,
+fresh instances (a benchmark's sweep, a test's references), retraces for a batch shape or eval mode seen before."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .environment import AutocastState
+from .optimizers import OptimizerPlan
+from .signature import StepSignature, StepTrace
+from .step_inputs import LossFn, ModelState, signature_of, step_inputs
+from .tracer import trace_signed
+
+
+class TraceCache:
+    """``transpile(..., trace=cache)`` builds every program of the step from the trace this cache holds for its
+    signature (``signature.py``: the model's structure, classes and attributes, the tensors' shapes, the
+    optimizer and its fixed hyper-parameters, the loss, the batch, autocast), tracing and keeping one it has not
+    seen. ``cache.trace(model, optimizer, loss_fn, batch)`` gives one ahead. Equal signatures must mean the
+    same code: a class redefined under the same name, or a forward that reads a global, is not seen."""
+
+    def __init__(self) -> None:
+        self._traces: dict[StepSignature, StepTrace] = {}
+        self.hits = 0  # builds that reused a trace
+        self.misses = 0  # traces made
+
+    def __len__(self) -> int:
+        return len(self._traces)
+
+    def trace(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn = None, batch: tuple = ()
+    ) -> StepTrace:
+        """The trace of this step under the caller's autocast state, made on its first request."""
+        return self.signed(model, optimizer, loss_fn, tuple(batch), AutocastState.current())[0]
+
+    def signed(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        batch: tuple,
+        autocast: AutocastState,
+        shards: Mapping[str, tuple[int, int]] | None = None,
+        whole_shapes: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> tuple[StepTrace, ModelState, OptimizerPlan]:
+        """:func:`~transpiler.trace.tracer.trace_signed` through the cache."""
+        inputs = step_inputs(model, optimizer, loss_fn, batch, shards, whole_shapes)
+        known = self._traces.get(signature_of(model, optimizer, loss_fn, batch, autocast, inputs))
+        trace, state, plan = trace_signed(model, optimizer, loss_fn, batch, autocast, shards, whole_shapes, known)
+        if known is None:
+            self._traces[trace.signature] = trace
+            self.misses += 1
+        else:
+            self.hits += 1
+        return trace, state, plan
