@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.distributed import run_rank  # noqa: E402
 from tests.models import MLP, make_batch  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from transpiler import TraceCache, transpile  # noqa: E402
 
 PER_RANK = 8
 LOSS = nn.CrossEntropyLoss()
@@ -52,11 +52,19 @@ def base_model() -> nn.Module:
     return MLP()
 
 
+JOB_TRACES: list[TraceCache] = []  # the running job's traces: its runs of the MLP share them (set by ``checks``)
+
+
+def transpiled(model, opt, mode, *args, **options):
+    """``transpile`` with the running job's trace cache."""
+    return transpile(model, opt, mode, LOSS, *args, trace=JOB_TRACES[-1], **options)
+
+
 def run(mode, rank, world, batches, make_opt=sgd, **options):
     """Train a transpiled copy of the base model; parameters after every call, metrics and variants."""
     model = base_model()
     opt = make_opt(model)
-    step = transpile(model, opt, mode, LOSS, **options)
+    step = transpiled(model, opt, mode, **options)
     out = {"params": [], "metrics": [], "variants": [], "step": step, "model": model, "opt": opt}
     for batch in batches:
         step(*shard(batch, rank))
@@ -155,7 +163,7 @@ def accumulation_composed(rank, world) -> dict:
     for mode, options in (("adasum", {}), ("local_sgd", {"k_steps": 2})):
         model = base_model()
         opt = sgd(model)
-        step = transpile(model, opt, mode, LOSS, accumulate_steps=2, **options)
+        step = transpiled(model, opt, mode, accumulate_steps=2, **options)
         twin = base_model()
         twin_opt = sgd(twin)
         record = []
@@ -184,7 +192,7 @@ def loss_scaling(rank, world) -> dict:
     # an inf in rank 1's batch at call 3: every rank skips and backs off; growth after 3 clean steps
     model = base_model()
     opt = sgd(model)
-    step = transpile(model, opt, "fused_allreduce", LOSS, loss_scale="dynamic", init_scale=1024.0, growth_interval=3)
+    step = transpiled(model, opt, "fused_allreduce", loss_scale="dynamic", init_scale=1024.0, growth_interval=3)
     record, seen = [], []
     for t, batch in enumerate(batches):
         x, y = shard(batch, rank)
@@ -295,7 +303,7 @@ def freeze(rank, world) -> dict:
     ):
         model = base_model()
         opt = sgd(model)
-        step = transpile(model, opt, "fused_allreduce", LOSS, **options)
+        step = transpiled(model, opt, "fused_allreduce", **options)
         record = []
         for batch in batches:
             before = params_of(model)
@@ -318,7 +326,7 @@ def sparsification(rank, world) -> dict:
     ratio = 0.3
     model = base_model()
     opt = sgd(model, momentum=0.0)
-    step = transpile(model, opt, "fused_allreduce", LOSS, shard(batches[0], rank), sparsify=ratio)
+    step = transpiled(model, opt, "fused_allreduce", shard(batches[0], rank), sparsify=ratio)
     twin = base_model()
     order = [n.meta["collective"] for n in step.program.graph.nodes if n.meta.get("collective", {}).get("k")]
     names = list(order[0]["grads"])
@@ -404,7 +412,7 @@ def partial_sync(rank, world) -> dict:
     model = base_model()
     opt = sgd(model)
     example = shard(batches[0], rank)
-    step = transpile(model, opt, "partial_sync", LOSS, example, partitions=partitions, bucket_cap_mb=0.001)
+    step = transpiled(model, opt, "partial_sync", example, partitions=partitions, bucket_cap_mb=0.001)
     ref = base_model()
     ref_opt = sgd(ref)
     members = {
@@ -501,20 +509,24 @@ def compiled(rank, world) -> dict:
 
 def checks(rank: int, world: int) -> dict:
     result = {}
-    for check in (
-        accumulation,
-        accumulation_composed,
-        loss_scaling,
-        clipping,
-        compression,
-        freeze,
-        sparsification,
-        allgather,
-        partial_sync,
-        allreduce_wrappers,
-        compiled,
-    ):
-        result[check.__name__] = check(rank, world)
+    JOB_TRACES[:] = [TraceCache()]
+    try:
+        for check in (
+            accumulation,
+            accumulation_composed,
+            loss_scaling,
+            clipping,
+            compression,
+            freeze,
+            sparsification,
+            allgather,
+            partial_sync,
+            allreduce_wrappers,
+            compiled,
+        ):
+            result[check.__name__] = check(rank, world)
+    finally:
+        JOB_TRACES.clear()  # no trace outlives its job
     for value in result.values():  # step objects do not pickle
         if isinstance(value, dict):
             value.pop("step", None)

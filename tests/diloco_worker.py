@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.distributed import run_rank  # noqa: E402
 from tests.models import MLP, make_batch  # noqa: E402
-from transpiler import TranspilerError, transpile  # noqa: E402
+from transpiler import TraceCache, TranspilerError, transpile  # noqa: E402
 
 PER_RANK = 8
 H = 3
@@ -153,11 +153,13 @@ MLP_FRAGMENTS = [  # MLP's modules by size 672 | 1056, 165: two runs of whole mo
 STREAM = {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
 
 
-def streaming(rank: int, world: int, replica_size: int = 1, replica_mode: str = "fused_allreduce") -> dict:
+def streaming(
+    rank: int, world: int, traces: TraceCache, replica_size: int = 1, replica_mode: str = "fused_allreduce"
+) -> dict:
     torch.manual_seed(0)
     model = MLP()
     paper = PaperStreaming(model, world // replica_size, MLP_FRAGMENTS, 4, 1, 0.5)
-    options = STREAM | {"replica_size": replica_size} | inside(replica_mode)
+    options = STREAM | {"replica_size": replica_size, "trace": traces} | inside(replica_mode)
     step = transpile(model, inner_optimizer(model.parameters()), mode="streaming_diloco", loss_fn=LOSS, **options)
     record = {"variants": [], "replica": [], "paper": [], "global": [], "paper_global": []}
     for batches in data(world, 4 * ROUNDS):
@@ -176,7 +178,7 @@ def streaming(rank: int, world: int, replica_size: int = 1, replica_mode: str = 
     return record
 
 
-def quantised(rank: int, world: int, exchange: str) -> dict:
+def quantised(rank: int, world: int, exchange: str, traces: TraceCache) -> dict:
     """One fragment (P=1), H=2, τ=0, plain SGD inside and outer SGD(lr=1): after the sync every replica holds
     ``θ_global - (sum of Δ over ranks, as exchanged) / W``. Returns that and every replica's Δ, computed eagerly
     here for all replicas, for the test's numpy reference of the exchange."""
@@ -194,6 +196,7 @@ def quantised(rank: int, world: int, exchange: str) -> dict:
         fragments=1,
         exchange_dtype=exchange,
         outer_optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        trace=traces,
     )
     for batches in data(world, 2):
         step(*batches[rank])
@@ -211,11 +214,13 @@ def inside(replica_mode: str) -> dict:
     return {} if replica_mode == "fused_allreduce" else {"replica_mode": replica_mode}
 
 
-def reference(rank: int, world: int, replica_size: int = 1, replica_mode: str = "fused_allreduce") -> dict:
+def reference(
+    rank: int, world: int, traces: TraceCache, replica_size: int = 1, replica_mode: str = "fused_allreduce"
+) -> dict:
     torch.manual_seed(0)
     model = MLP()
     paper = PaperDiLoCo(model, world // replica_size)
-    options = {"sync_every": H, "replica_size": replica_size} | inside(replica_mode)
+    options = {"sync_every": H, "replica_size": replica_size, "trace": traces} | inside(replica_mode)
     inner = inner_optimizer(model.parameters())
     step = transpile(model, inner, mode="diloco", loss_fn=LOSS, **options)
     record = side_by_side(step, model, paper, data(world, H * ROUNDS), rank, rank // replica_size)
@@ -259,7 +264,7 @@ def each_run(rank: int, world: int, rounds: int, builds: dict[str, Callable[[tor
     return runs
 
 
-def identity(rank: int, world: int) -> dict:
+def identity(rank: int, world: int, traces: TraceCache) -> dict:
     """Outer SGD(lr=1, no momentum) makes θ_global - mean(θ_global - θ_i) = mean(θ_i): LocalSGD's average."""
 
     def sgd(model):
@@ -267,21 +272,21 @@ def identity(rank: int, world: int) -> dict:
 
     def diloco(model):
         outer = torch.optim.SGD(model.parameters(), lr=1.0)
-        return transpile(model, sgd(model), mode="diloco", loss_fn=LOSS, sync_every=H, outer_optimizer=outer)
+        return transpile(model, sgd(model), "diloco", LOSS, sync_every=H, outer_optimizer=outer, trace=traces)
 
     def local_sgd(model):
-        return transpile(model, sgd(model), mode="local_sgd", loss_fn=LOSS, k_steps=H, begin_step=0)
+        return transpile(model, sgd(model), "local_sgd", LOSS, k_steps=H, begin_step=0, trace=traces)
 
     return each_run(rank, world, ROUNDS, {"diloco": diloco, "local_sgd": local_sgd})
 
 
-def alpha_one(rank: int, world: int) -> dict:
+def alpha_one(rank: int, world: int, traces: TraceCache) -> dict:
     """α=1 keeps the local weights at every sync: each replica trains as if alone (its eager AdamW run)."""
     torch.manual_seed(0)
     model = MLP()
     alone = copy.deepcopy(model)
     alone_opt = inner_optimizer(alone.parameters())
-    options = STREAM | {"fragment_update_alpha": 1.0}
+    options = STREAM | {"fragment_update_alpha": 1.0, "trace": traces}
     step = transpile(model, inner_optimizer(model.parameters()), mode="streaming_diloco", loss_fn=LOSS, **options)
     record = []
     for batches in data(world, 4 * ROUNDS):
@@ -297,12 +302,12 @@ def alpha_one(rank: int, world: int) -> dict:
     }
 
 
-def resume(rank: int, world: int, mode: str, save_after: int, via: str = "state_dict") -> dict:
+def resume(rank: int, world: int, mode: str, save_after: int, traces: TraceCache, via: str = "state_dict") -> dict:
     """``save_after`` steps, then ``step.state_dict()`` (``via="state_dict"``) or ``step.save_checkpoint()``
     (``"dcp"``, at the first step from ``save_after`` on that ``checkpoint_blocked()`` allows), then a fresh
     model, optimizers and step load it and go on."""
     torch.manual_seed(0)
-    options = {"sync_every": H} if mode == "diloco" else STREAM
+    options = ({"sync_every": H} if mode == "diloco" else STREAM) | {"trace": traces}
     steps = data(world, 3 * 4)
     folder = Path(sys.argv[1]) / f"resume-{mode}-{via}"
     runs: dict = {"blocked": []}
@@ -358,7 +363,7 @@ def held(step, model: torch.nn.Module) -> dict:
     }
 
 
-def reshard(rank: int, world: int) -> dict:
+def reshard(rank: int, world: int, traces: TraceCache) -> dict:
     """W=4, one step into the second round: a ``diloco`` checkpoint of 4 replicas read by 2 replicas of 2 ranks
     with ZeRO-1 inside (built first, so each rank reads only its slices), and one of 2 such replicas read by 4;
     what each rank holds after the load, and after one more step."""
@@ -371,7 +376,7 @@ def reshard(rank: int, world: int) -> dict:
         folder = Path(sys.argv[1]) / f"reshard-{name}"
         torch.manual_seed(0)
         model = MLP()
-        options = {"sync_every": H} | saving
+        options = {"sync_every": H, "trace": traces} | saving
         step = transpile(model, inner_optimizer(model.parameters()), mode="diloco", loss_fn=LOSS, **options)
         for batches in steps[: H + 1]:
             step(*batches[rank])
@@ -379,7 +384,7 @@ def reshard(rank: int, world: int) -> dict:
         out[name] = {"saved": held(step, model), "folder": str(folder)}
         torch.manual_seed(1)
         model = MLP()
-        options = {"sync_every": H, "example_inputs": steps[-1][rank]} | loading
+        options = {"sync_every": H, "example_inputs": steps[-1][rank], "trace": traces} | loading
         step = transpile(model, inner_optimizer(model.parameters()), mode="diloco", loss_fn=LOSS, **options)
         step.load_checkpoint(folder)
         out[name]["loaded"] = held(step, model)
@@ -388,10 +393,10 @@ def reshard(rank: int, world: int) -> dict:
     return out
 
 
-def global_view(rank: int, world: int) -> dict:
+def global_view(rank: int, world: int, traces: TraceCache) -> dict:
     torch.manual_seed(0)
     model = MLP()
-    step = transpile(model, inner_optimizer(model.parameters()), mode="diloco", loss_fn=LOSS, sync_every=H)
+    step = transpile(model, inner_optimizer(model.parameters()), "diloco", LOSS, sync_every=H, trace=traces)
     for batches in data(world, H + 1):  # one inner step past the sync: replica and global weights differ
         step(*batches[rank])
     replica = params_of(model)
@@ -402,20 +407,21 @@ def global_view(rank: int, world: int) -> dict:
 
 
 def checks(rank: int, world: int) -> dict:
-    out = {"reference": reference(rank, world), "streaming": streaming(rank, world)}
-    out["quantised"] = {x: quantised(rank, world, x) for x in ("bfloat16", "float8_e4m3fn", "int4")}
+    traces = TraceCache()  # every run here trains the MLP with AdamW or SGD: they share their traces
+    out = {"reference": reference(rank, world, traces), "streaming": streaming(rank, world, traces)}
+    out["quantised"] = {x: quantised(rank, world, x, traces) for x in ("bfloat16", "float8_e4m3fn", "int4")}
     if world == 4:  # two replicas of two ranks: data parallel inside each (all-reduce, ZeRO-1, ZeRO-2), DiLoCo across
-        out |= {"reference_2d": reference(rank, world, 2), "streaming_2d": streaming(rank, world, 2)}
-        out["reference_2d_zero1"] = reference(rank, world, 2, "zero1")
-        out["streaming_2d_zero2"] = streaming(rank, world, 2, "zero2")
-        out["reshard"] = reshard(rank, world)
+        out |= {"reference_2d": reference(rank, world, traces, 2), "streaming_2d": streaming(rank, world, traces, 2)}
+        out["reference_2d_zero1"] = reference(rank, world, traces, 2, "zero1")
+        out["streaming_2d_zero2"] = streaming(rank, world, traces, 2, "zero2")
+        out["reshard"] = reshard(rank, world, traces)
     if world == 2:
-        out |= {"identity": identity(rank, world), "alpha_one": alpha_one(rank, world)}
-        out["resume"] = resume(rank, world, "diloco", H + 1)  # one inner step into the second round
-        out["resume_in_flight"] = resume(rank, world, "streaming_diloco", 2)  # fragment 0's exchange in flight
-        out["dcp_resume"] = resume(rank, world, "diloco", H + 1, via="dcp")
-        out["dcp_resume_in_flight"] = resume(rank, world, "streaming_diloco", 2, via="dcp")  # saved once landed
-        out["global_view"] = global_view(rank, world)
+        out |= {"identity": identity(rank, world, traces), "alpha_one": alpha_one(rank, world, traces)}
+        out["resume"] = resume(rank, world, "diloco", H + 1, traces)  # one inner step into the second round
+        out["resume_in_flight"] = resume(rank, world, "streaming_diloco", 2, traces)  # fragment 0's exchange in flight
+        out["dcp_resume"] = resume(rank, world, "diloco", H + 1, traces, via="dcp")
+        out["dcp_resume_in_flight"] = resume(rank, world, "streaming_diloco", 2, traces, via="dcp")  # saved once landed
+        out["global_view"] = global_view(rank, world, traces)
     return out
 
 

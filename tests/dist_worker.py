@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.distributed import run_rank  # noqa: E402
 from tests.models import make_batch, make_model, make_optimizer  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from transpiler import TraceCache, transpile  # noqa: E402
 
 STEPS = 5
 PER_RANK = 8
@@ -51,7 +51,7 @@ def reference_step(model, optimizer, loss_fn, x, y, world: int, per_shard: bool)
     optimizer.step()
 
 
-def run_scenario(model_name: str, opt_name: str, mode: str, rank: int, world: int) -> dict:
+def run_scenario(model_name: str, opt_name: str, mode: str, rank: int, world: int, traces: TraceCache) -> dict:
     torch.manual_seed(1234)
     base = make_model(model_name)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -76,6 +76,7 @@ def run_scenario(model_name: str, opt_name: str, mode: str, rank: int, world: in
         mode=mode,
         loss_fn=loss_fn,
         example_inputs=(batches[0][0][shard], batches[0][1][shard]),
+        trace=traces,
         **options,
     )
     record = {"ours": [], "ddp": [], "single": [], "losses": []}
@@ -98,9 +99,10 @@ def run_scenario(model_name: str, opt_name: str, mode: str, rank: int, world: in
 
 def checks(rank: int, world: int, scenarios: str) -> dict:
     results = {}
+    traces = TraceCache()  # scenarios of one model and optimizer under several modes share their traces
     for scenario in scenarios.split(";"):
         model_name, opt_name, mode = scenario.split(",")
-        results[scenario] = run_scenario(model_name, opt_name, mode, rank, world)
+        results[scenario] = run_scenario(model_name, opt_name, mode, rank, world, traces)
     return results
 
 

@@ -17,7 +17,7 @@ from passes.shard_optimizer import owned, unit_threshold
 from tests.helpers import eager_step
 from tests.models import MLP, Lamb, TiedLM, make_batch
 from tests.test_boost_properties import assert_all_gathers_run_alone
-from transpiler import transpile
+from transpiler import TraceCache, transpile
 from transpiler.build import StepBuilder
 from transpiler.errors import (
     CheckpointError,
@@ -98,7 +98,7 @@ def test_world_of_one_is_eager(mode, opt):
 def _world_programs(mode: str, world: int, optimizer=torch.optim.AdamW, **options) -> list:
     """Every rank's program of a world built ahead. Rank 0's build runs the static cross-rank check, which builds
     and verifies every rank's program; the others are built again unverified, only to be handed back."""
-    programs = []
+    programs, traces = [], TraceCache()  # the ranks' builds share one trace
     for rank in range(world):
         torch.manual_seed(0)
         model = MLP()
@@ -113,6 +113,7 @@ def _world_programs(mode: str, world: int, optimizer=torch.optim.AdamW, **option
             bucket_cap_mb=0.004,
             first_bucket_mb=0.001,
             verify=rank == 0,
+            trace=traces,
             **options,
         )
         programs.append(step.program)

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.distributed import run_rank  # noqa: E402
 from tests.helpers import capture_by_calling  # noqa: E402
 from tests.models import Lamb, Lion, make_batch, make_model  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from transpiler import TraceCache, transpile  # noqa: E402
 
 STEPS = 5
 PER_RANK = 4
@@ -95,7 +95,14 @@ def largest(a: dict, b: dict) -> tuple[bool, float]:
 
 
 def scenario(
-    model_name: str, opt_name: str, mode: str, rank: int, world: int, accumulate: int = 1, **mode_options
+    model_name: str,
+    opt_name: str,
+    mode: str,
+    rank: int,
+    world: int,
+    traces: TraceCache,
+    accumulate: int = 1,
+    **mode_options,
 ) -> dict:
     torch.manual_seed(1234)
     base = build_model(model_name)
@@ -109,7 +116,7 @@ def scenario(
     options = dict(CAPS, accumulate_steps=accumulate) if accumulate > 1 else dict(CAPS)
     options.update(mode_options)
     loss_fn = None if model_name == "gpt2" else torch.nn.CrossEntropyLoss()
-    step = transpile(ours, ours_opt, mode=mode, loss_fn=loss_fn, **options)
+    step = transpile(ours, ours_opt, mode=mode, loss_fn=loss_fn, trace=traces, **options)
     record: dict = {"params": [], "state": [], "single": [], "ddp_single": []}
     for batch in data:
         micro = [tuple(t[shard][i::accumulate] for t in batch) for i in range(accumulate)]
@@ -158,7 +165,14 @@ SCALER = {"init_scale": 2.0**20, "growth_interval": 3}  # fp16 overflows at 2**2
 
 
 def composed(
-    model_name: str, opt_name: str, mode: str, scale: bool, clip: tuple[float, float] | None, rank: int, world: int
+    model_name: str,
+    opt_name: str,
+    mode: str,
+    scale: bool,
+    clip: tuple[float, float] | None,
+    rank: int,
+    world: int,
+    traces: TraceCache,
 ) -> dict:
     """Loss scaling (under fp16 autocast) and clipping on shards, 10 steps, against DDP with GradScaler and
     ``clip_grad_norm_`` on the same shard: parameters, grad norms and skipped steps after every step."""
@@ -174,7 +188,7 @@ def composed(
         options |= {"loss_scale": "dynamic", **SCALER}
     if clip is not None:
         options |= {"max_grad_norm": clip[0], "norm_type": clip[1]}
-    step = transpile(ours, ours_opt, mode=mode, loss_fn=torch.nn.CrossEntropyLoss(), **options)
+    step = transpile(ours, ours_opt, mode=mode, loss_fn=torch.nn.CrossEntropyLoss(), trace=traces, **options)
     # our seed is S/W on each rank (as one process on the whole batch has it); DDP's backward carries the
     # scaler's S whole, so DDP with S/W runs the same fp16 backward and overflows on the same steps
     scaler = torch.amp.GradScaler("cpu", enabled=scale, **(SCALER | {"init_scale": SCALER["init_scale"] / world}))
@@ -204,7 +218,7 @@ def composed(
     return record
 
 
-def compiled(mode: str, rank: int, world: int) -> dict:
+def compiled(mode: str, rank: int, world: int, traces: TraceCache) -> dict:
     """``compile=True``: AdamW with a LambdaLR scheduler, 8 steps against DDP with the same scheduler, on the
     MLP (whose buckets are padded to W shards); and how many graphs Dynamo made."""
     torch._dynamo.reset()
@@ -214,7 +228,8 @@ def compiled(mode: str, rank: int, world: int) -> dict:
     ours, ddp = copy.deepcopy(base), DDP(copy.deepcopy(base), gradient_as_bucket_view=True)
     ours_opt, ddp_opt = OPTIMIZERS["adamw"](ours.parameters()), OPTIMIZERS["adamw"](ddp.parameters())
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda i: 1.0 / (1 + i)) for o in (ours_opt, ddp_opt)]
-    step = transpile(ours, ours_opt, mode=mode, loss_fn=torch.nn.CrossEntropyLoss(), compile=True, **CAPS)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    step = transpile(ours, ours_opt, mode=mode, loss_fn=loss_fn, compile=True, trace=traces, **CAPS)
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     record: dict = {"params": []}
     for batch in batches("mlp", world, steps=8):
@@ -233,7 +248,7 @@ def compiled(mode: str, rank: int, world: int) -> dict:
     return record
 
 
-def resume(rank: int, world: int, mode: str) -> dict:
+def resume(rank: int, world: int, mode: str, traces: TraceCache) -> dict:
     """Three steps, a checkpoint, two more; and a fresh model, optimizer and step loading it for the same two."""
     data = batches("tied", world)
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -244,7 +259,7 @@ def resume(rank: int, world: int, mode: str) -> dict:
         optimizer = OPTIMIZERS["adamw"](model.parameters())
         loss_fn = torch.nn.CrossEntropyLoss()
         example = (data[0][0][shard], data[0][1][shard])
-        return model, optimizer, transpile(model, optimizer, mode=mode, loss_fn=loss_fn, example_inputs=example, **CAPS)
+        return model, optimizer, transpile(model, optimizer, mode, loss_fn, example, trace=traces, **CAPS)
 
     model, optimizer, step = fresh()
     for x, y in data[:3]:
@@ -396,17 +411,18 @@ def against_fsdp2(rank: int, world: int) -> dict:
 
 
 def checks(rank: int, world: int) -> dict:
+    traces = TraceCache()  # the scenarios of one model, optimizer and batch share their traces across modes
     results = {
-        ",".join(map(str, s)): scenario(*s[:3], rank, world, accumulate=s[3], **(s[4] if len(s) > 4 else {}))
+        ",".join(map(str, s)): scenario(*s[:3], rank, world, traces, accumulate=s[3], **(s[4] if len(s) > 4 else {}))
         for s in SCENARIOS[world]
     }
-    results["composed"] = {",".join(map(str, c)): composed(*c, rank, world) for c in COMPOSED[world]}
-    results["resume"] = {mode: resume(rank, world, mode) for mode in ("zero1", "zero2", "zero3")}
+    results["composed"] = {",".join(map(str, c)): composed(*c, rank, world, traces) for c in COMPOSED[world]}
+    results["resume"] = {mode: resume(rank, world, mode, traces) for mode in ("zero1", "zero2", "zero3")}
     results["fsdp2"] = against_fsdp2(rank, world)
     if world == 2:
         results["refusals"] = refusals(rank, world)
         if os.environ.get("ATEN_CPU_CAPABILITY") != "default":  # Inductor's C++ does not build under it
-            results["compiled"] = {mode: compiled(mode, rank, world) for mode in ("zero1", "zero2", "zero3")}
+            results["compiled"] = {mode: compiled(mode, rank, world, traces) for mode in ("zero1", "zero2", "zero3")}
     return results
 
 
