@@ -217,3 +217,19 @@ def test_equal_signatures_mean_equal_graphs(steps):
         assert ta.signature.first_difference(tb.signature) is not None
     only_lr = {k: v for k, v in a.items() if k != "lr"} == {k: v for k, v in b.items() if k != "lr"}
     assert (ta.signature == tb.signature) == only_lr
+
+
+def test_a_cache_keeps_its_traces_as_traced():
+    """What a build adds to its traced program (DiLoCo's outer update, a measured cost) stays out of the cache: a
+    mode built after DiLoCo from the same cache gets the plain trace, and its program is a fresh build's."""
+    batch = _batches(1)[0]
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    cache = TraceCache()
+    transpile(*_model_and_optimizer(sgd), "diloco", LOSS, batch, trace=cache, sync_every=2)
+    step = transpile(*_model_and_optimizer(sgd), "local_sgd", LOSS, batch, trace=cache, k_steps=2)
+    fresh = transpile(*_model_and_optimizer(sgd), "local_sgd", LOSS, batch, k_steps=2)
+    assert (cache.misses, cache.hits) == (1, 1)
+    assert all(p.outer_update is None for p in step.programs.values())
+    assert {v: p.graph_module.code for v, p in step.programs.items()} == {
+        v: p.graph_module.code for v, p in fresh.programs.items()
+    }

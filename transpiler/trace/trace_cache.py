@@ -3,6 +3,7 @@ fresh instances (a benchmark's sweep, a test's references), retraces for a batch
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -49,9 +50,9 @@ class TraceCache:
         inputs = step_inputs(model, optimizer, loss_fn, batch, shards, whole_shapes)
         known = self._traces.get(signature_of(model, optimizer, loss_fn, batch, autocast, inputs))
         trace, state, plan = trace_signed(model, optimizer, loss_fn, batch, autocast, shards, whole_shapes, known)
-        if known is None:
+        if known is None:  # kept as traced; the caller gets a copy, which its build may change
             self._traces[trace.signature] = trace
             self.misses += 1
-        else:
-            self.hits += 1
+            return dataclasses.replace(trace, program=trace.program.clone()), state, plan
+        self.hits += 1
         return trace, state, plan
