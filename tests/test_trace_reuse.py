@@ -233,3 +233,15 @@ def test_a_cache_keeps_its_traces_as_traced():
     assert {v: p.graph_module.code for v, p in step.programs.items()} == {
         v: p.graph_module.code for v, p in fresh.programs.items()
     }
+
+
+def test_a_cache_keeps_the_traces_used_most_recently():
+    """``max_traces`` bounds what a cache holds: the trace used least recently goes first."""
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    cache = TraceCache(max_traces=2)
+    sizes = (4, 5, 4, 6, 5)  # 5 was used less recently than 4 when 6 came in
+    for size in sizes:
+        cache.trace(*_model_and_optimizer(sgd), LOSS, _batches(1, size=size)[0])
+    assert (cache.misses, cache.hits, len(cache)) == (4, 1, 2)
+    with pytest.raises(ConfigurationError, match="max_traces must be an int >= 1"):
+        TraceCache(max_traces=0)

@@ -4,9 +4,12 @@ fresh instances (a benchmark's sweep, a test's references), retraces for a batch
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import torch
+
+from transpiler.errors import ConfigurationError
 
 from .environment import AutocastState
 from .optimizers import OptimizerPlan
@@ -20,10 +23,15 @@ class TraceCache:
     signature (``signature.py``: the model's structure, classes and attributes, the tensors' shapes, the
     optimizer and its fixed hyper-parameters, the loss, the batch, autocast), tracing and keeping one it has not
     seen. ``cache.trace(model, optimizer, loss_fn, batch)`` gives one ahead. Equal signatures must mean the
-    same code: a class redefined under the same name, or a forward that reads a global, is not seen."""
+    same code: a class redefined under the same name, or a forward that reads a global, is not seen. It keeps the
+    ``max_traces`` used most recently (a run whose batch shapes keep changing would otherwise keep a trace per
+    shape for ever)."""
 
-    def __init__(self) -> None:
-        self._traces: dict[StepSignature, StepTrace] = {}
+    def __init__(self, max_traces: int = 32) -> None:
+        if isinstance(max_traces, bool) or not isinstance(max_traces, int) or max_traces < 1:
+            raise ConfigurationError(f"max_traces must be an int >= 1, got {max_traces!r}.")
+        self.max_traces = max_traces
+        self._traces: OrderedDict[StepSignature, StepTrace] = OrderedDict()
         self.hits = 0  # builds that reused a trace
         self.misses = 0  # traces made
 
@@ -52,7 +60,10 @@ class TraceCache:
         trace, state, plan = trace_signed(model, optimizer, loss_fn, batch, autocast, shards, whole_shapes, known)
         if known is None:  # kept as traced; the caller gets a copy, which its build may change
             self._traces[trace.signature] = trace
+            while len(self._traces) > self.max_traces:
+                self._traces.popitem(last=False)
             self.misses += 1
             return dataclasses.replace(trace, program=trace.program.clone()), state, plan
+        self._traces.move_to_end(trace.signature)
         self.hits += 1
         return trace, state, plan
