@@ -24,7 +24,7 @@ def measure(layers: int) -> dict:
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(layers)])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     start = time.perf_counter()
-    traced, _, _ = trace_step(model, opt, nn.MSELoss(), (torch.randn(4, 8), torch.randn(4, 8)))
+    traced = trace_step(model, opt, nn.MSELoss(), (torch.randn(4, 8), torch.randn(4, 8)))[0].program
     trace_s = time.perf_counter() - start
     program = traced.clone()
     program.world_size, program.group_name = 2, "world"

@@ -141,7 +141,7 @@ def rewritten_variants(widths, mode, options, world, make_opt=torch.optim.SGD):
     that running its passes again changes nothing and that its all-gathers run alone."""
     model = mlp([max(w, 2) for w in widths])
     batch = (torch.randn(4, max(widths[0], 2)), torch.randn(4, max(widths[-1], 2)))
-    traced, *_ = trace_step(model, make_opt(model.parameters(), lr=0.1), nn.MSELoss(), batch)
+    traced = trace_step(model, make_opt(model.parameters(), lr=0.1), nn.MSELoss(), batch)[0].program
     programs = {}
     for variant, passes in build_strategy(mode, options).variants.items():
         program = rewrite(traced, passes, Placement(world, 0, "world", False))

@@ -278,7 +278,7 @@ def test_every_rank_issues_the_same_collectives_and_the_pass_is_idempotent(tmp_p
     path = problem.write_basis(tmp_path_factory.mktemp("basis") / "b.pt", problem.basis_rows(min(components, 9)))
     model = problem.model()
     batch = problem.batches(steps=1)[0]
-    traced, *_ = trace_step(model, torch.optim.SGD(model.parameters(), lr=1.0), nn.MSELoss(), batch)
+    traced = trace_step(model, torch.optim.SGD(model.parameters(), lr=1.0), nn.MSELoss(), batch)[0].program
     passes = build_strategy("dim_reduce", {"pca_path": str(path)}).variants["step"]
     program = rewrite(traced, passes, Placement(world, rank, "world", False))
     code = program.graph_module.code

@@ -169,7 +169,7 @@ def test_a_pass_that_breaks_an_invariant_is_named():
             return changed
 
     model = nn.Linear(3, 2)
-    traced, *_ = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), BATCH)
+    traced = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), BATCH)[0].program
     from passes import PASSES
 
     with pytest.raises(VerificationError, match="reduce-again.*allreduce-grads"):

@@ -181,7 +181,7 @@ def test_a_second_schedule_keeps_in_place_updates_before_their_readers():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, 2)).bfloat16()
     batch = (torch.randn(4, 2).bfloat16(), torch.randn(4, 2).bfloat16())
-    traced, *_ = trace_step(model, torch.optim.Adam(model.parameters(), lr=0.1), nn.MSELoss(), batch)
+    traced = trace_step(model, torch.optim.Adam(model.parameters(), lr=0.1), nn.MSELoss(), batch)[0].program
     passes = build_strategy("zero3", {"reshard_after_forward": False}).variants["step"]
     program = rewrite(traced, passes, Placement(1, 0, "world", False))
     square_root = next(n for n in program.graph.nodes if n.target is torch.ops.aten._foreach_sqrt.default)

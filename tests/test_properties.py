@@ -93,7 +93,8 @@ def _traced(widths, batch=4):
     model = MixedDtypes(widths)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data = (torch.randn(batch, widths[0]), torch.randint(0, 3, (batch,)))
-    traced, state, plan = trace_step(model, opt, nn.CrossEntropyLoss(), data)
+    trace, state, plan = trace_step(model, opt, nn.CrossEntropyLoss(), data)
+    traced = trace.program
     return model, opt, data, traced, state, plan
 
 
@@ -197,7 +198,7 @@ def test_adasum_sends_pair_with_receives_across_ranks(widths, log_participants, 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])  # one dtype, as AdaSum needs
     batch = (torch.randn(4, widths[0]), torch.randn(4, widths[-1]))
-    traced, *_ = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), batch)
+    traced = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), batch)[0].program
     strategy = build_strategy(target, {"local_size": local_size})
     placement = Placement(world, 0, "world", False)
     groups = subgroup_names(placement, strategy.layout.groups(world))
@@ -402,7 +403,7 @@ def _plain_traced():
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     batch = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
-    return trace_step(model, optimizer, nn.CrossEntropyLoss(), batch)[0]
+    return trace_step(model, optimizer, nn.CrossEntropyLoss(), batch)[0].program
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -102,26 +102,14 @@ def test_only_the_learning_rate_may_differ():
     """The learning rate is a per-step input of the graph, so a trace serves any; other hyper-parameters are
     baked in."""
     batch = _batches(1)[0]
-    trace = trace_training_step(
-        *_model_and_optimizer(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)), LOSS, batch
-    )
-    model, _ = _model_and_optimizer(lambda ps: None)
-    transpile(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
-        loss_fn=LOSS,
-        example_inputs=batch,
-        trace=trace,
-    )
-    model, _ = _model_and_optimizer(lambda ps: None)
+
+    def sgd(lr: float, momentum: float):
+        return _model_and_optimizer(lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum))
+
+    trace = trace_training_step(*sgd(0.1, 0.9), LOSS, batch)
+    transpile(*sgd(0.5, 0.9), loss_fn=LOSS, example_inputs=batch, trace=trace)
     with pytest.raises(TraceMismatchError, match=r"param group 0 momentum: 0\.8 here, 0\.9 in the trace"):
-        transpile(
-            model,
-            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.8),
-            loss_fn=LOSS,
-            example_inputs=batch,
-            trace=trace,
-        )
+        transpile(*sgd(0.1, 0.8), loss_fn=LOSS, example_inputs=batch, trace=trace)
 
 
 def test_a_trace_for_another_step_is_refused_by_name():

@@ -27,7 +27,7 @@ def _program(mode="allreduce", world=2, rank=0, widths=(3, 4, 2)):
     torch.manual_seed(0)
     layers = [nn.Linear(a, b) for a, b in zip(widths, widths[1:])]
     model = nn.Sequential(*layers)
-    traced, *_ = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), BATCH)
+    traced = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), BATCH)[0].program
     return traced, rewrite(traced, build_passes(mode, {}), Placement(world, rank, "world", False))
 
 
@@ -61,7 +61,7 @@ def _adasum_programs(world=4):
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    traced, *_ = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), BATCH)
+    traced = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), BATCH)[0].program
     strategy = build_strategy("adasum", {})
     placement = Placement(world, 0, "world", False)
     groups = subgroup_names(placement, strategy.layout.groups(world))

@@ -24,7 +24,7 @@ from transpiler.trace.environment import AutocastState
 from transpiler.trace.optimizers import as_optimizer
 from transpiler.trace.signature import StepTrace
 from transpiler.trace.trace_cache import TraceCache
-from transpiler.trace.tracer import LossFn, trace_signed
+from transpiler.trace.tracer import LossFn, trace_step
 
 from .build import StepBuilder
 from .errors import ConfigurationError
@@ -198,7 +198,7 @@ def trace_training_step(
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(example_inputs, (tuple, list)):
         raise ConfigurationError("example_inputs must be one batch as the step will get it: (*model_inputs, target).")
-    trace, _, _ = trace_signed(model, as_optimizer(optimizer), loss_fn, tuple(example_inputs), AutocastState.current())
+    trace, _, _ = trace_step(model, as_optimizer(optimizer), loss_fn, tuple(example_inputs), AutocastState.current())
     return trace
 
 

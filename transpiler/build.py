@@ -42,7 +42,7 @@ from transpiler.trace.environment import AutocastState
 from transpiler.trace.outer import trace_outer_update
 from transpiler.trace.signature import StepTrace
 from transpiler.trace.trace_cache import TraceCache
-from transpiler.trace.tracer import LossFn, trace_signed
+from transpiler.trace.tracer import LossFn, trace_step
 
 from .errors import ConfigurationError
 
@@ -85,7 +85,7 @@ class StepBuilder:
         if isinstance(self.reuse, TraceCache):
             trace, state, plan = self.reuse.signed(*args)
         else:
-            trace, state, plan = trace_signed(*args, reuse=self.reuse)
+            trace, state, plan = trace_step(*args, reuse=self.reuse)
             self.reuse = None  # later cache keys (shapes, modes) trace anew
         traced = trace.program
         outer_plan = None

@@ -1,6 +1,6 @@
 """What a training step is traced on: the model's tensors in the graph's order, the optimizer's plan and state,
-each as tracing sees it (a parameter ZeRO-3 holds as a slice at its whole shape), and the batch. Both tracing
-and the trace's signature (``signature.py``) start here, so a signature is computed without tracing.
+each as tracing sees it (a parameter ZeRO-3 holds as a slice at its whole shape), and the batch. The trace's
+signature (``signature.py``) is computed from these before tracing, so a step that reuses a trace traces nothing.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import torch
 
 from transpiler.errors import ConfigurationError
 
-from .environment import AutocastState
 from .optimizers import OptimizerPlan, make_plan
-from .signature import StepSignature, step_signature
 
 LossFn = Callable[..., torch.Tensor] | None
 
@@ -84,7 +82,7 @@ def step_inputs(
     shards: Mapping[str, tuple[int, int]] | None = None,
     whole_shapes: Mapping[str, tuple[int, ...]] | None = None,
 ) -> StepInputs:
-    """What one step is traced on (``trace_signed`` in ``tracer.py`` says what ``shards`` and ``whole_shapes``
+    """What one step is traced on (``trace_step`` in ``tracer.py`` says what ``shards`` and ``whole_shapes``
     are)."""
     check_batch(batch, loss_fn=loss_fn)
     state = collect_model_state(model)
@@ -95,19 +93,6 @@ def step_inputs(
         for i, (name, p) in enumerate(zip(state.names, params))
     ]
     return StepInputs(state, plan, params, opt_states)
-
-
-def signature_of(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
-    batch: tuple,
-    autocast: AutocastState,
-    inputs: StepInputs | None = None,
-) -> StepSignature:
-    """The signature a trace of this step would have (``signature.py``), without tracing it."""
-    inputs = inputs or step_inputs(model, optimizer, loss_fn, batch)
-    return step_signature(model, inputs.plan, loss_fn, inputs.params, inputs.opt_states, batch, autocast)
 
 
 def _param_as_whole(p: torch.Tensor, shape: tuple[int, ...] | None) -> torch.Tensor:

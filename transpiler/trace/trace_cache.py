@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from transpiler.errors import ConfigurationError
 
 from .environment import AutocastState
-from .optimizers import OptimizerPlan
+from .optimizers import OptimizerPlan, as_optimizer
 from .signature import StepSignature, StepTrace
-from .step_inputs import LossFn, ModelState, signature_of, step_inputs
-from .tracer import trace_signed
+from .step_inputs import LossFn, ModelState
+from .tracer import trace_step
 
 
 class TraceCache:
@@ -39,10 +39,14 @@ class TraceCache:
         return len(self._traces)
 
     def trace(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn = None, batch: tuple = ()
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        loss_fn: LossFn = None,
+        batch: tuple = (),
     ) -> StepTrace:
         """The trace of this step under the caller's autocast state, made on its first request."""
-        return self.signed(model, optimizer, loss_fn, tuple(batch), AutocastState.current())[0]
+        return self.signed(model, as_optimizer(optimizer), loss_fn, tuple(batch), AutocastState.current())[0]
 
     def signed(
         self,
@@ -54,16 +58,15 @@ class TraceCache:
         shards: Mapping[str, tuple[int, int]] | None = None,
         whole_shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> tuple[StepTrace, ModelState, OptimizerPlan]:
-        """:func:`~transpiler.trace.tracer.trace_signed` through the cache."""
-        inputs = step_inputs(model, optimizer, loss_fn, batch, shards, whole_shapes)
-        known = self._traces.get(signature_of(model, optimizer, loss_fn, batch, autocast, inputs))
-        trace, state, plan = trace_signed(model, optimizer, loss_fn, batch, autocast, shards, whole_shapes, known)
-        if known is None:  # kept as traced; the caller gets a copy, which its build may change
-            self._traces[trace.signature] = trace
-            while len(self._traces) > self.max_traces:
-                self._traces.popitem(last=False)
-            self.misses += 1
-            return dataclasses.replace(trace, program=trace.program.clone()), state, plan
-        self._traces.move_to_end(trace.signature)
-        self.hits += 1
-        return trace, state, plan
+        """:func:`~transpiler.trace.tracer.trace_step` through the cache."""
+        args = (model, optimizer, loss_fn, batch, autocast, shards, whole_shapes)
+        trace, state, plan = trace_step(*args, reuse=self._traces)
+        if trace.signature in self._traces:  # a copy of the one kept
+            self._traces.move_to_end(trace.signature)
+            self.hits += 1
+            return trace, state, plan
+        self._traces[trace.signature] = trace  # kept as traced; the caller gets a copy, which its build may change
+        while len(self._traces) > self.max_traces:
+            self._traces.popitem(last=False)
+        self.misses += 1
+        return dataclasses.replace(trace, program=trace.program.clone()), state, plan

@@ -25,8 +25,8 @@ from transpiler.graph.program import StepProgram
 from .environment import AUTOCAST_OFF, AutocastState
 from .functional import trace_functional, twin_updates
 from .optimizers import GenericPlan, OptimizerPlan
-from .signature import StepTrace
-from .step_inputs import LossFn, ModelState, signature_of, step_inputs
+from .signature import StepSignature, StepTrace, step_signature
+from .step_inputs import LossFn, ModelState, step_inputs
 
 _DATA_DEPENDENT = (
     "data-dependent",
@@ -46,21 +46,7 @@ def trace_step(
     autocast: AutocastState = AUTOCAST_OFF,
     shards: Mapping[str, tuple[int, int]] | None = None,
     whole_shapes: Mapping[str, tuple[int, ...]] | None = None,
-) -> tuple[StepProgram, ModelState, OptimizerPlan]:
-    """:func:`trace_signed` without a trace to reuse: the traced program, the model's state and the plan."""
-    trace, state, plan = trace_signed(model, optimizer, loss_fn, batch, autocast, shards, whole_shapes)
-    return trace.program, state, plan
-
-
-def trace_signed(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
-    batch: tuple,
-    autocast: AutocastState = AUTOCAST_OFF,
-    shards: Mapping[str, tuple[int, int]] | None = None,
-    whole_shapes: Mapping[str, tuple[int, ...]] | None = None,
-    reuse: StepTrace | None = None,
+    reuse: StepTrace | Mapping[StepSignature, StepTrace] | None = None,
 ) -> tuple[StepTrace, ModelState, OptimizerPlan]:
     """Trace forward, loss, backward and optimizer update of one step into a StepProgram; the forward and the
     loss under ``autocast`` (the caller's), the backward and the update without it, as eager autocast runs.
@@ -69,7 +55,8 @@ def trace_signed(
     shaped as the parameter, and the mode cuts it again. ``whole_shapes`` (ZeRO-3) gives the whole shape of
     each parameter the model holds as a 1-D slice between steps: it is traced on an uninitialised stand-in of
     that shape. ``reuse``: a trace of a step with the same signature (``signature.py``), copied instead of
-    tracing again; a :class:`TraceMismatchError` names the first difference."""
+    tracing again (a :class:`TraceMismatchError` names the first difference); or traces by signature, of which
+    the one with this step's signature, if any, is copied. The trace returned is the caller's to change."""
     inputs = step_inputs(model, optimizer, loss_fn, batch, shards, whole_shapes)
     state, plan, wholes, opt_states = inputs.state, inputs.plan, inputs.params, inputs.opt_states
     generic = isinstance(plan, GenericPlan)
@@ -78,18 +65,19 @@ def trace_signed(
     n_model_out: list[int] = []
     grad_present: list[bool] = []
     slots = [slot.name for slot in plan.scalar_slots()]
-    # the twins' slots live where the parameters are (a captured program reads them there); the generic
-    # path's lrs become floats after tracing
-    signature = signature_of(model, optimizer, loss_fn, batch, autocast, inputs)
-    if reuse is not None:
-        difference = signature.first_difference(reuse.signature)
+    signature = step_signature(model, plan, loss_fn, wholes, opt_states, batch, autocast)
+    known = reuse if isinstance(reuse, StepTrace) or reuse is None else reuse.get(signature)
+    if known is not None:
+        difference = signature.first_difference(known.signature)
         if difference is not None:
             raise TraceMismatchError(
                 f"the trace given to transpile(trace=...) was made for another step: {difference}. Trace this "
                 "model, optimizer and batch with transpiler.trace_training_step(), or leave trace= out."
             )
-        plan.adopt(reuse.learnt)
-        return StepTrace(reuse.program.clone(), signature, reuse.learnt), state, plan
+        plan.adopt(known.learnt)
+        return StepTrace(known.program.clone(), signature, known.learnt), state, plan
+    # the twins' slots live where the parameters are (a captured program reads them there); the generic
+    # path's lrs become floats after tracing
     scalar_device = state.params[0].device if plan.scalars_as_tensors and state.params else torch.device("cpu")
 
     def step_fn(*flat: torch.Tensor):
