@@ -32,6 +32,7 @@ import time
 import traceback
 import warnings
 from datetime import timedelta
+from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, TextIO
@@ -39,7 +40,6 @@ from typing import Any, TextIO
 from tests import zygote
 from tests.distributed import ending, free_port, rank_env
 
-POLL = 0.005  # seconds between the session's looks for a job's end (a rank waits for a job on its stdin)
 SETTLE = 2.0  # seconds a failed job's ranks get to leave before their exit codes are read
 NATIVE_CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
 
@@ -53,13 +53,17 @@ class RetriedAfterCrash(UserWarning):
 
 
 class World:
-    """``size`` ranks waiting for jobs on their stdin; :meth:`run` hands them one and waits for its end, which each
-    rank marks in the folder ``control``."""
+    """``size`` ranks waiting for jobs on their stdin; :meth:`run` hands them one and waits, without polling, for
+    each rank to report its end (a line ``done JOB`` or ``failed JOB`` in the named pipe ``reports`` of the folder
+    ``control``) or to die."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.control = Path(tempfile.mkdtemp(prefix=f"world{size}-"))
         self.jobs = 0
+        os.mkfifo(self.control / "reports")
+        # read and write: the pipe stays open between a rank's reports, and a rank's open never waits for a reader
+        self.reports = os.open(self.control / "reports", os.O_RDWR | os.O_NONBLOCK)
         port = free_port()
         self.logs = [self.control / f"rank{r}.log" for r in range(size)]  # a file, never a pipe nobody reads
         self.procs: list[BaseProcess] = []
@@ -82,11 +86,15 @@ class World:
             orders.write(order + "\n")
             orders.flush()
         deadline = time.monotonic() + timeout
+        ended: dict[str, set[int]] = {"done": set(), "failed": set()}
         while True:
-            done = [(self.control / f"done-{job}-{r}").exists() for r in range(self.size)]
-            if all(done):
+            for report in os.read(self.reports, 65536).decode().split() if wait([self.reports], 0) else ():
+                what, at_job, rank = report.split(":")
+                if int(at_job) == job:
+                    ended[what].add(int(rank))
+            if len(ended["done"]) == self.size:
                 return
-            failed = [r for r in range(self.size) if (self.control / f"failed-{job}-{r}").exists()]
+            failed = sorted(ended["failed"])
             dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
             late = time.monotonic() > deadline
             if failed or dead or late:
@@ -99,7 +107,7 @@ class World:
                 self.close()
                 error = RankCrashed if crashed else AssertionError
                 raise error(f"{target} with {self.size} ranks {why}:\n{output}")
-            time.sleep(POLL)
+            wait([self.reports, *(p.sentinel for p in self.procs)], timeout=max(deadline - time.monotonic(), 0))
 
     def alive(self) -> bool:
         return all(p.exitcode is None for p in self.procs)
@@ -115,6 +123,9 @@ class World:
             if p.exitcode is None:
                 p.kill()
                 p.join()
+        if self.reports >= 0:  # a world closed after a failed job is closed again at the session's end
+            os.close(self.reports)
+            self.reports = -1
         shutil.rmtree(self.control, ignore_errors=True)
 
     def _settled_exits(self) -> list[int | None]:
@@ -123,7 +134,7 @@ class World:
         crash must be told apart from a Python error."""
         deadline = time.monotonic() + SETTLE
         while any(p.exitcode is None for p in self.procs) and time.monotonic() < deadline:
-            time.sleep(POLL)
+            wait([p.sentinel for p in self.procs if p.exitcode is None], timeout=deadline - time.monotonic())
         return [p.exitcode for p in self.procs]
 
     def _output(self, starts: list[int], exits: list[int | None]) -> str:
@@ -167,6 +178,15 @@ def close_all() -> None:
     _WORLDS.clear()
 
 
+def report(control: Path, what: str, job: int, rank: int) -> None:
+    """Tell the session that this rank's job ended: one write of a few bytes to a pipe is atomic."""
+    fd = os.open(control / "reports", os.O_WRONLY)
+    try:
+        os.write(fd, f"{what}:{job}:{rank}\n".encode())
+    finally:
+        os.close(fd)
+
+
 def serve(control: Path) -> None:
     """A rank of a world: join it, then run each job as it arrives until told to stop."""
     import torch
@@ -189,11 +209,11 @@ def serve(control: Path) -> None:
         except BaseException:
             traceback.print_exc()
             sys.stdout.flush()
-            (control / f"failed-{job}-{rank}").touch()
+            report(control, "failed", job, rank)
             os._exit(1)
         sys.stdout.flush()
         sys.stderr.flush()
-        (control / f"done-{job}-{rank}").touch()
+        report(control, "done", job, rank)
     dist.destroy_process_group()
     os._exit(0)
 
