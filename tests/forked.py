@@ -1,10 +1,10 @@
-"""torchrun's entry point for a worker forked by the suite's server (``tests/fork_server.py``):
-``python -u tests/forked.py SCRIPT ARGS`` under ``torchrun`` runs ``SCRIPT ARGS`` as torchrun would, in a fork of an
-interpreter that has imported torch and the package already.
+"""A process forked by the suite's server (``tests/fork_server.py``): ``python -u tests/forked.py SCRIPT ARGS`` (or
+``-m MODULE ARGS``: torchrun's agent) runs ``SCRIPT ARGS`` as ``python -u`` would, in a fork of an interpreter that has
+imported torch and the package already. torchrun names it for its workers.
 
 This client imports the standard library only. It sends the server (``FORK_SERVER``, a Unix socket) its arguments,
 environment, folder, standard streams and namespaces (a host's network, name and files), forwards the signals
-torchrun sends to the worker, and ends as the worker ended: with its exit code, or killed by the same signal.
+it gets to the fork, and ends as the fork ended: with its exit code, or killed by the same signal.
 Without ``FORK_SERVER`` it becomes ``python -u SCRIPT ARGS`` itself.
 """
 

@@ -6,33 +6,29 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from tests.distributed import free_port
+from tests.distributed import ROOT, free_port
 from tests.models import make_batch, make_model
 from transpiler import FaultTolerance, transpile
 
 
-def lighthouse(folder: Path, port: int) -> subprocess.Popen:
-    """torchft's lighthouse (its console script's body, run from a file: it parses the process's own argv)."""
-    script = folder / "lighthouse.py"
-    script.write_text("import sys\nfrom torchft._torchft import lighthouse_main\nsys.exit(lighthouse_main())\n")
-    command = [sys.executable, str(script), "--min_replicas", "1", "--bind", f"[::]:{port}"]
+def lighthouse(port: int) -> subprocess.Popen:
+    """torchft's lighthouse in an interpreter of its own (``tests/lighthouse.py``), not a fork: a test that kills it
+    finds it gone at once."""
+    command = [sys.executable, str(ROOT / "tests" / "lighthouse.py"), "--min_replicas", "1", "--bind", f"[::]:{port}"]
     command += ["--join_timeout_ms", "200", "--heartbeat_timeout_ms", "1000"]
     return subprocess.Popen(command, env=dict(os.environ, RUST_LOG="warn"))
 
 
-def one_group_against_plain(
-    device: torch.device, folder: Path, modes: tuple[str, ...], steps: int = 8
-) -> dict[str, float]:
+def one_group_against_plain(device: torch.device, modes: tuple[str, ...], steps: int = 8) -> dict[str, float]:
     """One replica group under a torchft quorum (its process group across groups is torchft's ``ProcessGroupNCCL``
     on a CUDA world) against the same mode without one, step by step: the largest difference of the losses and
     weights per mode, each step committed, and the quorum's size fed as the ``participants`` input."""
     port = free_port()
-    server = lighthouse(folder, port)
+    server = lighthouse(port)
     worst = {}
     try:
         for mode in modes:

@@ -337,7 +337,7 @@ def test_diloco_offloaded_global_weights_leave_the_device_between_syncs():
     assert all(torch.equal(a, b) for a, b in zip(ends[False], ends[True]))
 
 
-def test_quorum_on_nccl_is_bitwise_the_step_without_one(tmp_path):
+def test_quorum_on_nccl_is_bitwise_the_step_without_one():
     """``fault_tolerance`` on a GPU: the collectives across replica groups run on torchft's ``ProcessGroupNCCL``
     (a quorum of this one group), and every step commits and is bitwise the same mode's step without a quorum
     (the participant count 1 is fed as an input, so the mean's factor is ``reciprocal(1)``), for the
@@ -347,6 +347,6 @@ def test_quorum_on_nccl_is_bitwise_the_step_without_one(tmp_path):
     from tests.quorum_alone import one_group_against_plain
 
     modes = ("fused_allreduce", "zero2", "zero3", "diloco", "streaming_diloco")
-    worst = one_group_against_plain(DEVICE, tmp_path, modes)
+    worst = one_group_against_plain(DEVICE, modes)
     print(f"GPU quorum on NCCL, largest difference to the step without one over 8 steps: {worst}")
     assert worst == dict.fromkeys(modes, 0.0)

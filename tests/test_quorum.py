@@ -27,7 +27,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -53,11 +52,9 @@ ALL = [f"g{i}" for i in range(GROUPS + 1)]  # the three, and g3 that joins
 
 
 def _torchrun(out: Path, group: str, lighthouse: str, extra: list[str], ranks: int = 1) -> subprocess.Popen:
-    worker, forks = zygote.torchrun_worker(ROOT / "tests" / "quorum_worker.py")
+    agent, worker, forks = zygote.torchrun_command(ROOT / "tests" / "quorum_worker.py")
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *agent,
         f"--nproc-per-node={ranks}",
         "--max-restarts=1",
         "--rdzv-backend=c10d",
@@ -86,11 +83,11 @@ def _lighthouse(
     ``join_timeout_ms``: how long a quorum waits, from its first member's request, for the groups that heartbeat
     but have not asked yet."""
     port = free_port()
-    command = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", str(min_replicas)]
-    command += ["--bind", f"[::]:{port}"]
+    command, forks = zygote.lighthouse_command(["--min_replicas", str(min_replicas), "--bind", f"[::]:{port}"])
     command += ["--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", "2000"]
     log = (out / "lighthouse.log").open("w")
-    lighthouse = subprocess.Popen(command, env=dict(os.environ, RUST_LOG="warn"), stdout=log, stderr=subprocess.STDOUT)
+    env = dict(os.environ, RUST_LOG="warn", **forks)
+    lighthouse = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     jobs: list[subprocess.Popen] = []
     try:
         time.sleep(0.5)
@@ -195,9 +192,9 @@ def partition_world(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("quorum_hosts")
     with Hosts(GROUPS + 1, named=True) as hosts:
         port = 29510
-        command = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "2"]
-        command += ["--bind", f"[::]:{port}", "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
-        hosts[0].run(command, dict(os.environ, RUST_LOG="warn"), out / "lighthouse.log")
+        command, forks = zygote.lighthouse_command(["--min_replicas", "2", "--bind", f"[::]:{port}"])
+        command += ["--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"]
+        hosts[0].run(command, dict(os.environ, RUST_LOG="warn", **forks), out / "lighthouse.log")
         address = f"http://{hosts[0].address}:{port}"
         jobs = []
         for group, host in zip(ALL[:GROUPS], hosts[1:]):
@@ -789,7 +786,7 @@ def test_transpiler_dump_shows_the_program_a_quorum_runs(capsys):
     assert "'sum', 'quorum')" in (code := capsys.readouterr().out) and "x_participants" in code
 
 
-def test_a_group_alone_on_a_bound_device_registers_and_is_the_step_without_a_quorum(tmp_path, monkeypatch):
+def test_a_group_alone_on_a_bound_device_registers_and_is_the_step_without_a_quorum(monkeypatch):
     """NCCL binds the default group to its device (``init_process_group(device_id=...)``), and torch then connects
     each new subgroup on that device at once, which torchft's group cannot do before its first quorum (found on
     the H100: "No backend type associated with device type cuda"). A gloo world of one bound the same way stands
@@ -811,8 +808,8 @@ def test_a_group_alone_on_a_bound_device_registers_and_is_the_step_without_a_quo
     try:
         dist.distributed_c10d._get_default_group().bound_device_id = torch.device("cuda", 0)
         modes = ("fused_allreduce", "zero2", "zero3", "streaming_diloco")
-        worst = one_group_against_plain(torch.device("cpu"), tmp_path, modes)
-        refused = _refused_until_it_gives_up(tmp_path, max_retries=2)
+        worst = one_group_against_plain(torch.device("cpu"), modes)
+        refused = _refused_until_it_gives_up(max_retries=2)
     finally:
         dist.destroy_process_group()
     assert worst == {"fused_allreduce": 0.0, "zero2": 0.0, "zero3": 0.0, "streaming_diloco": 0.0}
@@ -822,7 +819,7 @@ def test_a_group_alone_on_a_bound_device_registers_and_is_the_step_without_a_quo
     alone(*batch)
 
 
-def _refused_until_it_gives_up(folder: Path, max_retries: int) -> int:
+def _refused_until_it_gives_up(max_retries: int) -> int:
     """A group alone whose every step is voted against: the steps it ran before the step raised the
     CommunicationError of ``FaultTolerance.max_retries`` (saying what to check), each one uncommitted. Then the
     lighthouse goes, and the next step raises a CommunicationError naming it after ``quorum_timeout``."""
@@ -830,7 +827,7 @@ def _refused_until_it_gives_up(folder: Path, max_retries: int) -> int:
     from transpiler.errors import CommunicationError
 
     port = free_port()
-    server = lighthouse(folder, port)
+    server = lighthouse(port)
     model = MLP()
     step = transpile(
         model,
