@@ -19,7 +19,9 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,9 @@ SAMPLES, PER_GROUP = 96, 4  # a step of 3 groups takes 12 samples: 8 steps an ep
 SYNC_EVERY = 4  # DiLoCo's H
 FRAGMENTS = 2  # Streaming DiLoCo's P
 TWO_PARTICIPANT_STEPS = 10  # a group that died comes back only after the others committed this many without it
+WAIT_LIMIT = 240.0  # seconds a worker waits on the other groups (longer than any test's): then it fails, saying why
 LOSS = torch.nn.functional.cross_entropy
+T = TypeVar("T")
 
 
 def dataset() -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,22 +106,36 @@ def _file(args: argparse.Namespace, suffix: str) -> Path:
     return args.out / f"{args.group}{rank}{suffix}"
 
 
+def _until(ready: Callable[[], T], what: str, every: float) -> T:
+    """``ready()`` once it is true, asked every ``every`` seconds; a TimeoutError naming ``what`` after
+    :data:`WAIT_LIMIT`, so that a worker whose test is gone (killed with its session) does not poll for ever."""
+    deadline = time.monotonic() + WAIT_LIMIT
+    while not (value := ready()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {WAIT_LIMIT:g} s for {what}")
+        time.sleep(every)
+    return value
+
+
 def _first_groups_up(args: argparse.Namespace, life: int) -> None:
     """The first quorum holds the first groups (their managers heartbeat from transpile on), whatever the load."""
     if life == 0:
         (args.out / f"ready_{args.group}_{dist.get_rank()}").touch()
-        while len(list(args.out.glob("ready_*"))) < args.first_groups * dist.get_world_size():
-            time.sleep(0.05)
+        expected = args.first_groups * dist.get_world_size()
+        _until(lambda: len(list(args.out.glob("ready_*"))) >= expected, "the first groups' ranks", 0.05)
 
 
 def _wait_for_steps_without(args: argparse.Namespace, steps: int) -> None:
     """Until another group's log shows ``steps`` steps (DiLoCo: syncs) committed with one participant fewer than the
     first groups."""
-    while True:
-        for lines in _logs(args):
-            if sum(r["committed"] and r.get("participants") == args.first_groups - 1 for r in lines) >= steps:
-                return
-        time.sleep(0.05)
+
+    def shown() -> bool:
+        fewer = args.first_groups - 1
+        return any(
+            sum(r["committed"] and r.get("participants") == fewer for r in lines) >= steps for lines in _logs(args)
+        )
+
+    _until(shown, f"{steps} steps committed without this group", 0.05)
 
 
 def _logs(args: argparse.Namespace) -> list[list[dict]]:
@@ -132,11 +150,12 @@ def _together(args: argparse.Namespace, sync: int) -> int:
     """The committed syncs in a row up to ``sync`` that every group took part in, read from every group's log once
     each has logged ``sync``. Every rank of every group that took part in ``sync`` reads the same answer, so all
     end at the same sync; a group's own count would differ from the others' when it returned mid-streak."""
-    while True:
+
+    def logged() -> list[list[dict]]:
         logs = _logs(args)
-        if len(logs) == args.groups and all(any(r.get("step") == sync for r in log) for log in logs):
-            break
-        time.sleep(0.02)
+        return logs if len(logs) == args.groups and all(any(r.get("step") == sync for r in log) for log in logs) else []
+
+    logs = _until(logged, f"every group's log of sync {sync}", 0.02)
     full = {r["step"] for log in logs for r in log if r.get("committed") and r.get("participants") == args.groups}
     count = 0
     while sync - count in full:
@@ -170,8 +189,7 @@ def data_parallel(args: argparse.Namespace, life: int) -> None:
             os._exit(1)  # mid-step: the others' collectives fail, and torchrun restarts the whole group
         if seat.committed_steps == args.hold_at and not (args.out / "held").exists():
             (args.out / "held").touch()  # the others wait in this step's collective while the test cuts the link
-            while not (args.out / "cut").exists():
-                time.sleep(0.02)
+            _until((args.out / "cut").exists, "the test to cut the link", 0.02)
         epoch = position.epoch
         refusing = seat.committed_steps == args.refuse_at and not (args.out / "refused.pt").exists()
         if refusing:

@@ -54,8 +54,8 @@ class RetriedAfterCrash(UserWarning):
 
 class World:
     """``size`` ranks waiting for jobs on their stdin; :meth:`run` hands them one and waits, without polling, for
-    each rank to report its end (a line ``done JOB`` or ``failed JOB`` in the named pipe ``reports`` of the folder
-    ``control``) or to die."""
+    each rank to report its end (``done:JOB:RANK`` or ``failed:JOB:RANK`` in the named pipe ``reports`` of the
+    folder ``control``) or to die."""
 
     def __init__(self, size: int) -> None:
         self.size = size
