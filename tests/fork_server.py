@@ -1,15 +1,14 @@
-"""A server that forks torchrun's agents and workers, and torchft's lighthouse, from the suite's imported interpreter
-(``tests/zygote.py``).
+"""A server that forks torchrun's workers (and torchft's lighthouse, ``tests/lighthouse.py``) from the suite's
+imported interpreter (``tests/zygote.py``).
 
-A new interpreter spends 3 to 6 s of CPU importing torch (and the package) before its first line of work; the
-fault-tolerance and multi-host tests start about a hundred workers, thirty agents and ten lighthouses. They run
-``tests/forked.py ARGV`` instead (a script, or ``-m torch.distributed.run``), a stdlib-only client that sends this
-server its arguments, environment, folder, standard streams and namespaces. The server forks a process that becomes
-``python -u ARGV`` in them (in the client's network, host name and mount namespaces: a host of ``tests/hosts.py``),
-tells the client its pid (the client forwards the signals it gets, torchrun's or the test's, to it), and when that
-process ends sends the client its wait status, which the client then ends with. A client that dies (SIGKILL) takes
-its process with it, and everything below that (a killed agent's workers). The server has no thread, so each fork
-is as clean as the server itself.
+torchrun starts every worker as a new interpreter, which spends 5 to 6 s of CPU importing torch and the package
+before its first line of work; the fault-tolerance and multi-host tests start about a hundred. Their torchrun runs
+``tests/forked.py SCRIPT ARGS`` instead, a stdlib-only client that sends this server its arguments, environment,
+folder, standard streams and namespaces. The server forks a worker that becomes ``python -u SCRIPT ARGS``
+in them (in the client's network, host name and mount namespaces: a host of ``tests/hosts.py``), tells the
+client its pid (the client forwards torchrun's signals to it), and when the worker ends sends
+the client its wait status, which the client then ends with. A client that dies (torchrun's SIGKILL) takes its
+worker with it. The server has no thread, so each fork is as clean as the server itself.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import socket
 import sys
 import threading
 import traceback
-from pathlib import Path
 
 from tests import zygote
 from tests.forked import HEADER, NAMESPACES, PID, STATUS, exactly
@@ -48,8 +46,7 @@ def serve(address: str) -> None:
             elif key.data[0] == "client":  # the client hung up before its worker ended: it was killed
                 selector.unregister(key.fileobj)
                 key.fileobj.close()
-                for pid in [key.data[1], *_descendants(key.data[1])]:
-                    _kill(pid, signal.SIGKILL)
+                _kill(key.data[1], signal.SIGKILL)
             else:
                 _, pid, conn = key.data
                 selector.unregister(key.fileobj)
@@ -127,25 +124,6 @@ def _exit_code(code: object) -> int:
         return code & 0xFF
     print(code, file=sys.stderr)
     return 1
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, from ``/proc``: a forked torchrun agent's workers (each a client, whose own fork
-    goes with it) go with a killed agent, as they did when the test's cleanup found them as the agent's children."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
-        except OSError:  # gone meanwhile
-            continue
-        if stat:
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, below = [], [pid]
-    while below:
-        kids = children.get(below.pop(), [])
-        found += kids
-        below += kids
-    return found
 
 
 def _kill(pid: int, sig: int) -> None:

@@ -1,6 +1,7 @@
 """A process forked by the suite's server (``tests/fork_server.py``): ``python -u tests/forked.py SCRIPT ARGS`` (or
-``-m MODULE ARGS``: torchrun's agent) runs ``SCRIPT ARGS`` as ``python -u`` would, in a fork of an interpreter that has
-imported torch and the package already. torchrun names it for its workers.
+``-m MODULE ARGS``) runs ``SCRIPT ARGS`` as ``python -u`` would, in a fork of an interpreter that has
+imported torch and the package already. torchrun names it for its workers; the quorum tests start the lighthouse
+with it.
 
 This client imports the standard library only. It sends the server (``FORK_SERVER``, a Unix socket) its arguments,
 environment, folder, standard streams and namespaces (a host's network, name and files), forwards the signals

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,9 +154,11 @@ def torchrun(
     address is the ``endpoint``'s hosts the rendezvous store (``is_host``: torchrun's own guess compares the
     endpoint with the machine's hostname, which a namespace shares with the others)."""
     is_host = endpoint.rsplit(":", 1)[0] == host.address
-    agent, worker, forks = zygote.torchrun_command(script)  # agent and workers forks of the suite's server, here
+    worker, forks = zygote.torchrun_worker(script)  # each worker a fork of the suite's server, in this namespace
     command = [
-        *agent,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d",

@@ -27,6 +27,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -52,9 +53,11 @@ ALL = [f"g{i}" for i in range(GROUPS + 1)]  # the three, and g3 that joins
 
 
 def _torchrun(out: Path, group: str, lighthouse: str, extra: list[str], ranks: int = 1) -> subprocess.Popen:
-    agent, worker, forks = zygote.torchrun_command(ROOT / "tests" / "quorum_worker.py")
+    worker, forks = zygote.torchrun_worker(ROOT / "tests" / "quorum_worker.py")
     command = [
-        *agent,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
         f"--nproc-per-node={ranks}",
         "--max-restarts=1",
         "--rdzv-backend=c10d",

@@ -11,8 +11,9 @@ The server imports and nothing else: no tensor op, no thread (OpenBLAS's pool is
 ``OMP_NUM_THREADS=1``, which every rank has anyway), so a fork of it is as clean as a fresh interpreter. What a
 fresh interpreter reads from the environment at import time (ATen's ``ATEN_CPU_CAPABILITY``, the thread count)
 is the same here: the server starts with the suite's environment, and ranks set their thread count themselves.
-torchrun's agents and workers and torchft's lighthouse come here too, through a client (``tests/forked.py``) and a
-server forked from this one (``tests/fork_server.py``; :func:`torchrun_command`, :func:`lighthouse_command`).
+torchrun's workers and torchft's lighthouse come here too, through a client (``tests/forked.py``) and a server
+forked from this one (``tests/fork_server.py``; :func:`torchrun_worker`, :func:`lighthouse_command`); torchrun's
+agents start their own interpreters (forked, one restarted world in three failed: docs/design.md).
 """
 
 from __future__ import annotations
@@ -72,14 +73,6 @@ def torchrun_worker(script: Path | str) -> tuple[list[str], dict[str, str]]:
     """What a torchrun command names instead of ``script`` so that its workers are forks of this process's server
     (``tests/fork_server.py``, started on first use), and the environment torchrun must pass on for it."""
     return [str(ROOT / "tests" / "forked.py"), str(script)], {"FORK_SERVER": _worker_server()}
-
-
-def torchrun_command(script: Path | str) -> tuple[list[str], list[str], dict[str, str]]:
-    """torchrun with its agent forked too: the command's start (``python -m torch.distributed.run``, which costs
-    a new interpreter 3 to 5 s of CPU importing torch), what it names instead of ``script``, and the environment."""
-    agent, env = forked_command(["-m", "torch.distributed.run"])
-    worker, _ = torchrun_worker(script)
-    return agent, worker, env
 
 
 def lighthouse_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
