@@ -350,3 +350,22 @@ def test_quorum_on_nccl_is_bitwise_the_step_without_one():
     worst = one_group_against_plain(DEVICE, modes)
     print(f"GPU quorum on NCCL, largest difference to the step without one over 8 steps: {worst}")
     assert worst == dict.fromkeys(modes, 0.0)
+
+
+def test_a_batch_left_on_the_cpu_for_a_model_on_the_gpu_is_one_clear_batch_error(capfd):
+    """The newcomer's batch on the wrong device (issue 62): one BatchMismatchError naming the input, its device and
+    the first layer's, with nothing printed before it; the same batch on the GPU then trains."""
+    from transpiler import BatchMismatchError
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(DEVICE)
+    step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), "fused_allreduce", nn.CrossEntropyLoss())
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
+    capfd.readouterr()
+    with pytest.raises(BatchMismatchError) as info:
+        step(x, y)
+    printed = capfd.readouterr()
+    message = str(info.value)
+    print(f"GPU batch on the CPU: {message}")
+    assert printed.err == "" and printed.out == "", printed.err[-2000:]
+    assert "input 0 of the batch (shape (4, 8), float32, on cpu)" in message and "on cuda:0" in message
+    assert torch.isfinite(step(x.to(DEVICE), y.to(DEVICE)))

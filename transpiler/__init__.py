@@ -8,10 +8,12 @@ the ones below it; ``tests/test_layers.py`` holds both packages to that with imp
 
 from .api import TraceCache, trace_training_step, transpile
 from .errors import (
+    BatchMismatchError,
     CheckpointError,
     CommunicationError,
     ConfigurationError,
     FactoryError,
+    NoQuorumError,
     PipelineSpecError,
     RankMismatchError,
     RetraceWarning,
@@ -25,6 +27,7 @@ from .runtime import Checkpointer, DataPosition, DistributedStep, FaultTolerance
 from .trace.signature import StepTrace
 
 __all__ = [
+    "BatchMismatchError",
     "CheckpointError",
     "Checkpointer",
     "CommunicationError",
@@ -33,6 +36,7 @@ __all__ = [
     "DistributedStep",
     "FactoryError",
     "FaultTolerance",
+    "NoQuorumError",
     "PipelineSpecError",
     "RankMismatchError",
     "RetraceWarning",

@@ -54,5 +54,15 @@ class CommunicationError(TranspilerError):
     """A collective failed: a peer rank stalled past the timeout, died, or never arrived."""
 
 
+class NoQuorumError(CommunicationError):
+    """Under ``fault_tolerance``: no quorum of ``min_replicas`` replica groups formed within ``quorum_timeout``
+    (the lighthouse is down, too few groups run, or the others have finished the run)."""
+
+
+class BatchMismatchError(ConfigurationError):
+    """A batch does not fit the model or the loss (a shape, dtype or target the first layer or the loss rejects):
+    the batch is at fault, not the model's support."""
+
+
 class RetraceWarning(UserWarning):
     """The step keeps being traced again (new batch shapes or model modes); each trace costs seconds."""

@@ -136,14 +136,13 @@ class ProgramCache:
         if built is None:
             built = self._trace(key, batch, autocast)
         self.entries.move_to_end(key)
+        if self._batch_types is None:  # the types of the first batch that traced: a refused one sets nothing
+            self._batch_types = tuple((t.dtype, t.device.type) for t in batch)
         return built
 
     def _check_batch_types(self, batch: tuple) -> None:
         types = tuple((t.dtype, t.device.type) for t in batch)
-        if self._batch_types is None:
-            self._batch_types = types
-            return
-        if types == self._batch_types:
+        if self._batch_types is None or types == self._batch_types:
             return
         if len(types) != len(self._batch_types):
             raise ConfigurationError(

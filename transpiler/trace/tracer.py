@@ -22,20 +22,12 @@ from transpiler.errors import TraceMismatchError, UnsupportedModelError, Unsuppo
 from transpiler.graph.ports import Port, PortKind, is_input
 from transpiler.graph.program import StepProgram
 
+from .batch_fit import Phase, check_matmul_dtypes, explain, quiet_fake_tensor_failures
 from .environment import AUTOCAST_OFF, AutocastState
 from .functional import trace_functional, twin_updates
 from .optimizers import GenericPlan, OptimizerPlan
 from .signature import StepSignature, StepTrace, step_signature
 from .step_inputs import LossFn, ModelState, step_inputs
-
-_DATA_DEPENDENT = (
-    "data-dependent",
-    "DataDependentOutputException",
-    "GuardOnDataDependentSymNode",
-    "Could not guard on data-dependent",
-    "item()",
-    "DynamicOutputShapeException",
-)
 
 
 def trace_step(
@@ -79,6 +71,7 @@ def trace_step(
     # the twins' slots live where the parameters are (a captured program reads them there); the generic
     # path's lrs become floats after tracing
     scalar_device = state.params[0].device if plan.scalars_as_tensors and state.params else torch.device("cpu")
+    phase = Phase()  # which part of the step a failure came from
 
     def step_fn(*flat: torch.Tensor):
         params, rest = list(flat[:n_p]), flat[n_p:]
@@ -96,7 +89,9 @@ def trace_step(
         # there and must see the traced parameters, not the module's real ones.
         with _reparametrize_module(model, tensors, tie_weights=True, strict=False):
             with autocast.applied():
+                phase.current = "forward"
                 out = model(*inputs)
+                phase.current = "loss"
                 loss = loss_fn(out, data[-1]) if loss_fn is not None else out
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
                 raise UnsupportedModelError(
@@ -104,8 +99,10 @@ def trace_step(
                     f"got {type(loss).__name__} {getattr(loss, 'shape', '')}. Reduce it (mean or sum) in loss_fn."
                 )
             seed = torch.ones_like(loss)
+            phase.current = "backward"
             grads = _distinct(torch.autograd.grad(loss, params, seed, allow_unused=True))
         grad_present[:] = [g is not None for g in grads]
+        phase.current = "update"
         if generic:
             new_params, updated = plan.step_all(params, grads, states, list(scalars))
         else:
@@ -126,11 +123,16 @@ def trace_step(
     snapshot = [t.clone() for t in state.buffers]  # tracing must not touch real buffers
 
     try:
-        functional = trace_functional(step_fn, flat_inputs, plan, symbolic_scalars=generic)
+        with quiet_fake_tensor_failures():
+            functional = trace_functional(step_fn, flat_inputs, plan, symbolic_scalars=generic)
+        check_matmul_dtypes(functional.graph)
     except (UnsupportedModelError, UnsupportedOptimizerError):
         raise
     except Exception as exc:  # torch raises many kinds while tracing; name the cause plainly
-        raise _explain_trace_failure(exc) from exc
+        probed = dict(zip(state.names, [w.detach() for w in wholes]))
+        probed.update(zip(state.frozen_names, state.frozen))
+        probed.update(zip(state.buffer_names, [b.clone() for b in snapshot]))
+        raise explain(exc, phase.current, model, loss_fn, batch, probed, autocast)  # noqa: B904 - its cause is set
     finally:
         with torch.no_grad():
             for b, s in zip(state.buffers, snapshot):
@@ -168,18 +170,6 @@ def _distinct(grads: tuple) -> list:
             seen.add(id(g))
         out.append(g)
     return out
-
-
-def _explain_trace_failure(exc: Exception) -> Exception:
-    text = f"{type(exc).__name__}: {exc}"
-    if any(marker in text for marker in _DATA_DEPENDENT):
-        return UnsupportedModelError(
-            "the model's forward (or the loss) has data-dependent control flow or reads a tensor value "
-            "in Python (if x.sum() > 0, .item(), .tolist(), nonzero...), so one static graph cannot describe "
-            "every step. Rewrite it with torch.where / masks, or keep that logic outside the model. "
-            f"Torch said: {text.splitlines()[0][:300]}"
-        )
-    return UnsupportedModelError(f"tracing the training step failed: {text.splitlines()[0][:500]}")
 
 
 def _finish(
