@@ -40,7 +40,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from transpiler import Checkpointer, DataPosition, FaultTolerance, transpile  # noqa: E402
+from transpiler import Checkpointer, DataPosition, FaultTolerance, NoQuorumError, transpile  # noqa: E402
 from transpiler.graph.options import key_values  # noqa: E402
 from transpiler.strategies.modes import modes  # noqa: E402
 
@@ -206,19 +206,32 @@ def main(argv: list[str] | None = None) -> None:
         disable=rank != 0,
     ) as progress:
         task = progress.add_task("train", total=args.epochs, completed=position.epoch, loss=float("nan"), metrics="")
-        while position.epoch < args.epochs:
-            total, count = 0.0, 0
-            for idx in batches(step, position, rank, world):
-                seat = step.quorum.seat if step.quorum is not None else None  # this step's quorum
-                loss = step(x_train[idx], y_train[idx]).item()
-                total, count = total + loss, count + 1
-                if log is not None:
-                    number = seat.committed_steps + 1 if seat else checkpointer.steps + 1 if checkpointer else None
-                    log.write(number, position, idx, loss, step.committed)
-                if checkpointer is not None:
-                    checkpointer.step_done()
-            metrics = " ".join(f"{k} {v:.4g}" for k, v in step.last_metrics.items())  # grad_norm, loss_scale...
-            progress.update(task, advance=1, loss=total / max(count, 1), metrics=metrics)
+        try:
+            while position.epoch < args.epochs:
+                total, count = 0.0, 0
+                for idx in batches(step, position, rank, world):
+                    seat = step.quorum.seat if step.quorum is not None else None  # this step's quorum
+                    loss = step(x_train[idx], y_train[idx]).item()
+                    total, count = total + loss, count + 1
+                    if log is not None:
+                        number = seat.committed_steps + 1 if seat else checkpointer.steps + 1 if checkpointer else None
+                        log.write(number, position, idx, loss, step.committed)
+                    if checkpointer is not None:
+                        checkpointer.step_done()
+                metrics = " ".join(f"{k} {v:.4g}" for k, v in step.last_metrics.items())  # grad_norm, loss_scale...
+                # a returning group's position jumps to its peers' when it heals
+                progress.update(task, completed=position.epoch, loss=total / max(count, 1), metrics=metrics)
+        except NoQuorumError as exc:
+            if not (step.quorum.joined and position.batches_left(args.epochs) <= 1):
+                raise
+            # the run's last step found no quorum: the other groups have finished (under diloco, after their last
+            # sync); this group's work is done, and its global weights are those of the last quorum it was in
+            progress.stop()
+            print(
+                f"replica group {group}: {str(exc).split(' (')[0]} at the run's last step; the other groups have "
+                "ended, and this group's work is done.",
+                flush=True,
+            )
     model.eval()
     # DiLoCo evaluates the global weights, as the paper does; zero3 holds slices between steps, and every rank
     # enters step.gathered() (a no-op in the other modes)
@@ -240,15 +253,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def batches(step, position: DataPosition, rank: int, world: int):
     """This rank's sample indices for each step of the current epoch: its share of every global batch, or, under a
-    quorum that every step takes, this group's share of each step's samples (taken again by the next step if one
-    does not commit)."""
-    if step.quorum is None or not step.quorum.every_step:  # diloco: each group its own data
+    quorum, this group's share of each step's samples (taken again by the next step if one does not commit; under
+    diloco from the group's own order), from a position that a returning group heals from a peer."""
+    if step.quorum is None:
         yield from position.epoch_batches(rank, world)
         return
     epoch = position.epoch
     while position.epoch == epoch:
         indices = step.next_batch(position)
-        if position.epoch != epoch:  # the quorum's step starts the next epoch
+        if position.epoch != epoch:  # the step starts the next epoch, or this group healed to its peers' position
             return
         yield indices
 

@@ -101,9 +101,9 @@ def _worker(request: dict, fds: list[int]) -> None:
         except BaseException as error:
             sys.excepthook(*sys.exc_info())  # as the interpreter reports it (torch.distributed prefixes the rank)
             interrupted = isinstance(error, KeyboardInterrupt)
-        for thread in threading.enumerate():
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
+        # as the interpreter ends: threading's own exit hooks (which tell executors' workers to stop: torchft's
+        # manager keeps some) and the joins of non-daemon threads, then the exit handlers
+        threading._shutdown()
         atexit._run_exitfuncs()
     except BaseException:  # the fork could not become the worker
         traceback.print_exc()

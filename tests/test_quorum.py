@@ -20,16 +20,13 @@ across network namespaces.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
 import os
-import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -43,6 +40,7 @@ from tests.distributed import ROOT, free_port
 from tests.hosts import Hosts, namespaces_unavailable, wait_all
 from tests.hosts import torchrun as torchrun_on
 from tests.models import MLP
+from tests.quorum_jobs import lighthouse, torchrun_group
 from tests.quorum_worker import LOSS, PER_GROUP, SAMPLES, TWO_PARTICIPANT_STEPS, dataset, fresh
 from transpiler import ConfigurationError, DataPosition, FaultTolerance, transpile
 
@@ -52,58 +50,12 @@ RANKS = 2  # ranks per group in the DiLoCo world
 ALL = [f"g{i}" for i in range(GROUPS + 1)]  # the three, and g3 that joins
 
 
-def _torchrun(out: Path, group: str, lighthouse: str, extra: list[str], ranks: int = 1) -> subprocess.Popen:
-    worker, forks = zygote.torchrun_worker(ROOT / "tests" / "quorum_worker.py")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={ranks}",
-        "--max-restarts=1",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        f"--rdzv-id={group}",
-        "--monitor-interval=0.5",
-        *worker,
-        str(out),
-        group,
-        "--lighthouse",
-        lighthouse,
-        *(["--groups", str(len(ALL))] if "--groups" not in extra else []),
-        *extra,
-    ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RUST_LOG="warn", **forks)
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a restarted worker gets a fresh store (docs/fault_tolerance.md)
-    return subprocess.Popen(command, env=env, stdout=(out / f"{group}.log").open("w"), stderr=subprocess.STDOUT)
-
-
-@contextlib.contextmanager
-def _lighthouse(
-    out: Path, min_replicas: int = 2, join_timeout_ms: int = 1000
-) -> Iterator[tuple[str, list[subprocess.Popen]]]:
-    """torchft's lighthouse (heartbeat timeout 2 s), its address, and a list for the groups' torchrun jobs; on
-    leaving, every job, its workers (torchrun starts each in a session of its own) and the lighthouse are gone.
-    ``join_timeout_ms``: how long a quorum waits, from its first member's request, for the groups that heartbeat
-    but have not asked yet."""
-    port = free_port()
-    command, forks = zygote.lighthouse_command(["--min_replicas", str(min_replicas), "--bind", f"[::]:{port}"])
-    command += ["--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", "2000"]
-    log = (out / "lighthouse.log").open("w")
-    env = dict(os.environ, RUST_LOG="warn", **forks)
-    lighthouse = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    jobs: list[subprocess.Popen] = []
-    try:
-        time.sleep(0.5)
-        yield f"http://localhost:{port}", jobs
-    finally:
-        for job in [*jobs, lighthouse]:
-            workers = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
-            for pid in [*map(int, workers), job.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            job.wait()
+def _torchrun(out: Path, group: str, address: str, extra: list[str], ranks: int = 1) -> subprocess.Popen:
+    args = [str(out), group, "--lighthouse", address]
+    args += [*(["--groups", str(len(ALL))] if "--groups" not in extra else []), *extra]
+    return torchrun_group(
+        out, group, address, ROOT / "tests" / "quorum_worker.py", args, ranks=ranks, env={"PYTHONPATH": str(ROOT)}
+    )
 
 
 def _finished(out: Path, jobs: list[subprocess.Popen]) -> None:
@@ -118,7 +70,7 @@ def quorum_world(tmp_path_factory) -> Path:
     states."""
     out = tmp_path_factory.mktemp("quorum")
     extras = {"g1": ["--refuse-at", str(REFUSE_AT)], "g2": ["--die-at", str(DIE_AT)]}
-    with _lighthouse(out) as (address, jobs):
+    with lighthouse(out) as (address, jobs):
         jobs += [_torchrun(out, g, address, extras.get(g, [])) for g in ALL[:GROUPS]]
         deadline = time.monotonic() + 120
         while not any(r["step"] >= JOIN_AFTER and r["committed"] for r in _log(out, "g0")):
@@ -137,7 +89,7 @@ def diloco_world(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("quorum_diloco")
     # A returning group asks for its first quorum as soon as it has healed, up to a round before the survivors'
     # next sync: with a short join timeout the first survivor to arrive would form a quorum with it alone
-    with _lighthouse(out, join_timeout_ms=10_000) as (address, jobs):
+    with lighthouse(out, join_timeout_ms=10_000) as (address, jobs):
         common = ["--mode", "diloco", "--groups", str(GROUPS), "--min-steps", "6"]
         extras = {"g2": ["--die-at", str(DILOCO_DIE_AT)]}
         jobs += [_torchrun(out, g, address, [*common, *extras.get(g, [])], RANKS) for g in ALL[:GROUPS]]
@@ -151,7 +103,7 @@ def groups_world(request, tmp_path_factory) -> tuple[str, Path]:
     mid-step at committed step 3; g0 goes on alone; torchrun restarts g1, whose ranks heal from g0's and rejoin;
     the run ends at the first step of both at or after step 12. The mode, and the folder."""
     out = tmp_path_factory.mktemp(f"quorum_{request.param}")
-    with _lighthouse(out, min_replicas=1) as (address, jobs):
+    with lighthouse(out, min_replicas=1) as (address, jobs):
         common = ["--mode", request.param, "--groups", "2", "--first-groups", "2", "--min-replicas", "1"]
         extras = {"g1": ["--die-at", str(DIE_AT)]}
         jobs += [_torchrun(out, g, address, [*common, *extras.get(g, [])], RANKS) for g in ("g0", "g1")]
@@ -165,7 +117,7 @@ def streaming_world(tmp_path_factory) -> Path:
     g1's second rank dies before inner step 5, mid-round, and torchrun brings the group back; the run ends after
     four syncs in a row of both (each fragment twice), at or after sync 6."""
     out = tmp_path_factory.mktemp("quorum_streaming")
-    with _lighthouse(out, min_replicas=1) as (address, jobs):
+    with lighthouse(out, min_replicas=1) as (address, jobs):
         common = ["--mode", "streaming_diloco", "--groups", "2", "--first-groups", "2", "--min-replicas", "1"]
         common += ["--min-steps", "6", "--together", "4"]
         extras = {"g1": ["--die-at", str(DILOCO_DIE_AT)]}
@@ -627,6 +579,7 @@ def test_a_partitioned_group_costs_the_others_the_timeout_and_heals_in_place_whe
     )
 
 
+@pytest.mark.quick
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 5), st.booleans()), min_size=1, max_size=40), st.integers(1, 6))
 def test_committed_steps_take_each_sample_once_per_epoch_whatever_the_quorums(steps, per_group):
@@ -651,6 +604,7 @@ def test_committed_steps_take_each_sample_once_per_epoch_whatever_the_quorums(st
         assert len(samples) == len(set(samples))
 
 
+@pytest.mark.quick
 def test_clear_errors_before_anything_runs(monkeypatch):
     model = torch.nn.Linear(4, 2)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -685,6 +639,7 @@ def test_clear_errors_before_anything_runs(monkeypatch):
         transpile(model, sgd, "fused_allreduce", LOSS, fault_tolerance={"lighthouse": "http://h:1"})
 
 
+@pytest.mark.quick
 def test_a_group_of_several_ranks_reduces_in_the_group_then_across_the_groups():
     """A replica group of two ranks, built to be looked at (``world_size=2`` and no world: torchft's group is the
     label ``quorum``). ``allreduce`` and ``fused_allreduce``: every all-reduce in the group is followed by a sum of
@@ -751,6 +706,7 @@ def test_a_group_of_several_ranks_reduces_in_the_group_then_across_the_groups():
     assert across["sync0"][0] + across["sync1"][0] == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.quick
 def test_the_participant_count_is_an_input_of_the_graph_and_needs_a_quorum():
     """``scale-loss-grad{participants=true}`` reads the count as the input ``participants`` (its reciprocal, the
     same float32 as the constant 1/W for every count up to 10^5); without a quorum to feed it, a clear error."""
@@ -767,6 +723,7 @@ def test_the_participant_count_is_an_input_of_the_graph_and_needs_a_quorum():
     assert "reciprocal" in code and "x_participants" in code
 
 
+@pytest.mark.quick
 def test_transpiler_dump_shows_the_program_a_quorum_runs(capsys):
     """``transpiler dump --fault-tolerance``: the program a replica group of ``--world-size`` ranks runs under a
     quorum (no torchft needed to look), with the participant count as the input ``participants`` and the sums
@@ -862,6 +819,7 @@ def _refused_until_it_gives_up(max_retries: int) -> int:
     return runs + 1
 
 
+@pytest.mark.quick
 def test_only_a_failed_collective_is_retried_and_any_other_error_is_raised():
     """Under a quorum a step whose collective failed (a peer left) is retried; any other error is a bug and is
     raised. The messages are those the worlds above saw; an error that merely mentions a process group or an

@@ -95,13 +95,20 @@ class DataPosition:
         """A step of ``participants`` replicas committed: their samples are consumed."""
         self.offset += participants * self.global_batch
 
+    def batches_left(self, epochs: int) -> int:
+        """Global batches left before epoch ``epochs`` starts (a run of ``epochs`` epochs ends there), the one
+        under way included: 1 at a run's last step."""
+        return max(0, (epochs - self.epoch) * self.steps_per_epoch - self.offset // self.global_batch)
+
     def state_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in ("size", "global_batch", "seed", "epoch", "offset")}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int], *, own_order: bool = False) -> None:
         """Take the saved epoch and offset; the dataset size, global batch and seed must be the saved ones, or
-        the saved offset would point into another permutation."""
-        for key in ("size", "global_batch", "seed"):
+        the saved offset would point into another permutation. ``own_order``: the state is a peer's that reads the
+        same data in an order of its own (DiLoCo's replica groups, each with its seed): only how far it has come
+        is taken, and the seed may differ."""
+        for key in ("size", "global_batch") if own_order else ("size", "global_batch", "seed"):
             if state.get(key) != getattr(self, key):
                 raise CheckpointError(
                     f"the checkpoint's data position was saved with {key}={state.get(key)}, and this run has "

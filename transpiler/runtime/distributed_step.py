@@ -167,8 +167,8 @@ class DistributedStep:
         outputs, self.committed = self.quorum.run(run) if seat is not None else (run(), True)
         if not self.committed:  # the quorum did not commit this step: nothing is written back, it is retried
             return outputs[0] if outputs is not None else torch.tensor(float("nan"))
-        if seat is not None and self._position is not None:
-            self._position.commit(seat.participants)
+        if self._position is not None:  # data parallel: the quorum's batches; DiLoCo: this group's own one
+            self._position.commit(seat.participants if seat is not None and self.quorum.every_step else 1)
         self._last_run = LastRun.of(program, batch, torch.cuda.max_memory_allocated(built.device) if on_gpu else None)
         metrics = feed.write_back(state, program, built, outputs)
         state.flat.written(state.optimizer, skipped=metrics.get("overflow", 0.0) != 0.0)
@@ -180,16 +180,19 @@ class DistributedStep:
 
     # ------------------------------------------------------------ the quorum
     def next_batch(self, position: DataPosition) -> torch.Tensor:
-        """Under ``fault_tolerance``: this step's quorum (waited for, and this group healed from a peer when it
-        is behind), then this rank's sample indices for the step in ``position`` (whose ``global_batch`` is one
-        group's batch, split among the group's ranks in rank order). The position moves only when the step
-        commits, and travels with the state a returning group heals from, so no sample is lost or taken twice
-        among committed steps."""
-        if self.quorum is None or not self.quorum.every_step:
+        """Under ``fault_tolerance``: this rank's sample indices for the next step in ``position`` (whose
+        ``global_batch`` is one group's batch, split among the group's ranks in rank order). The position moves
+        only when the step commits, and travels with the state a returning group heals from, so a group that comes
+        back resumes where its peers are and ends when they do.
+
+        Data parallel (a quorum every step): this step's quorum first (waited for, and this group healed from a
+        peer when it is behind), then this group's share of the participants' samples, so no sample is lost or
+        taken twice among committed steps. DiLoCo: each group reads its own order of the data (a ``DataPosition``
+        seeded per group); a group's first call joins the quorum, healing a returning group's position (epoch and
+        offset, not its seed) with the rest of its state, and later calls take no quorum."""
+        if self.quorum is None:
             raise ConfigurationError(
-                "next_batch() is for a step under fault_tolerance= that takes a quorum every step (allreduce, "
-                "fused_allreduce, zero1, zero2, zero3); use DataPosition.epoch_batches, or each group's own data under "
-                "diloco."
+                "next_batch() is for a step under fault_tolerance=; without a quorum use DataPosition.epoch_batches."
             )
         world, rank = self.placement.world_size, self.placement.rank
         if position.global_batch % world:
@@ -198,8 +201,11 @@ class DistributedStep:
                 f"its {world} ranks."
             )
         self._position = position
-        seat = self.quorum.begin()
-        return position.quorum_part(seat.index, seat.participants).chunk(world)[rank]
+        if self.quorum.every_step:
+            seat = self.quorum.begin()
+            return position.quorum_part(seat.index, seat.participants).chunk(world)[rank]
+        self.quorum.join()
+        return position.quorum_part(0, 1).chunk(world)[rank]
 
     def _healing_state(self) -> dict:
         position = self._position.state_dict() if self._position is not None else None
@@ -208,7 +214,7 @@ class DistributedStep:
     def _heal(self, state: dict) -> None:
         self.load_state_dict(state["step"])
         if self._position is not None and state["data"] is not None:
-            self._position.load_state_dict(state["data"])
+            self._position.load_state_dict(state["data"], own_order=not self.quorum.every_step)
         if self.outer_optimizer is not None:
             self._start_round_from_global()
 

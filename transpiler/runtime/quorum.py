@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from transpiler.errors import CommunicationError, ConfigurationError
+from transpiler.errors import CommunicationError, ConfigurationError, NoQuorumError
 from transpiler.graph.ports import PortKind
 
 from .failures import is_communication_failure
@@ -166,10 +166,16 @@ class Quorum:
                 self.manager.start_quorum()
             except Exception as exc:  # torchft's own error says only "Timeout expired"
                 setting = self.setting
-                raise CommunicationError(
+                late = (
+                    ""
+                    if self.joined
+                    else " This group has not taken part in a quorum since it started: if the other groups have "
+                    "finished the run, it came back too late to heal from them."
+                )
+                raise NoQuorumError(
                     f"replica group {setting.replica_id!r}: no quorum within quorum_timeout={setting.quorum_timeout} s "
                     f"({type(exc).__name__}: {exc}). Check that the lighthouse at {setting.lighthouse} is up and that "
-                    f"at least min_replicas={setting.min_replicas} groups are running."
+                    f"at least min_replicas={setting.min_replicas} groups are running.{late}"
                 ) from exc
             index = self.manager.participating_rank()
             if index is None:
