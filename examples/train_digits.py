@@ -104,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--min-replicas", type=int, default=1, help="with --fault-tolerance: fewest groups a step needs"
     )
     parser.add_argument(
+        "--quorum-timeout",
+        type=float,
+        default=120,
+        help="with --fault-tolerance: seconds to wait for a quorum of --min-replicas groups",
+    )
+    parser.add_argument(
         "--option",
         "-O",
         action="append",
@@ -178,7 +184,9 @@ def main(argv: list[str] | None = None) -> None:
         example_inputs=(x_train[:per_rank], y_train[:per_rank]),
         compile=args.compile,
         cuda_graph=args.cuda_graph,
-        fault_tolerance=FaultTolerance(min_replicas=args.min_replicas) if args.fault_tolerance else None,
+        fault_tolerance=FaultTolerance(min_replicas=args.min_replicas, quorum_timeout=args.quorum_timeout)
+        if args.fault_tolerance
+        else None,
         **key_values(args.option),
     )
     if rank == 0:
@@ -228,8 +236,8 @@ def main(argv: list[str] | None = None) -> None:
             # sync); this group's work is done, and its global weights are those of the last quorum it was in
             progress.stop()
             print(
-                f"replica group {group}: {str(exc).split(' (')[0]} at the run's last step; the other groups have "
-                "ended, and this group's work is done.",
+                f"{str(exc).split(' (')[0]} at the run's last step; the other groups have ended, and this group's "
+                "work is done.",
                 flush=True,
             )
     model.eval()

@@ -142,6 +142,7 @@ class Quorum:
         self.seat: Seat | None = None  # the quorum of the step under way
         self.last_seat: Seat | None = None  # the quorum of the last step that took one
         self.joined = False  # this group took part in a quorum (and healed) since it started
+        self.has_committed = False  # a step of this process committed under a quorum
 
     def placement(self, placement: Placement, two_level: bool) -> Placement:
         """Where the programs' collectives go: on the group's own world where the strategy reduces in two levels
@@ -168,9 +169,9 @@ class Quorum:
                 setting = self.setting
                 late = (
                     ""
-                    if self.joined
-                    else " This group has not taken part in a quorum since it started: if the other groups have "
-                    "finished the run, it came back too late to heal from them."
+                    if self.has_committed
+                    else " This group has not committed a step since it started: if the other groups have finished "
+                    "the run, it came back too late to heal from them."
                 )
                 raise NoQuorumError(
                     f"replica group {setting.replica_id!r}: no quorum within quorum_timeout={setting.quorum_timeout} s "
@@ -231,6 +232,7 @@ class Quorum:
         if error is not None or not committed:
             why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}" if error else "the vote said no"
             log.warning("replica group %r: step not committed (%s); it is retried", self.setting.replica_id, why)
+        self.has_committed |= committed and error is None
         return outputs, committed and error is None
 
     def shutdown(self) -> None:
