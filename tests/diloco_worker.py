@@ -406,9 +406,13 @@ def global_view(rank: int, world: int, traces: TraceCache) -> dict:
     return {"replica": replica, "global": global_, "inside": inside, "after": params_of(model)}
 
 
-def checks(rank: int, world: int) -> dict:
+def checks(rank: int, world: int, only: str = "") -> dict:
+    """Every check's run at this world size; ``only="papers"``: the two runs against the papers' algorithms alone
+    (the quick tier, tests/test_quick_worlds.py)."""
     traces = TraceCache()  # every run here trains the MLP with AdamW or SGD: they share their traces
     out = {"reference": reference(rank, world, traces), "streaming": streaming(rank, world, traces)}
+    if only == "papers":
+        return out
     out["quantised"] = {x: quantised(rank, world, x, traces) for x in ("bfloat16", "float8_e4m3fn", "int4")}
     if world == 4:  # two replicas of two ranks: data parallel inside each (all-reduce, ZeRO-1, ZeRO-2), DiLoCo across
         out |= {"reference_2d": reference(rank, world, traces, 2), "streaming_2d": streaming(rank, world, traces, 2)}

@@ -108,6 +108,7 @@ def test_training_on_each_ranks_own_data_follows_the_published_adasum(runs, loca
             torch.testing.assert_close(step["after"][name].double(), expected, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", [3, 6, 12])
 def test_non_power_of_two_world_size_is_a_clear_error(world):
     model = torch.nn.Linear(3, 2)
@@ -122,6 +123,7 @@ def test_non_power_of_two_world_size_is_a_clear_error(world):
         )
 
 
+@pytest.mark.quick
 def test_world_size_one_is_the_plain_optimizer():
     """With one rank there is no partner: no exchange, and three steps are eager SGD's, bit for bit."""
     torch.manual_seed(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -32,6 +33,7 @@ def mlp(widths, seed=0):
     return nn.Sequential(*layers[:-1])
 
 
+@pytest.mark.quick
 @given(count=st.integers(1, 60), groups=st.integers(1, 60))
 def test_freeze_groups_are_consecutive_near_equal_and_cover(count, groups):
     assume(groups <= count)
@@ -41,6 +43,7 @@ def test_freeze_groups_are_consecutive_near_equal_and_cover(count, groups):
     assert all(s >= 1 for s in sizes) and max(sizes) - min(sizes) <= 1
 
 
+@pytest.mark.quick
 @given(sizes=st.lists(st.integers(1, 10_000), min_size=1, max_size=40), partitions=st.integers(1, 8))
 def test_partial_sync_partitions_are_consecutive_and_in_range(sizes, partitions):
     owner = partition_of(sizes, partitions)
@@ -170,6 +173,7 @@ def assert_all_gathers_run_alone(graph) -> None:
             in_flight.add(node)
 
 
+@pytest.mark.quick
 @SLOW
 @given(
     widths=widths_strategy,
@@ -190,6 +194,7 @@ def test_every_composition_verifies_on_every_rank_and_is_idempotent(widths, opti
             assert communicates == (not variant.startswith("accumulate")), (variant, world)
 
 
+@pytest.mark.quick
 @SLOW
 @given(
     widths=widths_strategy,
@@ -217,6 +222,7 @@ def test_sharded_compositions_verify_tile_and_are_idempotent(widths, options, wo
             assert scatters <= gathers <= (2 if reshard else 1) * scatters and scatters > 0, kinds
 
 
+@pytest.mark.quick
 @SLOW
 @given(
     widths=widths_strategy,

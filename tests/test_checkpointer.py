@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from tests.models import MLP, make_batch
 from transpiler import Checkpointer, CheckpointError, ConfigurationError, DataPosition, transpile
 
+pytestmark = pytest.mark.quick  # the quick tier: the data position and the Checkpointer in one process, 3 s
+
 LOSS = torch.nn.CrossEntropyLoss()
 
 

@@ -13,6 +13,7 @@ from transpiler.cli import main
 FACTORY = "tests/models.py:tiny_factory"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("fmt", ["code", "dot", "svg", "json"])
 def test_every_format(fmt, tmp_path, capsys):
     if fmt == "svg" and shutil.which("dot") is None:
@@ -30,6 +31,7 @@ def test_every_format(fmt, tmp_path, capsys):
         assert text.lstrip().startswith("<?xml") and "<svg" in text
 
 
+@pytest.mark.quick
 def test_diff_shows_inserted_collectives(capsys):
     assert main(["dump", FACTORY, "--mode", "allreduce", "--world-size", "4", "--rank", "3", "--diff"]) == 0
     out = capsys.readouterr().out
@@ -39,6 +41,7 @@ def test_diff_shows_inserted_collectives(capsys):
     assert any("aten.mul.Tensor(ones_like, 0.25)" in line for line in added)
 
 
+@pytest.mark.quick
 def test_before_and_print_between_passes(capsys):
     assert main(["dump", FACTORY, "--before"]) == 0
     assert "all_reduce" not in capsys.readouterr().out
@@ -50,6 +53,7 @@ def test_before_and_print_between_passes(capsys):
         assert f"after {name}" in err
 
 
+@pytest.mark.quick
 def test_dump_says_what_a_pass_chose(capsys):
     """zero3's default cap, ``cost``, has no all-gather to time in a dump (no processes): dump says it fell back
     to the largest module's gradients and names the cap and the module on stderr; a cap given as a number leaves
@@ -72,6 +76,7 @@ def test_op_counts_say_what_each_pass_changed(capsys):
     assert before - after >= 9 * 149 and int(rows["reinplace-optimizer"][2]) < int(rows["flatten-update"][2])
 
 
+@pytest.mark.quick
 def test_lists(capsys):
     assert main(["passes"]) == 0
     listed = capsys.readouterr().out
@@ -107,6 +112,7 @@ def test_adasum_dump_shows_exchanges_with_their_partners(capsys):
     assert "transpiler.exchange.default(" in capsys.readouterr().out
 
 
+@pytest.mark.quick
 def test_local_sgd_variants(capsys):
     assert main(["dump", FACTORY, "--mode", "local_sgd", "--variant", "local"]) == 0
     assert "all_reduce" not in capsys.readouterr().out
@@ -115,6 +121,7 @@ def test_local_sgd_variants(capsys):
     assert main(["dump", FACTORY, "--mode", "local_sgd", "--variant", "nope"]) == 2
 
 
+@pytest.mark.quick
 def test_help_is_plain_and_shows_defaults(capsys):
     for argv in (["--help"], ["dump", "--help"]):
         with pytest.raises(SystemExit):
@@ -124,6 +131,7 @@ def test_help_is_plain_and_shows_defaults(capsys):
     assert "(default: 2)" in text and "(default: fused_allreduce)" in text and "Graphviz" in text
 
 
+@pytest.mark.quick
 def test_dump_details_a_new_user_sees(tmp_path, capsys):
     assert main(["dump", FACTORY, "--diff", "--format", "svg", "-o", str(tmp_path / "x.svg")]) == 2
     assert "--diff" in capsys.readouterr().err and not (tmp_path / "x.svg").exists()
@@ -137,6 +145,7 @@ def test_dump_details_a_new_user_sees(tmp_path, capsys):
     assert len(columns) == 1  # every summary starts in one column
 
 
+@pytest.mark.quick
 def test_factory_files_that_used_to_end_in_a_traceback_or_silence(tmp_path, capsys):
     txt = tmp_path / "factory.txt"
     txt.write_text("def make(): pass\n")
@@ -182,6 +191,7 @@ def test_the_installed_command_runs_from_a_shell(tmp_path):
     assert drawn.lstrip().startswith("digraph") and "all_to_all_single" in drawn and "all_gather_into_tensor" in drawn
 
 
+@pytest.mark.quick
 def test_schedule_of_a_mode_that_follows_its_loss_is_refused_in_words(capsys):
     """adaptive_local_sgd picks k from the loss it measures: no table of calls exists before the run."""
     assert main(["dump", FACTORY, "--mode", "adaptive_local_sgd", "--schedule", "3"]) == 2

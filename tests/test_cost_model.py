@@ -10,6 +10,8 @@ from passes.bucket_plan import CANDIDATE_MB, choose_caps
 from passes.bucketing import MB, assign_buckets
 from transpiler.graph.cost_model import CostModel, fit_alpha_beta
 
+pytestmark = pytest.mark.quick  # the quick tier: 2 s
+
 
 @given(alpha=st.floats(1e-6, 1e-2), beta=st.floats(1e-11, 1e-8))
 def test_fit_recovers_latency_and_bandwidth(alpha, beta):

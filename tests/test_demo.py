@@ -65,6 +65,7 @@ def test_every_coefficient_without_sign_is_sgd_with_momentum_on_the_mean_gradien
                 torch.testing.assert_close(mine[name], plain[name], atol=1e-6, rtol=0)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("n", [2, 3, 16, 64, 100, 128])
 def test_the_dct_is_scipys_orthonormal_dct_ii(n):
     """Bitwise scipy's for powers of two (the chunk sizes the docs suggest); otherwise within 1e-7 (the formula's
@@ -77,6 +78,7 @@ def test_the_dct_is_scipys_orthonormal_dct_ii(n):
     torch.testing.assert_close(matrix.double() @ matrix.double().T, identity, atol=1e-6, rtol=0)
 
 
+@pytest.mark.quick
 def test_world1_message_bytes_verifier_and_dump(capsys):
     """The all-gathers carry the documented message, every bucket together; the momentum may only leave as it."""
     model = MLP()
@@ -104,6 +106,7 @@ def test_world1_message_bytes_verifier_and_dump(capsys):
     assert "all_reduce" not in out
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "options, match",
     [

@@ -201,6 +201,7 @@ def test_on_a_convex_quadratic_with_a_full_basis_it_beats_gradient_descent(tmp_p
     assert all(c > 0 for c in curvatures[1:]), curvatures
 
 
+@pytest.mark.quick
 def test_what_dim_reduce_refuses(tmp_path, basis):
     model = problem.model()
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -254,6 +255,7 @@ def test_n_components_takes_the_first_rows(basis):
     assert step.extra["dim_reduce.bk"].shape == (3, 3)
 
 
+@pytest.mark.quick
 def test_dump_shows_the_projection_the_gather_and_the_trial_forwards(tmp_path, capsys):
     model, *_ = plain_sgd_factory()
     names, shapes = layout(model)

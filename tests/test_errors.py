@@ -16,6 +16,8 @@ from transpiler import (
 )
 from transpiler.cli import main as cli_main
 
+pytestmark = pytest.mark.quick  # the quick tier: 2 s
+
 BATCH = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
 
 

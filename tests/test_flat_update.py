@@ -137,6 +137,7 @@ class TiedFrozenMixed(nn.Module):
         return self.lm(tokens) + 1e-3 * side
 
 
+@pytest.mark.quick
 def test_frozen_tied_and_mixed_dtypes():
     """A frozen layer stays out (its own input, no update); the tied embedding has one slot; the float64 layer
     gets a bucket of its own, flat as well. Bitwise eager with AdamW."""
@@ -219,6 +220,7 @@ def test_what_users_do_between_steps_is_taken_into_the_flat_buffers():
     assert {t.untyped_storage().data_ptr() for s in optimizer.state.values() for t in s.values()} <= storages
 
 
+@pytest.mark.quick
 def test_a_changed_dtype_or_uneven_step_counts_are_clear_errors():
     (flat, eager), batch = adam_pair()
     model, optimizer, step = flat

@@ -168,6 +168,7 @@ def test_a_float64_operand_is_cast_once_to_the_tensors_dtype_off_the_cpu(device,
         assert args[1] is s
 
 
+@pytest.mark.quick
 def test_a_second_schedule_keeps_in_place_updates_before_their_readers():
     """An in-place multi-tensor op returns nothing, so a reader of the tensors it wrote records it (``meta
     ["after"]``) and the schedule keeps that order: run again on zero3's finished Adam program, it moves nothing

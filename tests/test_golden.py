@@ -15,6 +15,8 @@ import torch
 from tests.models import tiny_factory
 from transpiler import transpile
 
+pytestmark = pytest.mark.quick  # the quick tier: static, a second in all
+
 GOLDEN = Path(__file__).parent / "golden"
 CASES = {"allreduce": {}, "fused_allreduce": {"bucket_cap_mb": 0.0002, "first_bucket_mb": 0.0001}}
 GOLDEN_TORCH = "2.13"  # the torch whose traces the files hold: another version names and orders ops differently

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch.fx as fx
 from hypothesis import given
 from hypothesis import strategies as st
 
 from transpiler.graph.edit import repair_order
+
+pytestmark = pytest.mark.quick  # the quick tier: static
 
 
 @given(n=st.integers(3, 12), moved=st.data())

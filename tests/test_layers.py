@@ -31,6 +31,7 @@ def project_modules() -> list[str]:
     return names
 
 
+@pytest.mark.quick
 def test_the_top_level_is_the_design_cards():
     """``passes/`` beside ``transpiler/``: one module per pass, each in the registry; transpiler/ holds the rest."""
     assert (ROOT / "passes" / "__init__.py").is_file() and not (ROOT / "transpiler" / "passes").exists()
@@ -45,6 +46,7 @@ def test_the_top_level_is_the_design_cards():
     assert all(cls.name == name for name, cls in passes.PASSES.items()), "each listed under its own name"
 
 
+@pytest.mark.quick
 def test_layers_import_downward_only(monkeypatch):
     """The import-linter contracts in pyproject.toml hold: the stack (cli, api, runtime, strategies, passes, trace,
     graph, errors) imports downward only, passes never import tracing, and every module of transpiler/ and of
@@ -100,6 +102,7 @@ def test_the_contracts_fail_on_a_broken_tree(tmp_path, kind):
         assert phrase in report, report
 
 
+@pytest.mark.quick
 def test_the_public_api_is_imported_and_every_pass_is_named_by_the_package():
     """``transpiler``'s API is imported, not loaded lazily; ``passes`` gives each pass by its class's name through
     the registry (so importing the package loads none), and lists them all."""
@@ -173,6 +176,7 @@ DEFERRED_IMPORTS = {
 }
 
 
+@pytest.mark.quick
 def test_no_import_inside_a_function_dodges_a_cycle():
     found = set()
     for name in project_modules():

@@ -11,7 +11,8 @@ from tests.test_schedules import documented_syncs
 from tests.worlds import run_in_world
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+# the world of 2 is in the quick tier: LocalSGD's family there (tests/test_quick_worlds.py has the others), 3 s
+@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.quick), 4], ids=lambda w: f"world{w}")
 def runs(request, tmp_path_factory):
     world = request.param
     return world, run_in_world(world, "tests.localsgd_worker:checks", tmp_path_factory.mktemp(f"localsgd{world}"))

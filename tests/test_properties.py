@@ -35,6 +35,7 @@ sizes_and_keys = st.lists(
 )
 
 
+@pytest.mark.quick
 @given(items=sizes_and_keys, cap=st.integers(0, 5000), first=st.integers(1, 5000))
 def test_buckets_partition_respect_cap_and_never_mix_keys(items, cap, first):
     sizes, keys = [s for s, _ in items], [k for _, k in items]
@@ -51,6 +52,7 @@ def test_buckets_partition_respect_cap_and_never_mix_keys(items, cap, first):
         assert all(len(b) == 1 for b in buckets)
 
 
+@pytest.mark.quick
 @given(
     items=st.lists(st.tuples(st.integers(1, 3000), st.sampled_from(["f32", "f64"]), st.integers(0, 6)), max_size=40),
     cap=st.integers(1, 5000),
@@ -121,6 +123,7 @@ def test_fused_buckets_on_real_graphs(widths, cap, world):
                 assert node.meta["collective"]["bytes"] <= cap * MB
 
 
+@pytest.mark.quick
 @SLOW
 @given(widths=widths_strategy, mode=st.sampled_from(["allreduce", "fused_allreduce"]), world=st.integers(1, 4))
 def test_pipeline_is_idempotent(widths, mode, world):
@@ -130,6 +133,7 @@ def test_pipeline_is_idempotent(widths, mode, world):
     assert_rewrite_is_final(program, passes)
 
 
+@pytest.mark.quick
 @SLOW
 @given(
     widths=widths_strategy,
@@ -161,6 +165,7 @@ def test_rewritten_graph_computes_the_original_at_world_size_one(widths, spec):
     assert all(torch.equal(expected[port], got[port]) for port in expected)
 
 
+@pytest.mark.quick
 @SLOW
 @given(widths=widths_strategy, world=st.integers(2, 6), mode=st.sampled_from(["allreduce", "fused_allreduce"]))
 def test_all_ranks_issue_the_same_collectives(widths, world, mode):
@@ -173,6 +178,7 @@ def test_all_ranks_issue_the_same_collectives(widths, world, mode):
     assert all(seq == sequences[0] for seq in sequences.values())
 
 
+@pytest.mark.quick
 def test_every_pass_reports_no_change_when_it_has_nothing_to_do():
     *_, traced, _, _ = _traced([4, 4])
     program = traced.clone()
@@ -212,6 +218,7 @@ def test_adasum_sends_pair_with_receives_across_ranks(widths, log_participants, 
     assert exchanges == [2 * log_participants] * world  # one per level down, one per level back
 
 
+@pytest.mark.quick
 @pytest.mark.bitwise
 @settings(max_examples=60, deadline=None)
 @given(
@@ -243,6 +250,7 @@ def test_outputs_into_aligned_bucket_slots_carry_eager_bits(before, m, k, n, dty
     assert torch.equal(bias, torch.sum(grad_out, [0]))
 
 
+@pytest.mark.quick
 @SLOW
 @given(widths=widths_strategy, cap=cap_strategy, seeds=st.lists(st.integers(0, 99), min_size=2, max_size=3))
 def test_bucket_views_hold_each_gradient_once_and_are_reused_safely(widths, cap, seeds):
@@ -406,6 +414,7 @@ def _plain_traced():
     return trace_step(model, optimizer, nn.CrossEntropyLoss(), batch)[0].program
 
 
+@pytest.mark.quick
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.sampled_from(sorted(ORDERABLE)), min_size=1, max_size=6, unique=True), st.booleans(), st.data())
 def test_a_pipeline_the_order_check_accepts_builds_and_verifies(names, in_order, data):

@@ -46,6 +46,7 @@ def _steps(step, twin, twin_opt, n=3, seed=0, batch_size=8):
         assert torch.equal(ours, eager_step(twin, twin_opt, LOSS, batch))
 
 
+@pytest.mark.quick
 def test_train_eval_switches_follow_the_model():
     """Transpiled in eval() (as from_pretrained returns models), then trained: dropout and BN statistics are live."""
     model, opt, step, twin, twin_opt = _pair()
@@ -110,6 +111,7 @@ def test_step_under_no_grad_or_inference_mode(context):
     model(batch[0]).sum().backward()  # the parameters are ordinary tensors afterwards, not inference tensors
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "mode, options, message",
     [
@@ -145,6 +147,7 @@ def test_cli_options_are_typed_the_same_way(capsys):
     assert "k_steps' of mode 'local_sgd' wants an int >= 1; got '2.7'" in capsys.readouterr().err
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kwargs, message", [({"timeout": -1}, "positive"), ({"max_cached_programs": 0}, ">= 1")])
 def test_step_keywords_are_checked(kwargs, message):
     model = MLP()
@@ -152,6 +155,7 @@ def test_step_keywords_are_checked(kwargs, message):
         transpile(model, _sgd(model), loss_fn=LOSS, **kwargs)
 
 
+@pytest.mark.quick
 def test_forgotten_init_process_group_under_torchrun(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     model = MLP()
@@ -159,6 +163,7 @@ def test_forgotten_init_process_group_under_torchrun(monkeypatch):
         transpile(model, _sgd(model), loss_fn=LOSS)
 
 
+@pytest.mark.quick
 def test_bad_batches_on_later_calls_fail_before_the_graph_runs():
     model, opt, step, *_ = _pair(MLP)
     x, y = make_batch("mlp", 8, None)
@@ -191,6 +196,7 @@ def _trained(mode, make_opt=_sgd, model_cls=MLP, **options):
     return step
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "saved, loading, message",
     [

@@ -8,6 +8,8 @@ import pytest
 
 from transpiler.strategies.schedules import LocalSGDSchedule
 
+pytestmark = pytest.mark.quick  # the quick tier: static
+
 
 def documented_syncs(k: int, begin_step: int, steps: int) -> list[int]:
     """Steps t = 1..steps that sync: t <= begin_step, or t - last_sync == k."""

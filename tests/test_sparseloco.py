@@ -136,6 +136,7 @@ def test_bit_packing_round_trips_and_is_little_endian(bits, values):
     assert packed.tolist() == [(as_int >> (8 * i)) & 255 for i in range(packed.numel())]
 
 
+@pytest.mark.quick
 @settings(max_examples=40, deadline=None)
 @given(
     chunk=st.sampled_from([4, 16, 33, 64]),
@@ -162,6 +163,7 @@ def test_the_message_decodes_to_what_the_compressor_keeps(chunk, share, bits, wo
     assert index_bits(chunk) == max(1, math.ceil(math.log2(chunk)))
 
 
+@pytest.mark.quick
 def test_the_verifier_refuses_an_error_buffer_that_leaves_its_rank():
     model = MLP()
     step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), "sparseloco", LOSS, sync_every=1,
@@ -176,6 +178,7 @@ def test_the_verifier_refuses_an_error_buffer_that_leaves_its_rank():
         check_private_state_stays(program, True)
 
 
+@pytest.mark.quick
 def test_modes_and_dump_show_the_sparse_exchange(capsys):
     assert cli_main(["modes"]) == 0
     assert "sync: broadcast-params,diloco-outer-step{topk=64,value-bits=2,error-decay=0.95}," in capsys.readouterr().out
@@ -187,6 +190,7 @@ def test_modes_and_dump_show_the_sparse_exchange(capsys):
     assert "all_reduce" not in out
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "options, outer, match",
     [
@@ -203,6 +207,7 @@ def test_clear_errors(options, outer, match):
         transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), "sparseloco", LOSS, **options, **kwargs)
 
 
+@pytest.mark.quick
 def test_the_sparse_exchange_does_not_combine_with_streaming_options():
     with pytest.raises(ConfigurationError, match="does not combine with fragments"):
         from transpiler.strategies.modes import build_strategy

@@ -46,6 +46,7 @@ def test_no_passes_is_bitwise_eager(model_name, opt_name):
     assert_same_training_state(model, opt, twin, twin_opt)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("mode", ["allreduce", "fused_allreduce"])
 def test_every_mode_is_bitwise_eager_at_world_size_one(mode):
     """At world size 1 the collectives run on a private one-rank gloo group: identities."""
@@ -82,6 +83,7 @@ def test_param_groups_and_lr_scheduler():
     assert_same_training_state(model, opt, twin, twin_opt)
 
 
+@pytest.mark.quick
 def test_roles_and_gradient_tags():
     torch.manual_seed(0)
     model = TiedLM()
@@ -126,6 +128,7 @@ def test_unused_parameter_is_left_alone_like_eager():
     assert all("unused" not in n.meta.get("grad_of", "") for n in step.graph_module.graph.nodes)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("mode", ["local_sgd", "adasum_delta", "fused_allreduce"])
 def test_unused_parameter_in_every_family(mode):
     """An unused parameter's new value is its input: passes must insert after all inputs, not among them."""
@@ -148,6 +151,7 @@ def test_unused_parameter_in_every_family(mode):
     )  # the static multi-rank build verifies too
 
 
+@pytest.mark.quick
 def test_model_returning_its_own_loss_and_new_batch_shapes():
     class SelfLoss(nn.Module):
         def __init__(self):
@@ -171,6 +175,7 @@ def test_model_returning_its_own_loss_and_new_batch_shapes():
     assert_same_training_state(model, opt, twin, twin_opt)
 
 
+@pytest.mark.quick
 def test_state_dict_round_trip():
     torch.manual_seed(0)
     model = MLP()

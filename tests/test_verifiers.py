@@ -20,6 +20,8 @@ from transpiler.runtime.process_group import Placement
 from transpiler.strategies.modes import build_passes
 from transpiler.trace.tracer import trace_step
 
+pytestmark = pytest.mark.quick  # the quick tier: static, 2 s
+
 BATCH = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
 
 

@@ -188,7 +188,12 @@ def test_parity_with_ddp_and_single_process(runs):
     """Bitwise at W=2 (within 1e-5 where the sums run in another order: W=4, sharded accumulation, LAMB's
     norms)."""
     world, ranks = runs
-    for name in _scenarios(world):
+    check_parity(world, ranks, _scenarios(world))
+
+
+def check_parity(world: int, ranks: list[dict], names: list[str]) -> None:
+    """Each scenario of ``names`` against DDP and one process, every rank, every step (the test above)."""
+    for name in names:
         spread = 2 * max(ranks[0][name]["ddp_single"])  # how far a sum in another order moves DDP itself
         atol, atol_single = max(ATOL_W4, spread), max(ATOL_SINGLE, spread)
         for rank, results in enumerate(ranks):

@@ -46,6 +46,7 @@ LOSS = torch.nn.CrossEntropyLoss()
 BITWISE = pytest.mark.bitwise
 
 
+@pytest.mark.quick
 @settings(max_examples=200, deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 700), min_size=1, max_size=8),
@@ -120,6 +121,7 @@ def _world_programs(mode: str, world: int, optimizer=torch.optim.AdamW, **option
     return programs
 
 
+@pytest.mark.quick
 def test_static_checks_see_a_rank_that_updates_the_wrong_slice():
     """Programs for every rank of a world of 4 built in one process (as transpile() checks them), then one rank's
     slice moved: ``check_shards`` names the parameter."""
@@ -180,6 +182,7 @@ def test_unkept_buckets_are_made_each_step_and_written_in_place(mode):
         assert writers and all(order[buffer] < order[w] for w in writers)
 
 
+@pytest.mark.quick
 def test_rendered_program_names_each_collective():
     """The reduce-scatters (on the CPU an all-to-all and a local sum each, gloo's cheaper form) come first, the
     all-gathers after the update."""
@@ -237,6 +240,7 @@ def test_zero3_model_between_steps_holds_slices_and_gathered_gives_it_whole():
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
+@pytest.mark.quick
 def test_zero3_refusals_say_what_to_do():
     """Freezing a sharded parameter, and loading a state dict into a step that does not know its slices yet."""
     model, _, _, step = _zero3_pair()
@@ -514,6 +518,7 @@ def test_world_of_one_with_clipping_is_eager_clip_grad_norm():
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
+@pytest.mark.quick
 def test_a_sharded_update_must_be_gathered():
     """A pipeline spec with shard-optimizer and no gather-params is refused when it is built, not at step 1: at
     transpile(), before anything is traced, by the order check (the pipeline ends without whole parameters)."""
@@ -528,6 +533,7 @@ def test_a_sharded_update_must_be_gathered():
         )
 
 
+@pytest.mark.quick
 def test_refusals_say_what_to_do():
     class Scalar(torch.nn.Module):
         def __init__(self):
@@ -549,6 +555,7 @@ def test_refusals_say_what_to_do():
         )
 
 
+@pytest.mark.quick
 @settings(max_examples=200, deadline=None)
 @given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), data=st.data())
 def test_flat_boxes_cover_exactly_the_flat_range_in_order(shape, data):
@@ -608,6 +615,7 @@ def test_checkpoint_round_trip_in_one_process_and_across_modes(tmp_path):
             assert torch.equal(value.reshape(-1), resumed_opt.state[q][key].reshape(-1)), ("zero1", key)
 
 
+@pytest.mark.quick
 def test_checkpoint_refusals_say_why(tmp_path):
     model = MLP()
     batch = make_batch("mlp", 4, torch.Generator().manual_seed(0))

@@ -426,6 +426,19 @@ def checks(rank: int, world: int) -> dict:
     return results
 
 
+def named(rank: int, world: int, names: str) -> dict:
+    """The scenarios of :data:`SCENARIOS` that ``names`` lists (``;`` between them) as the results of :func:`checks`
+    name them, alone (the quick tier: tests/test_quick_worlds.py)."""
+    traces = TraceCache()
+    names = names.split(";")
+    chosen = [s for s in SCENARIOS[world] if ",".join(map(str, s)) in names]
+    assert len(chosen) == len(names), f"no such scenarios: {set(names) - {','.join(map(str, s)) for s in chosen}}"
+    return {
+        ",".join(map(str, s)): scenario(*s[:3], rank, world, traces, accumulate=s[3], **(s[4] if len(s) > 4 else {}))
+        for s in chosen
+    }
+
+
 def capturing_checks(rank: int, world: int) -> dict:
     """:func:`checks` with ``cuda_graph=True`` capturing on the CPU (only the scenarios that ask for it capture),
     and the capture put back afterwards: the rank's next job (tests/worlds.py) sees the module as it was."""
