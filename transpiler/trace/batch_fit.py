@@ -127,7 +127,8 @@ def probe(
             pass
 
     inputs = batch[:-1] if loss_fn is not None else batch
-    devices = sorted({t.device.index or 0 for t in batch if isinstance(t, torch.Tensor) and t.is_cuda})
+    held = [t for t in (*batch, *tensors.values()) if isinstance(t, torch.Tensor) and t.is_cuda]
+    devices = sorted({t.device.index or 0 for t in held})  # each GPU's random state is put back too
     hooks = [
         nn.modules.module.register_module_forward_pre_hook(entered),
         nn.modules.module.register_module_forward_hook(left),
