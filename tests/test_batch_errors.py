@@ -89,6 +89,15 @@ def test_the_first_layer_that_rejects_the_batch_says_what_it_expects(model, batc
     assert "input 0 of the batch" in str(error) and "layer '0' = " in str(error) and expects in str(error)
 
 
+def test_a_batch_with_more_inputs_than_the_forward_takes_says_so(capfd, caplog):
+    """(x, x2, y) for a model whose forward takes x alone: the batch's structure, not the model, is wrong."""
+    batch = (torch.randn(2, 8), torch.randn(2, 8), torch.tensor([0, 1]))
+    error = _raised(_step(nn.Sequential(nn.Linear(8, 4))), batch, capfd, caplog)
+    assert type(error) is BatchMismatchError
+    assert str(error).startswith("the batch gives the model 2 input(s) (shape (2, 8), float32, shape (2, 8), float32)")
+    assert "Sequential.forward(input)" in str(error) and "The model itself is fine" in str(error)
+
+
 def test_a_model_that_fails_on_a_batch_that_fits_it_is_the_models_error(capfd, caplog):
     """The second Linear takes 32 features from a first that gives 16: the batch is fine, the model is not."""
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(32, 4))

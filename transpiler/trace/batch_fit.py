@@ -16,6 +16,7 @@ repeat is the tracer's limit (:class:`UnsupportedModelError`). This runs only on
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -202,6 +203,14 @@ def _rejected(rejection: Rejection, model: nn.Module, loss_fn: Any, batch: tuple
             "this batch; the target does not fit what the loss expects of it (its shape, its dtype: class indices "
             "are int64). Fix the target, or loss_fn."
         )
+    inputs = batch[:-1] if loss_fn is not None else batch
+    if rejection.module is model and not _takes(model, inputs):  # the forward was never entered
+        given = ", ".join(_describe(t) for t in inputs) or "none"
+        return BatchMismatchError(
+            f"the batch gives the model {len(inputs)} input(s) ({given}){' before its target' * bool(loss_fn)}, "
+            f"and {type(model).__name__}.forward{inspect.signature(model.forward)} does not take them: {said}. The "
+            "model itself is fine; give the step its inputs first and the target last."
+        )
     module, where = rejection.module, _where(rejection)
     index = _batch_index(rejection.inputs, batch)
     expects = _expects(module)
@@ -220,6 +229,15 @@ def _rejected(rejection: Rejection, model: nn.Module, loss_fn: Any, batch: tuple
         f"the model fails on this batch outside the transpiler too (run eagerly): {where}{expected}, got {got} "
         f"from {origin}: {said}. This is an error in the model's forward, not a limit of the transpiler."
     )
+
+
+def _takes(model: nn.Module, inputs: tuple) -> bool:
+    """Whether the model's forward takes ``inputs`` as its positional arguments."""
+    try:
+        inspect.signature(model.forward).bind(*inputs)
+    except TypeError:
+        return False
+    return True
 
 
 def _tensors(args: Any) -> tuple[torch.Tensor, ...]:
