@@ -1,23 +1,23 @@
 """Does DiLoCo train? A character-level GPT on Python's own documentation, at W=4 over gloo, every strategy for the
 same number of tokens: DDP, ``local_sgd`` with k=H, ``diloco`` with H = 10, 15, 50 and 100, ``streaming_diloco``
-with a 4-bit exchange, ``sparseloco`` (H = 15 and 50, 1.6% and 3.1% of each chunk, 2-bit values) and ``demo``
-(one DCT coefficient of each chunk of 64 or 128) (docs/strategies/diloco.md, sparseloco.md, demo.md).
+with a 4-bit exchange, ``sparseloco`` (H = 15, 30 and 50, 64 or 128 of each 64 × 64 tile, 2-bit values) and
+``demo`` (32 or 64 DCT coefficients of each 64 × 64 tile) (docs/strategies/diloco.md, sparseloco.md, demo.md).
 
     python bench/diloco.py [--warmup-steps 600] [--schedule cosine|constant] [--steps 600] [--world 4] [--seed 0]
                            [--model narrow|wide] [--runs LABEL ...]
 
 The corpus is ``pydoc_data.topics`` (the text of ``help()``, about 465k characters, shipped with CPython): no
-download. The last tenth is held out. Each rank draws its own windows of the first nine tenths. Every run starts
-from the same weights, with AdamW inside (lr 1e-3, weight decay 0.1); the DiLoCo runs take the paper's outer
-Nesterov SGD (lr 0.7, momentum 0.9), SparseLoCo its own outer step (α = 1, β = 0.95, chunks of 4096), and DeMo plain
-SGD on its sign steps (lr 1e-3, weight decay 0.1, β = 0.999), as its paper. With ``--warmup-steps N`` those weights
-are first trained by DDP for N steps, once, as the paper starts DiLoCo from a pretrained model (its runs start at
-24k of 88k steps); every run then starts from them with a fresh AdamW. The inner lr follows ``--schedule``: a cosine
-from 1e-3 down to 1e-4 over the run (the default; the paper's inner schedule after its warm-up), or constant; DDP
-takes the same. The tables of seed 0 go into the docs page (``diloco-warm`` with warm-up steps, ``diloco-cold``
-without, ``-wide`` for ``--model wide``); another ``--seed``, or a choice of ``--runs``, only prints its table. The
-loss reported is the held-out loss of the weights the paper evaluates: the global weights for DiLoCo
-(``step.global_weights()``), the model for the others, after the last step.
+download. The last tenth is held out. Each rank draws its own windows of the first nine tenths. Every run starts from
+the same weights, with AdamW inside (lr 1e-3, weight decay 0.1); the DiLoCo runs take the paper's outer Nesterov SGD
+(lr 0.7, momentum 0.9), SparseLoCo its authors' published settings (α = 1, β = 0.95, tiles of 64 × 64, 4 bins over
+6σ), and DeMo plain SGD on its sign steps (lr 1e-3, β = 0.999, its own decoupled weight decay 0.1), as its authors.
+With ``--warmup-steps N`` those weights are first trained by DDP for N steps, once, as the paper starts DiLoCo from a
+pretrained model (its runs start at 24k of 88k steps); every run then starts from them with a fresh AdamW. The inner
+lr follows ``--schedule``: a cosine from 1e-3 down to 1e-4 over the run (the default; the paper's inner schedule after
+its warm-up), or constant; DDP takes the same. The tables of seed 0 go into the docs page (``diloco-warm`` with
+warm-up steps, ``diloco-cold`` without, ``-wide`` for ``--model wide``); another ``--seed``, or a choice of
+``--runs``, only prints its table. The loss reported is the held-out loss of the weights the paper evaluates: the
+global weights for DiLoCo (``step.global_weights()``), the model for the others, after the last step.
 
 Bytes are what one rank sends, counted from each program's collectives: a ring all-reduce of B bytes sends
 ``2 (W-1)/W B``, an all-to-all or an all-gather of a B-byte buffer ``(W-1)/W B``; DDP all-reduces every gradient
@@ -65,17 +65,31 @@ RUNS = {  # label -> (mode, options)
     "diloco H=100": ("diloco", {"sync_every": 100}),
     "streaming P=4 int4 H=50": ("streaming_diloco", {**STREAMING, "exchange_dtype": "int4"}),
     "diloco H=15": ("diloco", {"sync_every": 15}),
+    "diloco H=30": ("diloco", {"sync_every": 30}),
     "sparseloco H=15 k=64 (1.6%)": ("sparseloco", {"sync_every": 15, "topk": 64}),
     "sparseloco H=15 k=128 (3.1%)": ("sparseloco", {"sync_every": 15, "topk": 128}),
+    "sparseloco H=30 k=64 (1.6%)": ("sparseloco", {"sync_every": 30, "topk": 64}),
+    "sparseloco H=30 k=128 (3.1%)": ("sparseloco", {"sync_every": 30, "topk": 128}),
+    # the authors' DiLoCo loop clips each inner step's gradients to norm 1 (tplr's strategies.py)
+    "sparseloco H=15 k=128 (3.1%) clip 1": ("sparseloco", {"sync_every": 15, "topk": 128, "max_grad_norm": 1.0}),
+    "sparseloco H=15 k=64 (1.6%) clip 1": ("sparseloco", {"sync_every": 15, "topk": 64, "max_grad_norm": 1.0}),
+    "diloco H=15 clip 1": ("diloco", {"sync_every": 15, "max_grad_norm": 1.0}),
     "sparseloco H=50 k=64 (1.6%)": ("sparseloco", {"sync_every": 50, "topk": 64}),
     "sparseloco H=50 k=128 (3.1%)": ("sparseloco", {"sync_every": 50, "topk": 128}),
 }
-DEMO = {"compression_decay": 0.999, "value_bits": 32}
+# the authors' DeMo: 64 × 64 tiles, β 0.999, its own decoupled weight decay
+DEMO = {"compression_decay": 0.999, "compression_chunk": 64, "weight_decay": 0.1}
 RUNS |= {
-    "demo chunk=64 k=1": ("demo", {**DEMO, "compression_chunk": 64, "compression_topk": 1}),
-    "demo chunk=128 k=1": ("demo", {**DEMO, "compression_chunk": 128, "compression_topk": 1}),
+    "demo topk=32 (0.78%)": ("demo", {**DEMO, "compression_topk": 32}),
+    "demo topk=64 (1.6%)": ("demo", {**DEMO, "compression_topk": 64}),
 }
-WIDE_RUNS = ["DDP", "diloco H=15", "sparseloco H=15 k=64 (1.6%)", "sparseloco H=15 k=128 (3.1%)", "demo chunk=128 k=1"]
+WIDE_RUNS = [
+    "DDP",
+    "diloco H=15",
+    "sparseloco H=15 k=64 (1.6%)",
+    "sparseloco H=15 k=128 (3.1%)",
+    "demo topk=32 (0.78%)",
+]
 
 
 def default_runs(model: str) -> list[str]:
@@ -166,7 +180,7 @@ def run(label: str, args: argparse.Namespace, train: torch.Tensor, held: torch.T
     model = model_for(vocab, seed, args.model)
     model.load_state_dict(start)
     if mode == "demo":  # DeMo's update is the sign of the decoded mean, which plain SGD applies (the paper's)
-        inner: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=DEMO_LR, weight_decay=0.1)
+        inner: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=DEMO_LR)  # the decay is DeMo's
     else:
         inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     decay = torch.optim.lr_scheduler.LambdaLR(inner, lambda t: lr_factor(schedule, t, steps))

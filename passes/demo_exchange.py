@@ -1,21 +1,22 @@
-"""``demo-exchange``: DeMo, decoupled momentum optimisation (Peng et al., 2024), as a gradient reduction.
+"""``demo-exchange``: DeMo, decoupled momentum optimisation (Peng et al., 2024), as its authors' ``DeMo``
+optimizer computes it, as a gradient reduction.
 
 Requires: gradient nodes tagged ``grad_of`` (not yet reduced), each rank's own (no ``scale-loss-grad``: the pass
-takes the mean itself).
-Guarantees: each rank adds its gradient into a momentum that is never sent, ``m = β·m + g``
-(``demo_momentum.<param>``, extra state starting at zero). In dtype/size buckets, each momentum is flattened and
-padded with zeros to whole chunks of ``chunk`` elements; each chunk's coefficients in the orthonormal DCT-II
-basis ``D`` (``c = x Dᵀ``, :func:`dct_matrix`, a constant of the program) go through the sparse exchange of
-``sparse_pseudo_exchange``: the ``topk`` coefficients of largest magnitude per chunk, in ``value_bits``, one
-all-gather per bucket. What was sent leaves the momentum, ``m ← m − ĉ D``, and every rank decodes every rank's
-coefficients, adds them in rank order, returns them to values (``(Σ ĉ) D``) and multiplies by ``1/W``. The
-optimizer reads that mean, or with ``sign`` its sign (DeMo's update), as the gradient. The momentum itself never
-leaves the rank: the verifier ``check_private_state_stays`` holds the pass to that.
+takes the mean itself); an optimizer traced as ``torch.optim.SGD`` without momentum (DeMo's own class is one), whose
+lr the momentum takes.
+Guarantees: each rank adds its gradient into a momentum that is never sent, ``δ = β·δ + lr·g``
+(``demo_momentum.<param>``, extra state starting at zero; ``lr`` the group's, from the step's scalar input). In
+dtype/size buckets, each momentum is cut into tiles (``sparse_tiles.py``: each side the largest divisor of the
+dimension not above ``chunk``); each tile's 2-D DCT coefficients (the authors' FFT-built bases, constants of the
+program) go through the sparse exchange of ``sparse_pseudo_exchange``: the ``topk`` coefficients of largest
+magnitude per tile, in float32 (or quantised with ``bins``), one all-gather per bucket. What was sent leaves the
+momentum through the inverse DCT, and every rank averages each coefficient over the ranks that sent it and returns
+the tiles to values. The optimizer reads that mean, or with ``sign`` its sign (DeMo's update), as the gradient.
+The momentum itself never leaves the rank: the verifier ``check_private_state_stays`` holds the pass to that.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -24,62 +25,104 @@ import torch.fx as fx
 from transpiler.errors import ConfigurationError
 from transpiler.graph.edit import Cursor
 from transpiler.graph.options import option
-from transpiler.graph.ports import DEMO_MOMENTUM, ExtraInit, Port
+from transpiler.graph.ports import DEMO_MOMENTUM, ExtraInit, Port, PortKind, is_input
 from transpiler.graph.program import StepProgram
 
 from .bucketing import BucketedGradientPass
-from .gradient_flow import add_constant, add_outputs, add_state, replace_gradient
-from .sparse_pseudo_exchange import check_options, exchange
+from .gradient_flow import add_constant, add_outputs, add_state, input_node, replace_gradient
+from .sparse_pseudo_exchange import Sparsity, check_options, exchange
+from .sparse_tiles import dct_bases
 
 aten = torch.ops.aten
-
-
-def dct_matrix(n: int) -> torch.Tensor:
-    """The orthonormal DCT-II matrix of size ``n`` in float32: ``D[k, i] = sqrt(w_k / n) · cos(π (2i + 1) k / 2n)``,
-    ``w_0 = 1`` and ``w_k = 2``, computed in float64 (``D Dᵀ = I``; the coefficients of a row ``x`` are ``x Dᵀ``)."""
-    k = torch.arange(n, dtype=torch.float64).unsqueeze(1)
-    i = torch.arange(n, dtype=torch.float64).unsqueeze(0)
-    weight = torch.full((n, 1), 2.0, dtype=torch.float64)
-    weight[0] = 1.0
-    return (torch.sqrt(weight / n) * torch.cos(math.pi * (2 * i + 1) * k / (2 * n))).to(torch.float32)
 
 
 @dataclass(frozen=True)
 class DeMoExchange(BucketedGradientPass):
     name = "demo-exchange"
-    summary = "DeMo: local momentum, its top-k DCT coefficients per chunk all-gathered, the decoded mean's sign"
-    decay: float = option(0.999, minimum=0, maximum=1, help="β of the local momentum m = β·m + g")
-    chunk: int = option(64, minimum=2, help="elements per chunk the DCT and the top-k work on")
-    topk: int = option(4, minimum=1, help="DCT coefficients sent per chunk")
-    value_bits: int = option(32, minimum=2, maximum=32, help="bits per sent coefficient (2, 4, 8 or 32)")
+    summary = "DeMo: local momentum, its top-k DCT coefficients per tile all-gathered, the decoded mean's sign"
+    decay: float = option(0.999, minimum=0, maximum=1, help="β of the local momentum δ = β·δ + lr·g")
+    chunk: int = option(64, minimum=2, help="the most a tile's side takes (a divisor of the dimension)")
+    topk: int = option(32, minimum=1, help="DCT coefficients sent per tile")
+    bins: int = option(0, minimum=0, help="quantise the sent coefficients to this many bins per tensor (0: float32)")
+    sigmas: float = option(6.0, minimum=0, help="the quantiser's range, in standard deviations")
     sign: bool = option(True, help="the optimizer steps on the sign of the decoded mean (DeMo); off: the mean")
+    weight_decay: float = option(0.0, minimum=0, help="DeMo's decoupled weight decay: θ·(1 − lr·λ) before the step")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_options(self.topk, self.chunk, self.value_bits, "DeMo")
+        check_options(self.bins, "DeMo")
 
     def reduce(self, program: StepProgram, grads: list[fx.Node]) -> None:
         bad = [g.meta["grad_of"] for g in grads if g.meta["val"].dtype != torch.float32]
         if bad:
             raise ConfigurationError(f"DeMo's momenta are float32; the gradients of {bad[:3]} are not.")
-        basis = add_constant(program, f"dct_{self.chunk}", dct_matrix(self.chunk), role="communication")
+        bases: dict[int, tuple[fx.Node, fx.Node]] = {}
+
+        def basis(side: int) -> tuple[fx.Node, fx.Node]:
+            if side not in bases:
+                forward, inverse = dct_bases(side)
+                bases[side] = (
+                    add_constant(program, f"dct_{side}", forward, role="communication"),
+                    add_constant(program, f"idct_{side}", inverse, role="communication"),
+                )
+            return bases[side]
+
         momenta = []
         for grad in grads:
             name = grad.meta["grad_of"]
             kept = add_state(program, DEMO_MOMENTUM + name, grad, ExtraInit.zeros_like(name))
+            lr = _learning_rate(program, name)
             cursor = Cursor(program.graph, grad)
-            decayed = cursor.emit(aten.mul.Tensor, (kept, self.decay), role="communication")
-            momenta.append(cursor.emit(aten.add.Tensor, (decayed, grad), role="communication"))
+            if self.decay != 1.0:  # as the authors' optimizer: no multiply by 1
+                kept = cursor.emit(aten.mul.Tensor, (kept, self.decay), role="communication")
+            momenta.append(cursor.emit(aten.addcmul.default, (kept, grad, lr), role="communication"))
         left: dict[str, fx.Node] = {}
-        inverse = 1.0 / program.world_size
+        sparsity = Sparsity(self.chunk, self.topk, False, self.bins, self.sigmas)
         for index, members, cursor in self.buckets(program, momenta):
             names = {grads[i].meta["grad_of"]: momenta[i] for i in members}
             info = {"kind": "demo", "bucket": index, "grads": tuple(names)}
-            sums, kept = exchange(program, cursor, names, self.topk, self.chunk, self.value_bits, basis, info)
+            means, kept = exchange(program, cursor, names, sparsity, basis, info)
             left |= kept
             for i in members:
                 name = grads[i].meta["grad_of"]
-                mean = cursor.emit(aten.mul.Tensor, (sums[name], inverse), role="communication")
-                step = cursor.emit(aten.sign.default, (mean,), role="communication") if self.sign else mean
+                step = (
+                    cursor.emit(aten.sign.default, (means[name],), role="communication") if self.sign else means[name]
+                )
                 replace_gradient(grads[i], step)
+                if self.weight_decay:
+                    self._decay(program, cursor, name)
         add_outputs(program, list(left.values()), [Port("extra", DEMO_MOMENTUM + n) for n in left])
+
+    def _decay(self, program: StepProgram, cursor: Cursor, name: str) -> None:
+        """The update reads ``θ·(1 − lr·λ)`` where it read θ: the authors' ``p.mul_(1 − lr·weight_decay)`` before
+        SGD's step, with ``1 − lr·λ`` formed in float64 as Python forms it."""
+        param = input_node(program, Port("param", name))
+        shrink = cursor.emit(aten.mul.Tensor, (_learning_rate(program, name), -self.weight_decay), role="optimizer")
+        factor = cursor.emit(aten.add.Tensor, (shrink, 1.0), role="optimizer")
+        decayed = cursor.emit(aten.mul.Tensor, (param, factor), role="optimizer")
+        param.replace_all_uses_with(
+            decayed, delete_user_cb=lambda u: u.meta.get("role") == "optimizer" and u is not decayed
+        )
+
+
+def _learning_rate(program: StepProgram, name: str) -> fx.Node:
+    """``lr`` of parameter ``name``'s group, a 0-d float64 node: minus the SGD step's ``neg_lr`` input. Refuses an
+    optimizer that is not SGD without momentum, whose lr DeMo could not take into its momentum."""
+    prefix = f"g{program.param_groups.get(name)}_"
+    slots = {
+        node.meta["port"].name.removeprefix(prefix): node
+        for node in program.graph.nodes
+        if is_input(node, PortKind.SCALAR) and node.meta["port"].name.startswith(prefix)
+    }
+    if set(slots) == {"neg_lr"} and isinstance(slots["neg_lr"].meta.get("val"), torch.Tensor):
+        cached = [u for u in slots["neg_lr"].users if u.meta.get("demo_lr")]
+        if cached:
+            return cached[0]
+        return Cursor(program.graph, slots["neg_lr"]).emit(
+            aten.neg.default, (slots["neg_lr"],), role="communication", demo_lr=True
+        )
+    raise ConfigurationError(
+        "DeMo takes the optimizer's lr into its momentum (δ = β·δ + lr·g) and steps with SGD on the sign of the "
+        "exchanged mean, as its authors' DeMo(torch.optim.SGD) does: give torch.optim.SGD(params, lr=...) "
+        "without momentum (weight_decay is allowed)."
+    )

@@ -20,10 +20,12 @@ sync copies it to the parameter's device after the inner update, where the Δ ne
 then hoist the copies just before the updates it fuses, still after the backward), and the new
 θ_global back to the host as the output, so between syncs the device holds no copy of it (torchft's
 ``backup_device``). The copies are nodes (``offload`` in their meta) that the dumps show.
-With ``topk > 0`` (SparseLoCo, Sarfi et al., 2025) each Δ is first added into an error buffer that never
-leaves the rank (``error_feedback.<param>``, ``e = error_decay·e + Δ``), and only the top-k entries of each
-chunk of ``e``, in ``value_bits``, are sent and taken out of it: one all-gather, decoded and summed in rank order
-(``sparse_pseudo_exchange.py``); the mode gives the outer update as plain SGD.
+With ``topk > 0`` (SparseLoCo, Sarfi et al., 2025, as its authors' code computes it) each Δ is first added into
+an error buffer that never leaves the rank (``error_feedback.<param>``, ``e = error_decay·e + error_lr·Δ``,
+``error_lr`` the outer lr, as the authors' optimizer adds its lr·gradient), and only the top-k entries of each
+tile of ``e`` (k scaled to the tile's size), quantised per tensor with ``bins``, are sent and taken out of it: one
+all-gather, each entry averaged over the ranks that sent it (``sparse_pseudo_exchange.py``); the mode gives the
+outer update as plain SGD at the same lr.
 The outer update reads only the averaged Δ: every node it takes as a gradient is tagged
 ``meta["averaged_delta_of"]``, which the verifier ``check_outer_reads_averaged`` checks.
 """
@@ -78,14 +80,21 @@ class DiLoCoOuterStep(Pass):
     participants: bool = option(
         False, help="average over the step's input 'participants' (a torchft quorum's size), not the world size"
     )
-    topk: int = option(0, minimum=0, help="SparseLoCo: send the top-k of each chunk of an error buffer (0: all)")
-    chunk: int = option(4096, minimum=1, help="SparseLoCo: elements per chunk that the top-k picks from")
-    value_bits: int = option(32, minimum=2, maximum=32, help="SparseLoCo: bits per sent value (2, 4, 8 or 32)")
-    error_decay: float = option(0.0, minimum=0, maximum=1, help="SparseLoCo: β of the error buffer e = β·e + Δ")
+    topk: int = option(0, minimum=0, help="SparseLoCo: send the top-k of each chunk × chunk tile of an error buffer")
+    chunk: int = option(64, minimum=1, help="SparseLoCo: the most a tile's side takes (a divisor of the dimension)")
+    bins: int = option(0, minimum=0, help="SparseLoCo: quantisation bins per tensor (0: float32 values)")
+    sigmas: float = option(6.0, minimum=0, help="SparseLoCo: the quantiser's range, in standard deviations")
+    error_decay: float = option(0.0, minimum=0, maximum=1, help="SparseLoCo: β of the error buffer e = β·e + lr·Δ")
+    error_lr: float = option(1.0, minimum=0, help="SparseLoCo: the lr that Δ enters the error buffer with")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        sparse_pseudo_exchange.check_options(self.topk, self.chunk, self.value_bits, "SparseLoCo")
+        sparse_pseudo_exchange.check_options(self.bins, "SparseLoCo")
+        if self.topk > self.chunk**2:
+            raise ConfigurationError(
+                f"topk={self.topk} of a {self.chunk}×{self.chunk} tile ({self.chunk**2} entries): give topk <= "
+                "chunk_size² (the published run keeps 128 of 64×64)."
+            )
         if self.topk and self.streaming:
             raise ConfigurationError(
                 "a sparse exchange (topk > 0) sends the whole model at each sync: it does not combine with "
@@ -122,13 +131,18 @@ class DiLoCoOuterStep(Pass):
             sums = self._fragment_sums(program, globals_, locals_)
             if sums is None:  # the exchange is in flight: a later step finishes it
                 return True
-        inverse = self._inverse_count(program)
-        means = {
-            name: Cursor(program.graph, total).emit(
-                aten.mul.Tensor, (total, inverse), role="communication", averaged_delta_of=name
-            )
-            for name, total in sums.items()
-        }
+        if self.topk:  # the exchange averaged each entry over the ranks that sent it
+            for name, mean in sums.items():
+                mean.meta["averaged_delta_of"] = name
+            means = sums
+        else:
+            inverse = self._inverse_count(program)
+            means = {
+                name: Cursor(program.graph, total).emit(
+                    aten.mul.Tensor, (total, inverse), role="communication", averaged_delta_of=name
+                )
+                for name, total in sums.items()
+            }
         new_global, new_state = self._inline_outer(program, globals_, means)
         cursor = before_output(program)
         extra_values = list(kept.values())
@@ -190,9 +204,9 @@ class DiLoCoOuterStep(Pass):
     def _sparse_sums(
         self, program: StepProgram, globals_: dict[str, fx.Node], locals_: dict[str, fx.Node]
     ) -> tuple[dict[str, fx.Node], dict[str, fx.Node]]:
-        """SparseLoCo: each Δ added into its error buffer (``error_feedback.<param>``, ``e = β·e + Δ``, extra state
-        that never leaves the rank), the top-k of each chunk sent (``sparse_pseudo_exchange``). Returns the sums
-        and the buffers with what was sent taken out, which the sync outputs."""
+        """SparseLoCo: each Δ added into its error buffer (``error_feedback.<param>``, ``e = β·e + lr·Δ``, extra
+        state that never leaves the rank), the top-k of each tile sent (``sparse_pseudo_exchange``). Returns the
+        means and the buffers with what was sent taken out, which the sync outputs."""
         cursor = before_output(program)
         bad = [n for n, node in locals_.items() if node.meta["val"].dtype != torch.float32]
         if bad:
@@ -201,9 +215,11 @@ class DiLoCoOuterStep(Pass):
         for name, node in locals_.items():
             delta = cursor.emit(aten.sub.Tensor, (globals_[name], node), **COMM)
             error = add_state(program, f"{ERROR_FEEDBACK}{name}", node, ExtraInit.zeros_like(name))
-            decayed = cursor.emit(aten.mul.Tensor, (error, self.error_decay), **COMM)
-            buffers[name] = cursor.emit(aten.add.Tensor, (decayed, delta), **COMM)
-        return sparse_pseudo_exchange.exchange(program, cursor, buffers, self.topk, self.chunk, self.value_bits)
+            if self.error_decay != 1.0:  # as the authors' optimizer: no multiply by 1
+                error = cursor.emit(aten.mul.Tensor, (error, self.error_decay), **COMM)
+            buffers[name] = cursor.emit(aten.add.Tensor, (error, delta), {"alpha": self.error_lr}, **COMM)
+        sparsity = sparse_pseudo_exchange.Sparsity(self.chunk, self.topk, True, self.bins, self.sigmas)
+        return sparse_pseudo_exchange.exchange(program, cursor, buffers, sparsity)
 
     def _fragment_sums(
         self, program: StepProgram, globals_: dict[str, fx.Node], locals_: dict[str, fx.Node]

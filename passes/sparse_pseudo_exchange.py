@@ -1,26 +1,27 @@
-"""A sparse exchange: per chunk, the top-k entries of a buffer kept on each rank, quantised, all-gathered, and
-summed in float32 in rank order. SparseLoCo's (Sarfi et al., 2025) and, in a DCT basis, DeMo's (Peng et al., 2024).
+"""A sparse exchange as SparseLoCo's (Sarfi et al., 2025) and DeMo's (Peng et al., 2024) authors compute it: per
+tile of a buffer kept on each rank, the top-k entries, all-gathered, and each entry averaged over the ranks that
+sent it.
 
 Not a pass. ``diloco-outer-step`` with ``topk > 0`` calls :func:`exchange` with each parameter's error buffer
-``e = β·e + Δ``; ``demo-exchange`` with each parameter's momentum and the DCT matrix as ``basis``. Each buffer is
-flattened and padded with zeros to whole chunks of ``chunk`` elements, one row per chunk (with a basis ``B``, the
-row's coefficients ``x Bᵀ``); the rows of every parameter make one ``[R, chunk]`` matrix. Per row,
-``torch.topk`` of ``|x|`` picks ``k`` entries, and only they leave the rank, as one message:
+(SparseLoCo); ``demo-exchange`` with each parameter's momentum and DeMo's DCT bases. Each buffer is cut into tiles
+(``sparse_tiles.py``: 64 × 64 for a 768 × 3072 matrix at chunk 64), one row per tile, or with a basis the tile's
+2-D DCT coefficients. Per row, ``torch.topk(|x|, k, sorted=False)`` picks ``k`` entries (:meth:`Sparsity.k`:
+SparseLoCo scales ``topk`` by the tile's size, ``max(1, round(h·w·topk / chunk²))``; DeMo takes it as it is),
+and only they leave the rank, as one message per exchange, parameter after parameter:
 
-- their indices in the row, ``ceil(log2(chunk))`` bits each, packed little-endian into bytes (bit ``j`` of the
-  message is bit ``j mod b`` of index ``j div b``; the last byte padded with zero bits);
-- their values: 32 bits, the float32 bytes as they are; or ``bits`` in 2, 4, 8, per row scaled by its own
-  float32 ``s = max|v|`` (``s = 1`` for a row of zeros), the code ``q = clamp(round((v / s + 1) · L / 2), 0, L)``
-  (``L = 2^bits − 1``, round half to even), packed the same way, decoded ``(2q − L) · (s / L)``;
-- the rows' scales, float32 (none for 32 bits).
+- their indices in the row, ``ceil(log2(h·w))`` bits each, packed little-endian into bytes (bit ``j`` of the
+  part is bit ``j mod b`` of index ``j div b``; the last byte padded with zero bits);
+- their values: the float32 bytes as they are; or with ``bins`` (SparseLoCo's statistical quantiser, per
+  tensor: :func:`quantise`) a code of ``ceil(log2(bins))`` bits each, packed the same way;
+- with ``bins``, after every parameter's parts, a float32 table per parameter: its shift and the mean of each
+  bin, ``bins + 1`` floats.
 
-Each part is padded with zero bytes to a multiple of 4, so every rank's float32 parts can be read in place from
-the gathered buffer, compiled or not.
-
-What is sent is the decoded value, so the rank subtracts exactly that from its buffer: ``e ← e − ê`` (with a basis,
-``e ← e − ĉ B``). The messages are all-gathered; every rank decodes every rank's and adds them with
-``scatter_add`` into a zero matrix, rank 0 first, so the sum's order is fixed and the same on every rank (with a
-basis, the sum of coefficients then goes back through ``B``, one parameter at a time).
+Each part is padded with zero bytes to a multiple of 4, so the float32 parts are read in place from the gathered
+buffer, compiled or not. What is sent is the decoded value, so the rank subtracts exactly that from its buffer
+(through the inverse basis for DeMo). Every rank decodes every rank's message and, per entry, adds the values of
+the ranks that chose it in rank order (``scatter_add``, one rank at a time, so the order is fixed on any device)
+and divides by how many did: the authors' ``scatter_reduce(mean, include_self=False)``, bit for bit on the CPU.
+An entry no rank chose is zero.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from __future__ import annotations
 import math
 import operator
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -37,31 +40,63 @@ from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor
 from transpiler.graph.program import StepProgram
 
-VALUE_BITS = (2, 4, 8, 32)
+from .sparse_tiles import Tiling, from_rows, to_rows
+
 aten = torch.ops.aten
+MAX_BINS = 256  # the authors' codes are uint8
 
 
-def check_options(topk: int, chunk: int, bits: int, who: str) -> None:
-    """The exchange's options, as a pass that uses it takes them: ``bits`` one of :data:`VALUE_BITS`, at most a
-    chunk's worth of entries sent per chunk. ``who`` names what sends (``SparseLoCo``, ``DeMo``)."""
-    if bits not in VALUE_BITS:
-        raise ConfigurationError(f"value_bits={bits}: {who} sends values of 2, 4, 8 or 32 bits.")
-    if topk > chunk:
-        raise ConfigurationError(f"topk={topk} of a chunk of {chunk} elements: give topk <= chunk.")
+@dataclass(frozen=True)
+class Sparsity:
+    """What an exchange keeps: ``topk`` per tile of at most ``chunk`` × ``chunk`` (``scaled``: the top-k of a
+    chunk² tile, scaled to the tile's size), in float32 or, with ``bins``, quantised per tensor in bins of
+    ``sigmas·σ / bins`` around the mean (``sigmas·σ`` wide in all)."""
+
+    chunk: int
+    topk: int
+    scaled: bool
+    bins: int = 0
+    sigmas: float = 6.0
+
+    def k(self, width: int) -> int:
+        """Entries kept of a tile of ``width``, at least 1 and at most all."""
+        k = int(max(1, round(width * self.topk / self.chunk**2))) if self.scaled else self.topk
+        return min(max(k, 1), width)
+
+    @property
+    def code_bits(self) -> int:
+        return max(1, math.ceil(math.log2(self.bins)))
 
 
-def index_bits(chunk: int) -> int:
-    """Bits of one index into a chunk of ``chunk`` elements (at least 1)."""
-    return max(1, math.ceil(math.log2(chunk)))
+def check_options(bins: int, who: str) -> None:
+    """``bins``: 0 (float32 values) or 2 to :data:`MAX_BINS`. ``who`` names what sends (``SparseLoCo``, ``DeMo``)."""
+    if bins == 1 or bins > MAX_BINS:
+        raise ConfigurationError(
+            f"quantization_bins={bins}: {who} quantises to 2 to {MAX_BINS} bins (4 is the published 2 bits), or "
+            "sends float32 values with 0."
+        )
 
 
-def message_bytes(rows: int, k: int, chunk: int, bits: int) -> tuple[int, int, int]:
-    """Bytes of the indices, the values and the scales of one rank's message for ``rows`` chunks, each part
-    padded with zero bytes to a multiple of 4 (so the float32 parts are read in place, compiled or not)."""
+def index_bits(width: int) -> int:
+    """Bits of one index into a row of ``width`` entries (at least 1)."""
+    return max(1, math.ceil(math.log2(width)))
+
+
+def part_bytes(rows: int, width: int, k: int, sparsity: Sparsity) -> tuple[int, int, int]:
+    """Bytes of one parameter's indices, values and table (shift and bin means) in a message, each padded to a
+    multiple of 4."""
     count = rows * k
-    indices = _aligned(math.ceil(count * index_bits(chunk) / 8))
-    values = 4 * count if bits == 32 else _aligned(math.ceil(count * bits / 8))
-    return indices, values, 0 if bits == 32 else 4 * rows
+    indices = _aligned(math.ceil(count * index_bits(width) / 8))
+    if not sparsity.bins:
+        return indices, 4 * count, 0
+    return indices, _aligned(math.ceil(count * sparsity.code_bits / 8)), 4 * (sparsity.bins + 1)
+
+
+def message_parts(shapes: tuple[tuple[int, int, int], ...], sparsity: Sparsity) -> dict[str, int]:
+    """Bytes of one rank's message by part (``indices``, ``values``, ``tables``) for parameters of ``(rows,
+    width, k)``."""
+    sizes = [part_bytes(*shape, sparsity) for shape in shapes]
+    return {part: sum(size[i] for size in sizes) for i, part in enumerate(("indices", "values", "tables"))}
 
 
 def _aligned(size: int) -> int:
@@ -110,114 +145,154 @@ def unpack_bits(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return codes.reshape(-1)[:count]
 
 
-def quantise(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of ``[R, k]`` float32 values: the codes (int64) and the scales ``[R, 1]`` (module doc)."""
-    levels = 2**bits - 1
-    scale = values.abs().amax(1, keepdim=True)
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    codes = torch.round((values / scale + 1) * (levels / 2)).clamp(0, levels).to(torch.int64)
-    return codes, scale
+def quantise(values: torch.Tensor, bins: int, sigmas: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SparseLoCo's quantiser over all of one tensor's kept values: the codes (int64), the shift (their mean) and
+    the lookup (the mean of ``v − shift`` in each bin; 0 for an empty bin). ``σ = ‖v − shift‖ / √(n − 1)``,
+    ``scale = sigmas·σ / bins`` (1 where that is 0 or not finite), ``code = clamp(round((v − shift)/scale +
+    bins//2), 0, bins − 1)``."""
+    shift = values.mean()
+    centred = values - shift
+    n = centred.numel()
+    spread = centred.norm() / math.sqrt(n - 1) if n > 1 else torch.zeros_like(shift)
+    scale = sigmas * spread / bins
+    scale = torch.where((scale == 0) | ~torch.isfinite(scale), torch.ones_like(scale), scale)
+    codes = (centred / scale + bins // 2).round().clamp(0, bins - 1).to(torch.int64)
+    flat_codes, flat = codes.reshape(-1), centred.reshape(-1)
+    sums = torch.zeros(bins, dtype=torch.float32, device=values.device).scatter_add(0, flat_codes, flat)
+    counts = torch.zeros_like(sums).scatter_add(0, flat_codes, torch.ones_like(flat))
+    return codes, shift, torch.where(counts > 0, sums / counts, 0.0)
 
 
-def dequantise(codes: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """``(2q − L) · (s / L)`` in float32."""
-    levels = 2**bits - 1
-    return (2 * codes - levels).to(torch.float32) * (scale / levels)
+def dequantise(codes: torch.Tensor, shift: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
+    """A code's value: its bin's mean plus the shift."""
+    return lookup[codes] + shift
 
 
-def select(rows: torch.Tensor, k: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One rank's ``[R, chunk]`` buffer: its message (uint8, 1-D) and what the message decodes to, dense
-    ``[R, chunk]`` (zero where nothing was sent)."""
-    index = torch.topk(rows.abs(), k, dim=1).indices
-    values = torch.gather(rows, 1, index)
-    if bits == 32:
-        sent, parts = values, [values.reshape(-1).view(torch.uint8)]
-    else:
-        codes, scale = quantise(values, bits)
-        sent = dequantise(codes, scale, bits)
-        parts = [_padded(pack_bits(codes, bits)), scale.reshape(-1).view(torch.uint8)]
-    message = torch.cat([_padded(pack_bits(index, index_bits(rows.shape[1]))), *parts])
-    return message, torch.zeros_like(rows).scatter(1, index, sent)
-
-
-def decode_sum(received: torch.Tensor, rows: int, k: int, chunk: int, bits: int) -> torch.Tensor:
-    """Every rank's message (``[W, message bytes]``) decoded and added into a zero ``[rows, chunk]`` float32
-    matrix in rank order."""
-    index_bytes, value_bytes, _ = message_bytes(rows, k, chunk, bits)
-    total = torch.zeros(rows, chunk, dtype=torch.float32, device=received.device)
-    for message in received:
-        index = unpack_bits(message[:index_bytes], index_bits(chunk), rows * k).reshape(rows, k)
-        body = message[index_bytes:]
-        if bits == 32:
-            values = body.view(torch.float32).reshape(rows, k)
+def select(rows: list[torch.Tensor], ks: tuple[int, ...], spec: Sparsity) -> tuple[torch.Tensor, ...]:
+    """One rank's tiles (``[rows, width]`` per parameter, ``ks`` entries kept of each row): its message (uint8,
+    1-D) and, per parameter, what the message decodes to, dense (zero where nothing was sent)."""
+    parts, tables, sent = [], [], []
+    for x, k in zip(rows, ks):
+        index = torch.topk(x.abs(), k, dim=-1, largest=True, sorted=False).indices
+        values = torch.gather(x, -1, index)
+        parts.append(_padded(pack_bits(index, index_bits(x.shape[-1]))))
+        if spec.bins:
+            codes, shift, lookup = quantise(values, spec.bins, spec.sigmas)
+            values = dequantise(codes, shift, lookup)
+            parts.append(_padded(pack_bits(codes, spec.code_bits)))
+            tables += [shift.reshape(1), lookup]
         else:
-            codes = unpack_bits(body[:value_bytes], bits, rows * k).reshape(rows, k)
-            scale = body[value_bytes:].view(torch.float32).reshape(rows, 1)
-            values = dequantise(codes, scale, bits)
-        total = total.scatter_add(1, index, values)
-    return total
+            parts.append(values.reshape(-1).view(torch.uint8))
+        sent.append(torch.zeros_like(x).scatter(-1, index, values))
+    if tables:
+        parts.append(torch.cat(tables).view(torch.uint8))
+    return (torch.cat(parts), *sent)
 
 
-def as_rows(cursor: Cursor, node: fx.Node, chunk: int, comm: dict) -> fx.Node:
-    """A tensor flattened and padded with zeros to whole chunks: ``[rows, chunk]``."""
-    n = node.meta["val"].numel()
-    flat = cursor.emit(aten.reshape.default, (node, [-1]), **comm)
-    if n % chunk:
-        flat = cursor.emit(aten.constant_pad_nd.default, (flat, [0, chunk - n % chunk]), **comm)
-    return cursor.emit(aten.view.default, (flat, [-1, chunk]), **comm)
+def decode_mean(received: torch.Tensor, shapes: tuple[tuple[int, int, int], ...], spec: Sparsity) -> tuple:
+    """Every rank's message (``[W, message bytes]``) decoded; per parameter of ``(rows, width, k)``, each entry
+    the mean of the values of the ranks that sent it, added in rank order (0 where none did)."""
+    sums = [torch.zeros(r, w, dtype=torch.float32, device=received.device) for r, w, _ in shapes]
+    counts = [torch.zeros_like(total) for total in sums]
+    sizes = [part_bytes(*shape, spec) for shape in shapes]
+    tables = sum(index + values for index, values, _ in sizes)
+    for message in received:
+        at = 0
+        for i, ((rows, width, k), (index_size, value_size, table_size)) in enumerate(zip(shapes, sizes)):
+            index = unpack_bits(message[at : at + index_size], index_bits(width), rows * k).reshape(rows, k)
+            body = message[at + index_size : at + index_size + value_size]
+            if spec.bins:
+                table = message[tables + i * table_size : tables + (i + 1) * table_size].view(torch.float32)
+                codes = unpack_bits(body, spec.code_bits, rows * k).reshape(rows, k)
+                values = dequantise(codes, table[:1], table[1:])
+            else:
+                values = body.view(torch.float32).reshape(rows, k)
+            sums[i] = sums[i].scatter_add(1, index, values)
+            counts[i] = counts[i].scatter_add(1, index, torch.ones_like(values))
+            at += index_size + value_size
+    return tuple(total / count.clamp_min(1) for total, count in zip(sums, counts))
 
 
-def unpadded(cursor: Cursor, rows: fx.Node, like: fx.Node, comm: dict) -> fx.Node:
-    """Rows that :func:`as_rows` made of ``like`` (or computed from them), back in its shape."""
-    val = like.meta["val"]
-    flat = cursor.emit(aten.reshape.default, (rows, [-1]), **comm)
-    flat = cursor.emit(aten.slice.Tensor, (flat, 0, 0, val.numel()), **comm)
-    return cursor.emit(aten.view.default, (flat, list(val.shape)), **comm)
+@torch.library.custom_op("transpiler::sparse_select", mutates_args=())
+def _select_op(
+    rows: list[torch.Tensor], ks: list[int], chunk: int, topk: int, scaled: bool, bins: int, sigmas: float
+) -> list[torch.Tensor]:
+    """:func:`select` as one graph op: ``compile=True`` runs it as it is, where Inductor took minutes over the
+    unrolled tiles, quantisers and packing of every parameter (163 s for a 6-parameter MLP's sync)."""
+    return list(select(rows, tuple(ks), Sparsity(chunk, topk, scaled, bins, sigmas)))
+
+
+@_select_op.register_fake
+def _select_fake(rows, ks, chunk, topk, scaled, bins, sigmas):
+    spec = Sparsity(chunk, topk, scaled, bins, sigmas)
+    size = sum(sum(part_bytes(x.shape[0], x.shape[1], k, spec)) for x, k in zip(rows, ks))
+    return [rows[0].new_empty(size, dtype=torch.uint8), *(torch.empty_like(x) for x in rows)]
+
+
+@torch.library.custom_op("transpiler::sparse_decode_mean", mutates_args=())
+def _decode_op(
+    received: torch.Tensor, shapes: list[int], chunk: int, topk: int, scaled: bool, bins: int, sigmas: float
+) -> list[torch.Tensor]:
+    """:func:`decode_mean` as one graph op; ``shapes`` the ``(rows, width, k)`` of each parameter, in a row."""
+    triples = tuple(tuple(shapes[i : i + 3]) for i in range(0, len(shapes), 3))
+    return list(decode_mean(received, triples, Sparsity(chunk, topk, scaled, bins, sigmas)))
+
+
+@_decode_op.register_fake
+def _decode_fake(received, shapes, chunk, topk, scaled, bins, sigmas):
+    return [received.new_empty(shapes[i], shapes[i + 1], dtype=torch.float32) for i in range(0, len(shapes), 3)]
+
+
+SELECT = torch.ops.transpiler.sparse_select.default
+DECODE_MEAN = torch.ops.transpiler.sparse_decode_mean.default
 
 
 def exchange(
     program: StepProgram,
     cursor: Cursor,
     buffers: dict[str, fx.Node],
-    k: int,
-    chunk: int,
-    bits: int,
-    basis: fx.Node | None = None,
+    sparsity: Sparsity,
+    bases: Callable[[int], tuple[fx.Node, fx.Node]] | None = None,
     info: dict | None = None,
 ) -> tuple[dict[str, fx.Node], dict[str, fx.Node]]:
-    """Send the top-k of every chunk of the buffers ``buffers`` (by parameter); returns the sum over ranks and the
-    buffer left on this rank (``e − ê``), each by parameter in the parameter's shape. With ``basis`` (an
-    orthonormal ``[chunk, chunk]`` matrix ``B``, DeMo's DCT) the top-k is taken of each chunk's coefficients
-    ``x Bᵀ``; what was sent is taken out as ``ĉ B``, and the sum of the coefficients comes back as ``(Σ ĉ) B``."""
+    """Send the top-k of every tile of the buffers ``buffers`` (by parameter); returns the mean over the ranks
+    that chose each entry and the buffer left on this rank (``e − ê``), each by parameter in the parameter's
+    shape. With ``bases`` (the forward and inverse DCT of a tile side, graph constants) the top-k is taken of each
+    tile's coefficients; what was sent leaves the buffer through the inverse, and the mean comes back through it."""
     comm = {"role": "communication"}
-    rows = {name: as_rows(cursor, node, chunk, comm) for name, node in buffers.items()}
-    coefficients = list(rows.values())
-    if basis is not None:  # per parameter, so each product is the same whatever the other parameters are
-        transposed = cursor.emit(aten.t.default, (basis,), **comm)
-        coefficients = [cursor.emit(aten.mm.default, (r, transposed), **comm) for r in coefficients]
-    matrix = coefficients[0] if len(coefficients) == 1 else cursor.emit(aten.cat.default, (coefficients,), **comm)
-    count = matrix.meta["val"].shape[0]
-    chosen = cursor.emit(select, (matrix, k, bits), **comm)
+    tilings = {name: Tiling.of(tuple(node.meta["val"].shape), sparsity.chunk) for name, node in buffers.items()}
+
+    def basis(tiling: Tiling, which: int) -> list[fx.Node]:
+        return [bases(side)[which] for side in tiling.sides] if bases else []
+
+    rows = [
+        cursor.emit(to_rows, (node, t.matrix, t.sides, *basis(t, 0)), **comm)
+        for node, t in zip(buffers.values(), tilings.values())
+    ]
+    ks = [sparsity.k(t.width) for t in tilings.values()]
+    fields = (sparsity.chunk, sparsity.topk, sparsity.scaled, sparsity.bins, sparsity.sigmas)
+    chosen = cursor.emit(SELECT, (rows, ks, *fields), **comm)
     message = cursor.emit(operator.getitem, (chosen, 0), **comm, sent=True)  # all that leaves the rank
-    sent = cursor.emit(operator.getitem, (chosen, 1), **comm)
     size = message.meta["val"].numel()
+    shapes = tuple((t.rows, t.width, k) for t, k in zip(tilings.values(), ks))
     world, group = program.world_size, program.group_name
     info = (info or {"kind": "pseudo-gradients", "pseudo-gradients": tuple(buffers)}) | {
-        "topk": k,
-        "chunk": chunk,
-        "value_bits": bits,
+        "topk": sparsity.topk,
+        "chunk": sparsity.chunk,
+        "bins": sparsity.bins,
         "bytes": size,
+        "parts": message_parts(shapes, sparsity),
     }
     gathered = cursor.emit(C10D.all_gather_into_tensor.default, (message, world, group), collective=info, **comm)
     received = cursor.emit(aten.view.default, (cursor.emit(WAIT, (gathered,), **comm), [world, size]), **comm)
-    total = cursor.emit(decode_sum, (received, count, k, chunk, bits), **comm)
-    sums, kept, start = {}, {}, 0
-    for name, node in buffers.items():
-        end = start + rows[name].meta["val"].shape[0]
-        mine, all_ = (cursor.emit(aten.slice.Tensor, (t, 0, start, end), **comm) for t in (sent, total))
-        if basis is not None:
-            mine, all_ = (cursor.emit(aten.mm.default, (t, basis), **comm) for t in (mine, all_))
-        kept[name] = unpadded(cursor, cursor.emit(aten.sub.Tensor, (rows[name], mine), **comm), node, comm)
-        sums[name] = unpadded(cursor, all_, node, comm)
-        start = end
-    return sums, kept
+    decoded = cursor.emit(DECODE_MEAN, (received, [n for shape in shapes for n in shape], *fields), **comm)
+    means, kept = {}, {}
+
+    def back(source: fx.Node, i: int, t: Tiling) -> fx.Node:
+        rows = cursor.emit(operator.getitem, (source, i), **comm)
+        return cursor.emit(from_rows, (rows, t.shape, t.matrix, t.sides, *basis(t, 1)), **comm)
+
+    for i, (name, node) in enumerate(buffers.items()):
+        kept[name] = cursor.emit(aten.sub.Tensor, (node, back(chosen, i + 1, tilings[name])), **comm)
+        means[name] = back(decoded, i, tilings[name])
+    return means, kept

@@ -1,12 +1,13 @@
 """One rank of the DeMo runs (tests/test_demo.py), every rank on its own data, in the worlds of 2 and 4 ranks that
 tests/test_diloco.py also uses.
 
-1. ``reference``: ``demo`` (chunks of 16, top-3 DCT coefficients of each, 32-bit, β=0.9, sign step; plain SGD)
-   for 8 steps against the paper's loop run eagerly here for every rank: ``m_r ← β m_r + g_r``; per chunk of
-   ``m_r`` the coefficients ``c = x Dᵀ`` in the DCT-II basis ``D`` (scipy's, ``norm="ortho"``), the top-k kept
-   (``q_r``) and taken out, ``m_r ← m_r − q_r D``; the update ``sign((Σ_r q_r) D / W)``, summed in rank order.
-   Also with 4-bit coefficients.
-2. ``identity``: every coefficient sent (k = chunk), no sign: the user's SGD with momentum on the mean gradient.
+1. ``reference``: ``demo`` (tiles of at most 8 × 8, top-5 DCT coefficients of each, float32, β=0.9, sign step;
+   plain SGD) for 8 steps against bloc97's ``DeMo`` optimizer run eagerly here for every rank
+   (``AuthorsDeMo``: ``δ ← β·δ + lr·g``, the exchange of ``tests/authors_sparse.py`` with the 2-D DCT, the sign,
+   SGD). Also with SparseLoCo's quantiser (4 bins), as tplr's optimizer runs DeMo with ``use_dct``.
+   And with the authors' decoupled weight decay, ``θ ← θ·(1 − lr·λ)`` (the mode's ``weight_decay``).
+2. ``sgd_decay``: SGD's own weight decay instead, against the authors' decoupled one.
+3. ``identity``: every coefficient sent, no sign: the user's SGD on the mean of the momenta.
 """
 
 from __future__ import annotations
@@ -15,69 +16,67 @@ import copy
 import os
 import sys
 
-import numpy as np
-import scipy.fft
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import authors_sparse  # noqa: E402
 from tests.diloco_worker import LOSS, data, params_of  # noqa: E402
 from tests.distributed import run_rank  # noqa: E402
 from tests.models import MLP  # noqa: E402
-from tests.sparseloco_worker import keep_topk, rows_of  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 STEPS = 8
-DEMO = {"compression_chunk": 16, "compression_topk": 3, "compression_decay": 0.9}
+DEMO = {"compression_chunk": 8, "compression_topk": 5, "compression_decay": 0.9}
+LR = 0.01
 
 
-def dct(n: int) -> torch.Tensor:
-    """The orthonormal DCT-II matrix from scipy: column j is the transform of the j-th unit vector."""
-    return torch.from_numpy(scipy.fft.dct(np.eye(n), type=2, norm="ortho", axis=0)).float()
+class AuthorsDeMo:
+    """bloc97's ``DeMo(torch.optim.SGD)``, eager, for every rank: each keeps its ``delta``; every rank's SGD steps
+    on the same sign of the aggregate. ``weight_decay`` is theirs, decoupled: ``θ ← θ·(1 − lr·λ)`` first."""
 
-
-class PaperDeMo:
-    """Algorithm 1 of Peng et al. (2024), eager, for every rank: each keeps its momentum; the optimizer of every
-    replica (the same SGD) steps on the shared update."""
-
-    def __init__(self, model, world: int, chunk: int, k: int, bits: int, beta: float, sign: bool, optimizer):
+    def __init__(self, model, world: int, options: dict, bins: int = 0, weight_decay: float = 0.0):
         self.replicas = [copy.deepcopy(model) for _ in range(world)]
-        self.optimizers = [optimizer(m.parameters()) for m in self.replicas]
-        self.momenta = [[torch.zeros_like(p) for p in model.parameters()] for _ in range(world)]
-        self.chunk, self.k, self.bits, self.beta, self.sign = chunk, k, bits, beta, sign
-        self.basis = dct(chunk)
+        self.optimizers = [torch.optim.SGD(m.parameters(), lr=LR, foreach=False) for m in self.replicas]
+        self.deltas = [[torch.zeros_like(p) for p in model.parameters()] for _ in range(world)]
+        self.options, self.bins, self.weight_decay = options, bins, weight_decay
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        o = self.options
         for model, opt, (x, y) in zip(self.replicas, self.optimizers, batches):
             opt.zero_grad()
             LOSS(model(x), y).backward()
-        world = len(self.replicas)
-        updates = []
-        for i, like in enumerate(self.replicas[0].parameters()):
-            total = None
+        for i in range(len(self.deltas[0])):
+            buffers = []
             for r, model in enumerate(self.replicas):
-                m = self.beta * self.momenta[r][i] + list(model.parameters())[i].grad
-                rows = rows_of(m, self.chunk)
-                q = keep_topk(rows @ self.basis.T, self.k, self.bits)
-                self.momenta[r][i] = (rows - q @ self.basis).reshape(-1)[: m.numel()].reshape(m.shape)
-                total = q if total is None else total + q
-            mean = ((total @ self.basis) * (1.0 / world)).reshape(-1)[: like.numel()].reshape(like.shape)
-            updates.append(torch.sign(mean) if self.sign else mean)
-        for model, opt in zip(self.replicas, self.optimizers):
-            for p, update in zip(model.parameters(), updates):
-                p.grad = update.clone()
+                p = list(model.parameters())[i]
+                if self.weight_decay:
+                    p.data.mul_(1.0 - LR * self.weight_decay)
+                delta = self.deltas[r][i]
+                if o["compression_decay"] != 1:
+                    delta = delta * o["compression_decay"]
+                buffers.append(delta.add(p.grad, alpha=LR))
+            chunk, topk = o["compression_chunk"], o["compression_topk"]
+            self.deltas_for(i, *authors_sparse.exchange(buffers, chunk, topk, False, self.bins, 6, True))
+        for opt in self.optimizers:
             opt.step()
 
+    def deltas_for(self, i: int, kept: list[torch.Tensor], aggregate: torch.Tensor) -> None:
+        for r, model in enumerate(self.replicas):
+            self.deltas[r][i] = kept[r]
+            list(model.parameters())[i].grad = aggregate.sign()
 
-def sgd(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.01)
+
+def sgd(params, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, weight_decay=weight_decay)
 
 
-def reference(rank: int, world: int, bits: int) -> dict:
+def reference(rank: int, world: int, bins: int = 0, weight_decay: float = 0.0, sgds: bool = False) -> dict:
+    """``weight_decay``: the mode's (the authors' decoupled decay), or with ``sgds`` SGD's own."""
     torch.manual_seed(0)
     model = MLP()
-    c, k, beta = DEMO["compression_chunk"], DEMO["compression_topk"], DEMO["compression_decay"]
-    paper = PaperDeMo(model, world, c, k, bits, beta, True, sgd)
-    step = transpile(model, sgd(model.parameters()), "demo", LOSS, **DEMO, value_bits=bits)
+    paper = AuthorsDeMo(model, world, DEMO, bins, weight_decay)
+    options = {**DEMO, "quantization_bins": bins, "weight_decay": 0.0 if sgds else weight_decay}
+    step = transpile(model, sgd(model.parameters(), weight_decay if sgds else 0.0), "demo", LOSS, **options)
     record: dict = {"mine": [], "paper": []}
     for batches in data(world, STEPS):
         step(*batches[rank])
@@ -86,22 +85,19 @@ def reference(rank: int, world: int, bits: int) -> dict:
         record["paper"].append(params_of(paper.replicas[rank]))
     extra = step.state_dict()["transpiler"]["extra"]
     record["momenta"] = {n: extra[f"demo_momentum.{n}"] for n, _ in model.named_parameters()}
-    record["paper_momenta"] = dict(zip(record["momenta"], paper.momenta[rank]))
+    record["paper_momenta"] = dict(zip(record["momenta"], paper.deltas[rank]))
     return record
 
 
 def identity(rank: int, world: int) -> dict:
-    """k = chunk and no sign against the mean gradient (summed in rank order) through SGD with momentum."""
+    """Every coefficient, no memory (β = 0), no sign: plain SGD on the mean of ``lr·g`` (the lr enters the momentum
+    and the step, as the authors' code has it), summed in rank order."""
     torch.manual_seed(0)
     model = MLP()
     twin = copy.deepcopy(model)
-
-    def momentum_sgd(params):
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-
-    options = {"compression_chunk": 16, "compression_topk": 16, "compression_decay": 0.9, "sign": False}
-    step = transpile(model, momentum_sgd(model.parameters()), "demo", LOSS, **options)
-    opt = momentum_sgd(twin.parameters())
+    options = {"compression_chunk": 8, "compression_topk": 64, "compression_decay": 0.0, "sign": False}
+    step = transpile(model, sgd(model.parameters()), "demo", LOSS, **options)
+    opt = sgd(twin.parameters())
     record: dict = {"mine": [], "plain": []}
     for batches in data(world, STEPS):
         step(*batches[rank])
@@ -114,7 +110,7 @@ def identity(rank: int, world: int) -> dict:
             total = grads[0][i]
             for g in grads[1:]:
                 total = total + g[i]
-            p.grad = total * (1.0 / world)
+            p.grad = total * (1.0 / world) * LR
         opt.step()
         record["mine"].append(params_of(model))
         record["plain"].append(params_of(twin))
@@ -122,9 +118,13 @@ def identity(rank: int, world: int) -> dict:
 
 
 def checks(rank: int, world: int) -> dict:
-    out = {"reference": reference(rank, world, 32), "reference_4bit": reference(rank, world, 4)}
+    out = {
+        "reference": reference(rank, world),
+        "reference_4bins": reference(rank, world, bins=4),
+        "reference_decay": reference(rank, world, weight_decay=0.1),
+    }
     if world == 2:
-        out["identity"] = identity(rank, world)
+        out |= {"identity": identity(rank, world), "sgd_decay": reference(rank, world, weight_decay=0.1, sgds=True)}
     return out
 
 

@@ -1,14 +1,12 @@
 """One rank of the SparseLoCo runs (tests/test_sparseloco.py), every rank on its own data, in the worlds of 2 and 4
 ranks that tests/test_diloco.py also uses.
 
-1. ``reference``: ``sparseloco`` (H=3, AdamW inside; 16-element chunks, top-3 of each, 2-bit values, β=0.9,
-   α=0.8) for 4 outer rounds, against the paper's loop that this rank runs eagerly for *every* replica:
-   ``e_r ← β e_r + (θ_global − θ_r)``; per chunk of ``e_r`` (each parameter flattened, padded with zeros to whole
-   chunks) the ``k`` entries of largest ``|e|``, quantised as docs/strategies/sparseloco.md writes it and decoded
-   (``ê_r``); ``e_r ← e_r − ê_r``; ``θ_global ← θ_global − α · (ê_0 + ê_1 + ...) / W``, summed in rank order;
-   every replica restarts from θ_global. The quantiser is written here from the documented formula, not imported.
-   ``replica_size=2`` at W=4: two replicas of two ranks, data parallel or ZeRO-1 inside.
-2. ``identity``: k = chunk, 32-bit values and β = 0 against ``diloco`` with outer ``SGD(lr=α)``.
+1. ``reference``: ``sparseloco`` (H=3, AdamW inside; tiles of at most 8 × 8, top-12 of 64 scaled to each tile,
+   4 bins, β=0.9, α=0.8) for 4 outer rounds, against tplr's DiLoCo loop and SparseLoCo optimizer that this rank
+   runs eagerly for *every* replica (``AuthorsSparseLoCo``, the exchange of ``tests/authors_sparse.py``, written
+   from the authors' code, not imported from the project). ``replica_size=2`` at W=4: two replicas of two
+   ranks, data parallel or ZeRO-1 inside.
+2. ``identity``: every entry sent in float32, β = 0, α = 1 against ``diloco`` with outer ``SGD(lr=1)``.
 3. ``resume``: ``step.state_dict()`` mid-round (the error buffers non-zero) continues as the run that never stopped.
 4. ``wire``: the bytes of the all-gather's message, and the verifier refusing an error buffer that leaves the rank.
 """
@@ -16,13 +14,13 @@ ranks that tests/test_diloco.py also uses.
 from __future__ import annotations
 
 import copy
-import math
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import authors_sparse  # noqa: E402
 from tests.diloco_worker import (  # noqa: E402
     LOSS,
     H,
@@ -38,57 +36,41 @@ from tests.models import MLP  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 ROUNDS = 4
-SPARSE = {"chunk_size": 16, "topk": 3, "value_bits": 2, "error_decay": 0.9, "outer_lr": 0.8}
+# tiles of at most 8 × 8: 8 × 5, 8 × 8 and 5 × 8 for the MLP's matrices, 8 and 5 for its biases; k = 12 of 64
+SPARSE = {"chunk_size": 8, "topk": 12, "quantization_bins": 4, "error_decay": 0.9, "outer_lr": 0.8}
 
 
-def rows_of(e: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``e`` flattened and padded with zeros to whole chunks, one per row."""
-    return torch.cat([e.reshape(-1), e.new_zeros((-e.numel()) % chunk)]).reshape(-1, chunk)
+class AuthorsSparseLoCo(PaperDiLoCo):
+    """tplr's DiLoCo loop (``Diloco.outer_step``) driving its ``SparseLoCo`` optimizer, eager, for all replicas:
+    Δ = θ_saved − θ; ``e ← β·e`` (unless β = 1), ``e ← e + lr·Δ``; the exchange of ``tests/authors_sparse.py``;
+    θ_global takes SGD(lr) on the aggregate."""
 
-
-def keep_topk(rows: torch.Tensor, k: int, bits: int) -> torch.Tensor:
-    """The compressor as the docs state it: per row the top-k of ``|x|``, each value ``v`` of a row whose largest
-    is ``s`` coded ``q = clamp(round((v/s + 1)·L/2), 0, L)`` and decoded ``(2q − L)·(s/L)`` (``L = 2^bits − 1``;
-    32 bits: ``v`` itself). Returns the decoded values in place, zero elsewhere."""
-    where = rows.abs().topk(k, dim=1).indices
-    v = rows.gather(1, where)
-    if bits < 32:
-        levels = 2**bits - 1
-        s = v.abs().amax(1, keepdim=True)
-        s = torch.where(s == 0, torch.ones_like(s), s)
-        q = torch.clamp(torch.round((v / s + 1) * (levels / 2)), 0, levels)
-        v = (2 * q - levels) * (s / levels)
-    return torch.zeros_like(rows).scatter(1, where, v)
-
-
-def compress(e: torch.Tensor, chunk: int, k: int, bits: int) -> torch.Tensor:
-    """SparseLoCo's compressor on a whole buffer: :func:`keep_topk` of its chunks, back in its shape."""
-    return keep_topk(rows_of(e, chunk), k, bits).reshape(-1)[: e.numel()].reshape(e.shape)
-
-
-class PaperSparseLoCo(PaperDiLoCo):
-    """SparseLoCo (Sarfi et al., 2025), eager, for all replicas: each replica's error buffer takes its Δ, sends
-    what :func:`compress` keeps and keeps the rest; θ_global takes SGD(lr=α) on the mean of what was sent."""
-
-    def __init__(self, model, replicas: int, chunk: int, k: int, bits: int, beta: float, alpha: float):
-        super().__init__(model, replicas, outer_lr=alpha, momentum=0.0)
-        self.chunk, self.k, self.bits, self.beta = chunk, k, bits, beta
+    def __init__(self, model, replicas: int, options: dict):
+        super().__init__(model, replicas, outer_lr=options["outer_lr"], momentum=0.0)
+        self.options = options
         self.errors = [[torch.zeros_like(t) for t in self.theta] for _ in range(replicas)]
 
     def sync(self) -> None:
+        o = self.options
         for i, theta in enumerate(self.theta):
-            total = torch.zeros_like(theta)
+            buffers = []
             for r, model in enumerate(self.replicas):
-                e = self.beta * self.errors[r][i] + (theta.detach() - list(model.parameters())[i].detach())
-                sent = compress(e, self.chunk, self.k, self.bits)
-                self.errors[r][i] = e - sent
-                total = total + sent
-            theta.grad = total * (1.0 / len(self.replicas))
+                e = self.errors[r][i]
+                if o["error_decay"] != 1.0:
+                    e = e * o["error_decay"]
+                buffers.append(e.add(theta.detach() - list(model.parameters())[i].detach(), alpha=o["outer_lr"]))
+            bins, sigmas = o.get("quantization_bins", 4), o.get("quantization_range", 6)
+            kept, theta.grad = authors_sparse.exchange(buffers, o["chunk_size"], o["topk"], True, bins, sigmas, False)
+            for r, e in enumerate(kept):
+                self.errors[r][i] = e
         self.outer.step()
         with torch.no_grad():
             for model in self.replicas:
                 for p, theta in zip(model.parameters(), self.theta):
                     p.copy_(theta)
+
+
+DENSE = {"chunk_size": 8, "topk": 64, "quantization_bins": 0, "error_decay": 0.0, "outer_lr": 1.0}
 
 
 def options(sparse: dict, replica_size: int = 1, inside: str = "fused_allreduce") -> dict:
@@ -99,11 +81,10 @@ def options(sparse: dict, replica_size: int = 1, inside: str = "fused_allreduce"
 def reference(rank: int, world: int, replica_size: int = 1, inside: str = "fused_allreduce") -> dict:
     torch.manual_seed(0)
     model = MLP()
-    s = SPARSE
-    paper = PaperSparseLoCo(
-        model, world // replica_size, s["chunk_size"], s["topk"], s["value_bits"], s["error_decay"], s["outer_lr"]
+    paper = AuthorsSparseLoCo(model, world // replica_size, SPARSE)
+    step = transpile(
+        model, inner_optimizer(model.parameters()), "sparseloco", LOSS, **options(SPARSE, replica_size, inside)
     )
-    step = transpile(model, inner_optimizer(model.parameters()), "sparseloco", LOSS, **options(s, replica_size, inside))
     record = side_by_side(step, model, paper, data(world, H * ROUNDS), rank, rank // replica_size)
     errors = {k: v for k, v in step.state_dict()["transpiler"]["extra"].items() if k.startswith("error_feedback.")}
     mine = paper.errors[rank // replica_size]
@@ -113,14 +94,14 @@ def reference(rank: int, world: int, replica_size: int = 1, inside: str = "fused
 
 
 def identity(rank: int, world: int) -> dict:
-    """Everything sent at full precision with no memory: SparseLoCo is DiLoCo with outer SGD(lr=α), no momentum."""
+    """Everything sent at full precision with no memory and α = 1 (which Δ enters the buffer with too):
+    SparseLoCo is DiLoCo with outer SGD(lr=1), no momentum."""
 
     def sparseloco(model):
-        dense = {"chunk_size": 16, "topk": 16, "value_bits": 32, "error_decay": 0.0, "outer_lr": 0.8}
-        return transpile(model, inner_optimizer(model.parameters()), "sparseloco", LOSS, **options(dense))
+        return transpile(model, inner_optimizer(model.parameters()), "sparseloco", LOSS, **options(DENSE))
 
     def diloco(model):
-        outer = torch.optim.SGD(model.parameters(), lr=0.8)
+        outer = torch.optim.SGD(model.parameters(), lr=1.0)
         opt = inner_optimizer(model.parameters())
         return transpile(model, opt, "diloco", LOSS, sync_every=H, outer_optimizer=outer)
 
@@ -151,7 +132,7 @@ def resume(rank: int, world: int) -> dict:
 
 
 def wire(rank: int, world: int) -> dict:
-    """The sync's collectives (kind, bytes of one rank's message) and the message's length on the wire."""
+    """The sync's collectives (kind, bytes of one rank's message) and the tiles of each parameter."""
     torch.manual_seed(0)
     model = MLP()
     step = transpile(model, inner_optimizer(model.parameters()), "sparseloco", LOSS, **options(SPARSE))
@@ -159,12 +140,11 @@ def wire(rank: int, world: int) -> dict:
         step(*batches[rank])
     sync = step.programs["sync"]
     sent = [n for n in sync.graph.nodes if "collective" in n.meta]
-    gathered = sent[0].meta["val"].numel() if sent else 0
-    rows = sum(math.ceil(p.numel() / SPARSE["chunk_size"]) for p in model.parameters())
     return {
         "collectives": [(str(n.target), n.meta["collective"]["bytes"]) for n in sent],
-        "gathered": gathered,
-        "rows": rows,
+        "parts": [n.meta["collective"]["parts"] for n in sent],
+        "gathered": sent[0].meta["val"].numel() if sent else 0,
+        "shapes": [tuple(p.shape) for p in model.parameters()],
     }
 
 

@@ -1,9 +1,10 @@
 """SparseLoCo: on real processes (gloo over loopback, the worlds of 2 and 4 ranks test_diloco.py also uses, each
-rank on its own data) against the paper's loop run eagerly for every replica (tests/sparseloco_worker.py); in one
-process, the wire format, the verifier, the dump and the errors.
+rank on its own data) against the authors' DiLoCo loop and SparseLoCo optimizer run eagerly for every replica
+(tests/sparseloco_worker.py, tests/authors_sparse.py); in one process, the wire format, the verifier, the dump and
+the errors.
 
-Bitwise at W=2 and W=4: every rank adds the decoded messages in rank order, as the reference does, and the rest is
-the same arithmetic on one CPU.
+Bitwise at W=2 and W=4 on the CPU: the authors' scatter_reduce mean adds the ranks' values in rank order there, as
+the mode's scatter_add does one rank at a time, and the rest is the same arithmetic on one CPU.
 """
 
 from __future__ import annotations
@@ -15,11 +16,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from passes.sparse_pseudo_exchange import decode_sum, index_bits, message_bytes, pack_bits, select, unpack_bits
+from passes.sparse_pseudo_exchange import (
+    Sparsity,
+    decode_mean,
+    index_bits,
+    pack_bits,
+    part_bytes,
+    select,
+    unpack_bits,
+)
+from passes.sparse_tiles import Tiling, from_rows, tile_side, to_rows
+from tests import authors_sparse
 from tests.diloco_worker import LOSS, H
 from tests.helpers import COMPOSED, resumed_matches, trained
 from tests.models import MLP, make_batch
-from tests.sparseloco_worker import ROUNDS, SPARSE, PaperSparseLoCo, compress
+from tests.sparseloco_worker import DENSE, ROUNDS, SPARSE, AuthorsSparseLoCo
 from tests.test_diloco_w1 import FACTORY
 from tests.worlds import run_in_world
 from transpiler import ConfigurationError, VerificationError, transpile
@@ -41,7 +52,7 @@ def same(a: dict, b: dict) -> None:
         assert torch.equal(a[name], b[name]), f"{name}: {(a[name] - b[name]).abs().max().item():.3g}"
 
 
-def follows_the_paper(ranks: list[dict], case: str) -> None:
+def follows_the_authors(ranks: list[dict], case: str) -> None:
     """Every rank's replica, θ_global and error buffers equal the reference's after every step, bitwise."""
     for record in ranks:
         run = record[case]
@@ -54,10 +65,10 @@ def follows_the_paper(ranks: list[dict], case: str) -> None:
 
 
 @pytest.mark.bitwise
-def test_every_replica_follows_the_paper_step_by_step(runs):
+def test_every_replica_follows_the_authors_step_by_step(runs):
     """4 rounds of H=3, each rank its own replica."""
     _, ranks = runs
-    follows_the_paper(ranks, "reference")
+    follows_the_authors(ranks, "reference")
     first = ranks[0]["reference"]["errors"]
     others = [r["reference"]["errors"] for r in ranks[1:]]
     assert any(not torch.equal(first[n], o[n]) for o in others for n in first), "each replica keeps its own buffer"
@@ -66,11 +77,11 @@ def test_every_replica_follows_the_paper_step_by_step(runs):
 @pytest.mark.bitwise
 @pytest.mark.parametrize("runs", [4], indirect=True, ids=["world4"])
 @pytest.mark.parametrize("case", ["reference_2d", "reference_2d_zero1"])
-def test_two_replicas_of_two_ranks_follow_the_paper(runs, case):
+def test_two_replicas_of_two_ranks_follow_the_authors(runs, case):
     """W=4, ``replica_size=2``: each replica's two ranks all-reduce their gradients (or reduce-scatter them into
     ZeRO-1 shards of AdamW's state), SparseLoCo across the two replicas."""
     _, ranks = runs
-    follows_the_paper(ranks, case)
+    follows_the_authors(ranks, case)
 
 
 @pytest.mark.bitwise
@@ -98,22 +109,28 @@ def test_state_dict_mid_round_carries_the_error_buffers(runs):
 
 
 def test_only_the_message_is_sent_and_its_bytes_are_the_formula(runs):
+    """One all-gather of every parameter's indices (bits for its tile), 2-bit codes, and a shift and 4 bin means
+    per parameter."""
     world, ranks = runs
+    sparsity = Sparsity(SPARSE["chunk_size"], SPARSE["topk"], True, SPARSE["quantization_bins"])
     for record in ranks:
         wire = record["wire"]
-        rows, k, chunk = wire["rows"], SPARSE["topk"], SPARSE["chunk_size"]
-        expected = sum(message_bytes(rows, k, chunk, SPARSE["value_bits"]))
-        # indices 4 bits, values 2 bits, each part padded to a multiple of 4 bytes; a float32 scale per chunk
-        assert expected == 4 * math.ceil(rows * k * 4 / 32) + 4 * math.ceil(rows * k * 2 / 32) + 4 * rows
+        tilings = [Tiling.of(shape, sparsity.chunk) for shape in wire["shapes"]]
+        assert [t.sides for t in tilings] == [(8, 5), (8,), (8, 8), (8,), (5, 8), (5,)]
+        sizes = [part_bytes(t.rows, t.width, sparsity.k(t.width), sparsity) for t in tilings]
+        # net.0.weight: 16 tiles of 8 × 5, k = round(40·12/64) = 8 (7.5 rounds to even), 6-bit indices, 2-bit codes
+        assert sparsity.k(40) == 8 and sizes[0] == (96, 32, 20)
+        expected = sum(map(sum, sizes))
         assert wire["collectives"] == [("_c10d_functional.all_gather_into_tensor.default", expected)]
+        assert wire["parts"] == [{"indices": sum(s[0] for s in sizes), "values": sum(s[1] for s in sizes),
+                                  "tables": 20 * 6}]  # fmt: skip
         assert wire["gathered"] == world * expected
 
 
-def test_world1_is_the_papers_loop_with_one_replica():
+def test_world1_is_the_authors_loop_with_one_replica():
     torch.manual_seed(0)
     model = MLP()
-    s = SPARSE
-    paper = PaperSparseLoCo(model, 1, s["chunk_size"], s["topk"], s["value_bits"], s["error_decay"], s["outer_lr"])
+    paper = AuthorsSparseLoCo(model, 1, SPARSE)
     step = transpile(model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01), "sparseloco", LOSS,
                      sync_every=H, **SPARSE)  # fmt: skip
     gen = torch.Generator().manual_seed(3)
@@ -139,35 +156,59 @@ def test_bit_packing_round_trips_and_is_little_endian(bits, values):
 @pytest.mark.quick
 @settings(max_examples=40, deadline=None)
 @given(
-    chunk=st.sampled_from([4, 16, 33, 64]),
+    shape=st.sampled_from([(32, 20), (64, 64), (12, 7), (97,), (10,), (3, 4, 5)]),
+    chunk=st.sampled_from([4, 8, 64]),
     share=st.floats(0.01, 1.0),
-    bits=st.sampled_from([2, 4, 8, 32]),
+    bins=st.sampled_from([0, 2, 4, 16]),
     world=st.integers(1, 4),
+    dct=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_the_message_decodes_to_what_the_compressor_keeps(chunk, share, bits, world, seed):
-    """``select`` keeps exactly what the written-out compressor keeps, its message has the documented length,
-    and ``decode_sum`` of W messages is their decoded values added in rank order."""
-    k = max(1, round(share * chunk))
+def test_the_exchange_is_the_authors(shape, chunk, share, bins, world, dct, seed):
+    """Tiles, top-k, quantiser, the message and the mean over the ranks that chose each entry, against the
+    exchange written from the authors' code: what each rank keeps and the aggregate, bitwise; the message's length
+    is :func:`part_bytes`'s. A tensor of three dimensions is cut as ``[shape[0], the rest]`` (the authors' code
+    takes none), so the reference gets that matrix."""
     gen = torch.Generator().manual_seed(seed)
-    buffers = [torch.randn(3, chunk, generator=gen) * 10.0 ** torch.randint(-3, 3, (3, 1), generator=gen)
+    matrix = (shape[0], math.prod(shape[1:])) if len(shape) > 2 else shape
+    topk = max(1, round(share * chunk**2)) if not dct else max(1, round(share * chunk))
+    buffers = [torch.randn(matrix, generator=gen) * 10.0 ** torch.randint(-3, 3, (), generator=gen).item()
                for _ in range(world)]  # fmt: skip
-    messages, total = [], torch.zeros(3, chunk)
-    for e in buffers:
-        message, sent = select(e, k, bits)
-        assert torch.equal(sent, compress(e, chunk, k, bits))
-        assert message.numel() == sum(message_bytes(3, k, chunk, bits))
-        messages.append(message)
-        total = total + sent
-    assert torch.equal(decode_sum(torch.stack(messages), 3, k, chunk, bits), total)
-    assert index_bits(chunk) == max(1, math.ceil(math.log2(chunk)))
+    kept_ref, total_ref = authors_sparse.exchange(buffers, chunk, topk, not dct, bins, 6, dct)
+    sparsity = Sparsity(chunk, topk, not dct, bins, 6.0)
+    tiling = Tiling.of(shape, chunk)
+    forward, inverse = zip(*[authors_sparse_bases(s) for s in tiling.sides]) if dct else ((), ())
+    k = sparsity.k(tiling.width)
+    messages = []
+    for e, theirs in zip(buffers, kept_ref):
+        chosen = select([to_rows(e.reshape(shape), tiling.matrix, tiling.sides, *forward)], (k,), sparsity)
+        assert chosen[0].numel() == sum(part_bytes(tiling.rows, tiling.width, k, sparsity))
+        mine = e.reshape(shape) - from_rows(chosen[1], tiling.shape, tiling.matrix, tiling.sides, *inverse)
+        assert torch.equal(mine.reshape(matrix), theirs)
+        messages.append(chosen[0])
+    (mean,) = decode_mean(torch.stack(messages), ((tiling.rows, tiling.width, k),), sparsity)
+    total = from_rows(mean, tiling.shape, tiling.matrix, tiling.sides, *inverse)
+    assert torch.equal(total.reshape(matrix), total_ref)
+    assert index_bits(tiling.width) == max(1, math.ceil(math.log2(tiling.width)))
+
+
+def authors_sparse_bases(side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    eye = torch.eye(side)
+    return authors_sparse.fft_dct(eye, False), authors_sparse.fft_dct(eye, True)
+
+
+@pytest.mark.quick
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 5000), chunk=st.integers(1, 300))
+def test_a_tile_side_is_the_authors_split(n, chunk):
+    assert tile_side(n, chunk) == authors_sparse.smaller_split(n, chunk)
 
 
 @pytest.mark.quick
 def test_the_verifier_refuses_an_error_buffer_that_leaves_its_rank():
     model = MLP()
     step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), "sparseloco", LOSS, sync_every=1,
-                     chunk_size=16, topk=2)  # fmt: skip
+                     chunk_size=8, topk=2)  # fmt: skip
     step(*make_batch("mlp", 8, torch.Generator().manual_seed(0)))
     program = step.programs["sync"]
     check_private_state_stays(program, True)
@@ -181,11 +222,11 @@ def test_the_verifier_refuses_an_error_buffer_that_leaves_its_rank():
 @pytest.mark.quick
 def test_modes_and_dump_show_the_sparse_exchange(capsys):
     assert cli_main(["modes"]) == 0
-    assert "sync: broadcast-params,diloco-outer-step{topk=64,value-bits=2,error-decay=0.95}," in capsys.readouterr().out
+    assert "diloco-outer-step{topk=128,bins=4,error-decay=0.95}," in capsys.readouterr().out
     assert cli_main(["dump", FACTORY, "--mode", "sparseloco", "-O", "topk=8", "--variant", "sync"]) == 0
     out = capsys.readouterr().out
-    for shown in ("x_error_feedback_0_weight, 0.95", "sparse_pseudo_exchange_select(cat_default, 8, 2)",
-                  "all_gather_into_tensor", "sparse_pseudo_exchange_decode_sum"):  # fmt: skip
+    for shown in ("x_error_feedback_0_weight, 0.95", "sparse_tiles_to_rows", "transpiler.sparse_select",
+                  "all_gather_into_tensor", "transpiler.sparse_decode_mean"):  # fmt: skip
         assert shown in out
     assert "all_reduce" not in out
 
@@ -194,8 +235,8 @@ def test_modes_and_dump_show_the_sparse_exchange(capsys):
 @pytest.mark.parametrize(
     "options, outer, match",
     [
-        ({"value_bits": 3}, False, "2, 4, 8 or 32 bits"),
-        ({"topk": 20, "chunk_size": 16}, False, "topk <= chunk"),
+        ({"quantization_bins": 300}, False, "2 to 256 bins"),
+        ({"topk": 20, "chunk_size": 4}, False, "topk <= chunk_size²"),
         ({"topk": 0}, False, "topk"),
         ({}, True, "takes no outer_optimizer"),
     ],
@@ -225,10 +266,9 @@ def test_accumulation_clipping_and_autocast_compose_as_in_diloco(autocast):
         return torch.optim.AdamW(params, lr=0.01)
 
     def outer(params):
-        return torch.optim.SGD(params, lr=0.8)
+        return torch.optim.SGD(params, lr=1.0)
 
-    dense = {"chunk_size": 16, "topk": 16, "value_bits": 32, "error_decay": 0.0, "outer_lr": 0.8}
-    sparse = trained("sparseloco", {"sync_every": H, **dense, **COMPOSED}, adamw, autocast=autocast)
+    sparse = trained("sparseloco", {"sync_every": H, **DENSE, **COMPOSED}, adamw, autocast=autocast)
     diloco = trained("diloco", {"sync_every": H, **COMPOSED}, adamw, outer, autocast=autocast)
     for a, b in zip(sparse, diloco):
         assert torch.equal(a, b)
@@ -241,5 +281,5 @@ def test_a_world1_dcp_checkpoint_mid_round_resumes_bitwise(tmp_path):
     def adamw(params):
         return torch.optim.AdamW(params, lr=0.01)
 
-    options = {"sync_every": H, "chunk_size": 16, "topk": 3}
+    options = {"sync_every": H, "chunk_size": 8, "topk": 12}
     assert all(same for _, same in resumed_matches("sparseloco", options, adamw, tmp_path, "dcp"))

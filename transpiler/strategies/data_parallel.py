@@ -47,7 +47,14 @@ def fused(
 
 
 def demo(
-    compression_decay: float, compression_chunk: int, compression_topk: int, value_bits: int, sign: bool, **caps
+    compression_decay: float,
+    compression_chunk: int,
+    compression_topk: int,
+    quantization_bins: int,
+    quantization_range: float,
+    sign: bool,
+    weight_decay: float,
+    **caps,
 ) -> Recipe:
     """DeMo: no loss-gradient scaling (the exchange takes the mean itself), each rank's momentum kept local."""
     exchange = make(
@@ -55,8 +62,10 @@ def demo(
         decay=compression_decay,
         chunk=compression_chunk,
         topk=compression_topk,
-        value_bits=value_bits,
+        bins=quantization_bins,
+        sigmas=quantization_range,
         sign=sign,
+        weight_decay=weight_decay,
         **caps,
     )
     return Recipe({"step": [exchange]}, prefix(), [], tail())

@@ -40,15 +40,24 @@ def sparseloco(
     error_decay: float,
     chunk_size: int,
     topk: int,
-    value_bits: int,
+    quantization_bins: int,
+    quantization_range: float,
     replica_size: int,
     replica_mode: str,
     offload_global: bool,
 ) -> Recipe:
-    """SparseLoCo (Sarfi et al., 2025): DiLoCo's rounds, each replica's Δ added into an error buffer whose top-k
-    entries per chunk are sent, quantised; the outer step is plain SGD at lr ``outer_lr`` on their mean."""
+    """SparseLoCo (Sarfi et al., 2025), as its authors' code runs it: DiLoCo's rounds, each replica's Δ added at lr
+    ``outer_lr`` into an error buffer whose top-k entries per tile are sent, quantised per tensor; the outer step
+    is plain SGD at lr ``outer_lr`` on their mean over the replicas that sent each entry."""
     axis = "across" if replica_size > 1 else "world"
-    sparse = {"topk": topk, "chunk": chunk_size, "value_bits": value_bits, "error_decay": error_decay}
+    sparse = {
+        "topk": topk,
+        "chunk": chunk_size,
+        "bins": quantization_bins,
+        "sigmas": quantization_range,
+        "error_decay": error_decay,
+        "error_lr": outer_lr,
+    }
     body = {"inner": [], "sync": [make("diloco-outer-step", **sparse, offload=offload_global, axis=axis)]}
     recipe = _replicas(replica_size, replica_mode, body, {}, DiLoCoSchedule(sync_every), ())
     return dataclasses.replace(recipe, outer_sgd=OuterSGD(lr=outer_lr, momentum=0.0, nesterov=False, fixed=True))

@@ -91,11 +91,14 @@ def _streaming_options() -> dict[str, OptionSpec]:
 def _sparseloco_options() -> dict[str, OptionSpec]:
     return {
         "sync_every": OptionSpec(int, 15, minimum=1, help="inner steps per outer round (H)"),
-        "outer_lr": OptionSpec(float, 1.0, minimum=0, help="α: θ_global − α × the mean of what the replicas sent"),
+        "outer_lr": OptionSpec(
+            float, 1.0, minimum=0, help="α: e = β·e + α·Δ, and θ_global − α × the mean of what the replicas sent"
+        ),
         "error_decay": pass_option("diloco-outer-step", "error_decay", default=0.95),
         "chunk_size": pass_option("diloco-outer-step", "chunk"),
-        "topk": pass_option("diloco-outer-step", "topk", default=64, minimum=1),
-        "value_bits": pass_option("diloco-outer-step", "value_bits", default=2),
+        "topk": pass_option("diloco-outer-step", "topk", default=128, minimum=1),
+        "quantization_bins": pass_option("diloco-outer-step", "bins", default=4),
+        "quantization_range": pass_option("diloco-outer-step", "sigmas"),
         **REPLICA_SIZE,
         **options.offload(),
         **ACCUMULATION,
@@ -108,8 +111,10 @@ def _demo_options() -> dict[str, OptionSpec]:
         "compression_decay": pass_option("demo-exchange", "decay"),
         "compression_chunk": pass_option("demo-exchange", "chunk"),
         "compression_topk": pass_option("demo-exchange", "topk"),
-        "value_bits": pass_option("demo-exchange", "value_bits"),
+        "quantization_bins": pass_option("demo-exchange", "bins"),
+        "quantization_range": pass_option("demo-exchange", "sigmas"),
         "sign": pass_option("demo-exchange", "sign"),
+        "weight_decay": pass_option("demo-exchange", "weight_decay"),
         **options.buckets(),
         **ACCUMULATION,
         **options.clipping(),
@@ -161,13 +166,13 @@ def modes() -> dict[str, Mode]:
         ),
         Mode(
             "sparseloco",
-            "SparseLoCo: DiLoCo rounds sending the top-k of each chunk of an error buffer, quantised; outer SGD",
+            "SparseLoCo: DiLoCo rounds sending the top-k of each tile of an error buffer, quantised; outer SGD",
             diloco.sparseloco,
             _sparseloco_options(),
         ),
         Mode(
             "demo",
-            "DeMo: each rank's momentum kept local, its top-k DCT coefficients per chunk all-gathered, sign step",
+            "DeMo: each rank's momentum kept local, its top-k DCT coefficients per tile all-gathered, sign step",
             data_parallel.demo,
             _demo_options(),
         ),
