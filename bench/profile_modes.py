@@ -2,7 +2,8 @@
 
     python bench/profile_modes.py zero1 zero2      # launches torchrun at W=2 over gloo, prints one table per mode
 
-Each rank builds every mode from the same weights (AdamW, the 5M-parameter MLP of bench/models.py), warms it
+Each rank builds every mode from the same weights (AdamW; plain SGD for ``demo``, which steps with it; the
+5M-parameter MLP of bench/models.py), warms it
 up for 3 steps, and profiles 5 more. ``wait_tensor`` is the time a rank blocks on its collectives (what the
 schedule did not overlap, and any skew between the ranks); the aten ops are the compute. The minor page faults
 per step count the memory the allocator took back from the kernel: with ``keep_freed_memory=False`` glibc
@@ -34,7 +35,8 @@ def rank_main(modes: list[str]) -> None:
     rank, base, batch = start_rank(MODEL, PER_RANK)
     for mode in modes:
         model = copy.deepcopy(base)
-        step = transpile(model, torch.optim.AdamW(model.parameters(), lr=1e-4), mode, torch.nn.CrossEntropyLoss())
+        optimizer = torch.optim.SGD if mode == "demo" else torch.optim.AdamW
+        step = transpile(model, optimizer(model.parameters(), lr=1e-4), mode, torch.nn.CrossEntropyLoss())
         for _ in range(WARMUP):
             step(*batch)
         dist.barrier()

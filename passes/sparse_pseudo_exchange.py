@@ -183,7 +183,7 @@ def select(rows: list[torch.Tensor], ks: tuple[int, ...], spec: Sparsity) -> tup
             tables += [shift.reshape(1), lookup]
         else:
             parts.append(values.reshape(-1).view(torch.uint8))
-        sent.append(torch.zeros_like(x).scatter(-1, index, values))
+        sent.append(torch.zeros_like(x).scatter_(-1, index, values))
     if tables:
         parts.append(torch.cat(tables).view(torch.uint8))
     return (torch.cat(parts), *sent)
@@ -194,6 +194,7 @@ def decode_mean(received: torch.Tensor, shapes: tuple[tuple[int, int, int], ...]
     the mean of the values of the ranks that sent it, added in rank order (0 where none did)."""
     sums = [torch.zeros(r, w, dtype=torch.float32, device=received.device) for r, w, _ in shapes]
     counts = [torch.zeros_like(total) for total in sums]
+    chosen: list[list[torch.Tensor]] = [[] for _ in shapes]
     sizes = [part_bytes(*shape, spec) for shape in shapes]
     tables = sum(index + values for index, values, _ in sizes)
     for message in received:
@@ -207,10 +208,15 @@ def decode_mean(received: torch.Tensor, shapes: tuple[tuple[int, int, int], ...]
                 values = dequantise(codes, table[:1], table[1:])
             else:
                 values = body.view(torch.float32).reshape(rows, k)
-            sums[i] = sums[i].scatter_add(1, index, values)
-            counts[i] = counts[i].scatter_add(1, index, torch.ones_like(values))
+            sums[i].scatter_add_(1, index, values)
+            counts[i].scatter_add_(1, index, torch.ones_like(values))
+            chosen[i].append(index)
             at += index_size + value_size
-    return tuple(total / count.clamp_min(1) for total, count in zip(sums, counts))
+    means = []
+    for total, count, indices in zip(sums, counts, chosen):  # divided where sent only: the rest stays zero
+        where = torch.cat(indices, dim=1)
+        means.append(torch.zeros_like(total).scatter_(1, where, total.gather(1, where) / count.gather(1, where)))
+    return tuple(means)
 
 
 @torch.library.custom_op("transpiler::sparse_select", mutates_args=())
