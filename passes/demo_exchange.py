@@ -17,6 +17,7 @@ The momentum itself never leaves the rank: the verifier ``check_private_state_st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,11 +68,12 @@ class DeMoExchange(BucketedGradientPass):
                 )
             return bases[side]
 
+        rates = _learning_rates(program)
         momenta = []
         for grad in grads:
             name = grad.meta["grad_of"]
             kept = add_state(program, DEMO_MOMENTUM + name, grad, ExtraInit.zeros_like(name))
-            lr = _learning_rate(program, name)
+            lr = rates(name)
             cursor = Cursor(program.graph, grad)
             if self.decay != 1.0:  # as the authors' optimizer: no multiply by 1
                 kept = cursor.emit(aten.mul.Tensor, (kept, self.decay), role="communication")
@@ -90,14 +92,14 @@ class DeMoExchange(BucketedGradientPass):
                 )
                 replace_gradient(grads[i], step)
                 if self.weight_decay:
-                    self._decay(program, cursor, name)
+                    self._decay(program, cursor, name, rates(name))
         add_outputs(program, list(left.values()), [Port("extra", DEMO_MOMENTUM + n) for n in left])
 
-    def _decay(self, program: StepProgram, cursor: Cursor, name: str) -> None:
+    def _decay(self, program: StepProgram, cursor: Cursor, name: str, lr: fx.Node) -> None:
         """The update reads ``θ·(1 − lr·λ)`` where it read θ: the authors' ``p.mul_(1 − lr·weight_decay)`` before
         SGD's step, with ``1 − lr·λ`` formed in float64 as Python forms it."""
         param = input_node(program, Port("param", name))
-        shrink = cursor.emit(aten.mul.Tensor, (_learning_rate(program, name), -self.weight_decay), role="optimizer")
+        shrink = cursor.emit(aten.mul.Tensor, (lr, -self.weight_decay), role="optimizer")
         factor = cursor.emit(aten.add.Tensor, (shrink, 1.0), role="optimizer")
         decayed = cursor.emit(aten.mul.Tensor, (param, factor), role="optimizer")
         param.replace_all_uses_with(
@@ -105,24 +107,29 @@ class DeMoExchange(BucketedGradientPass):
         )
 
 
-def _learning_rate(program: StepProgram, name: str) -> fx.Node:
-    """``lr`` of parameter ``name``'s group, a 0-d float64 node: minus the SGD step's ``neg_lr`` input. Refuses an
-    optimizer that is not SGD without momentum, whose lr DeMo could not take into its momentum."""
-    prefix = f"g{program.param_groups.get(name)}_"
-    slots = {
-        node.meta["port"].name.removeprefix(prefix): node
-        for node in program.graph.nodes
-        if is_input(node, PortKind.SCALAR) and node.meta["port"].name.startswith(prefix)
-    }
-    if set(slots) == {"neg_lr"} and isinstance(slots["neg_lr"].meta.get("val"), torch.Tensor):
-        cached = [u for u in slots["neg_lr"].users if u.meta.get("demo_lr")]
-        if cached:
-            return cached[0]
-        return Cursor(program.graph, slots["neg_lr"]).emit(
-            aten.neg.default, (slots["neg_lr"],), role="communication", demo_lr=True
-        )
-    raise ConfigurationError(
-        "DeMo takes the optimizer's lr into its momentum (δ = β·δ + lr·g) and steps with SGD on the sign of the "
-        "exchanged mean, as its authors' DeMo(torch.optim.SGD) does: give torch.optim.SGD(params, lr=...) "
-        "without momentum (weight_decay is allowed)."
-    )
+def _learning_rates(program: StepProgram) -> Callable[[str], fx.Node]:
+    """``lr`` of a parameter's group, a 0-d float64 node (minus the SGD step's ``neg_lr`` input, made once per
+    group). Refuses an optimizer that is not SGD without momentum, whose lr DeMo could not take into its momentum."""
+    slots: dict[str, dict[str, fx.Node]] = {}
+    for node in program.graph.nodes:
+        if is_input(node, PortKind.SCALAR):
+            group, _, slot = node.meta["port"].name.partition("_")
+            slots.setdefault(group, {})[slot] = node
+    made: dict[str, fx.Node] = {}
+
+    def rate(name: str) -> fx.Node:
+        group = f"g{program.param_groups.get(name)}"
+        found = slots.get(group, {})
+        if set(found) != {"neg_lr"} or not isinstance(found["neg_lr"].meta.get("val"), torch.Tensor):
+            raise ConfigurationError(
+                "DeMo takes the optimizer's lr into its momentum (δ = β·δ + lr·g) and steps with SGD on the sign of "
+                "the exchanged mean, as its authors' DeMo(torch.optim.SGD) does: give torch.optim.SGD(params, "
+                "lr=...) without momentum (weight_decay is allowed)."
+            )
+        if group not in made:
+            made[group] = Cursor(program.graph, found["neg_lr"]).emit(
+                aten.neg.default, (found["neg_lr"],), role="communication"
+            )
+        return made[group]
+
+    return rate

@@ -123,19 +123,15 @@ class DiLoCoOuterStep(Pass):
         locals_ = {name: values[where[name]] for name in names}
         globals_ = {name: self._global(program, name, locals_[name]) for name in names}
         kept: dict[str, fx.Node] = {}  # SparseLoCo's error buffers, as the sync leaves them
-        if self.topk:
-            sums, kept = self._sparse_sums(program, globals_, locals_)
-        elif not self.streaming:
-            sums = self._bucketed_sums(program, globals_, locals_)
+        if self.topk:  # the exchange averages each entry over the ranks that sent it
+            means, kept = self._sparse_means(program, globals_, locals_)
         else:
-            sums = self._fragment_sums(program, globals_, locals_)
-            if sums is None:  # the exchange is in flight: a later step finishes it
-                return True
-        if self.topk:  # the exchange averaged each entry over the ranks that sent it
-            for name, mean in sums.items():
-                mean.meta["averaged_delta_of"] = name
-            means = sums
-        else:
+            if not self.streaming:
+                sums = self._bucketed_sums(program, globals_, locals_)
+            else:
+                sums = self._fragment_sums(program, globals_, locals_)
+                if sums is None:  # the exchange is in flight: a later step finishes it
+                    return True
             inverse = self._inverse_count(program)
             means = {
                 name: Cursor(program.graph, total).emit(
@@ -201,7 +197,7 @@ class DiLoCoOuterStep(Pass):
         reduced = reduce_in_buckets(program, items, *caps, tag="pseudo-gradients")
         return dict(zip(locals_, reduced))
 
-    def _sparse_sums(
+    def _sparse_means(
         self, program: StepProgram, globals_: dict[str, fx.Node], locals_: dict[str, fx.Node]
     ) -> tuple[dict[str, fx.Node], dict[str, fx.Node]]:
         """SparseLoCo: each Δ added into its error buffer (``error_feedback.<param>``, ``e = β·e + lr·Δ``, extra
@@ -219,7 +215,10 @@ class DiLoCoOuterStep(Pass):
                 error = cursor.emit(aten.mul.Tensor, (error, self.error_decay), **COMM)
             buffers[name] = cursor.emit(aten.add.Tensor, (error, delta), {"alpha": self.error_lr}, **COMM)
         sparsity = sparse_pseudo_exchange.Sparsity(self.chunk, self.topk, True, self.bins, self.sigmas)
-        return sparse_pseudo_exchange.exchange(program, cursor, buffers, sparsity)
+        means, kept = sparse_pseudo_exchange.exchange(program, cursor, buffers, sparsity)
+        for name, mean in means.items():
+            mean.meta["averaged_delta_of"] = name
+        return means, kept
 
     def _fragment_sums(
         self, program: StepProgram, globals_: dict[str, fx.Node], locals_: dict[str, fx.Node]
