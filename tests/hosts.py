@@ -2,10 +2,16 @@
 the test that uses them. Each host has one interface with an address that exists only inside these namespaces,
 and runs its own ``torchrun``; ``GLOO_SOCKET_IFNAME`` makes gloo use that interface, so the ranks of two hosts
 talk over the veth links, and taking a link down partitions a host silently (no reset, no error: packets stop).
+
+A host's link can be given a rate (:meth:`Host.shape`): a token bucket (``tc``'s ``tbf``) on both ends of its veth
+pair, so that what it sends and what it receives are limited alike, as a site's uplink is. Only the rate is shaped:
+this kernel has no ``netem``, so no latency or loss is added, and a round trip costs what it costs on a veth (tens of
+microseconds) plus the time queued behind this host's own traffic in the bucket (at most ``QUEUE_MS``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,6 +25,7 @@ from tests import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBNET = "10.231.0"  # inside the namespaces only
+QUEUE_MS = 50  # tbf's latency: the most a packet waits in a shaped link's queue before it is dropped
 
 
 def namespaces_unavailable() -> str | None:
@@ -37,6 +44,10 @@ def namespaces_unavailable() -> str | None:
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def _json(*args: str) -> list[dict]:
+    return json.loads(subprocess.run(["ip", "-j", *args], check=True, capture_output=True, text=True).stdout)
 
 
 @dataclass
@@ -78,6 +89,32 @@ class Host:
                 pass
         for proc in self.agents:
             proc.wait(timeout=30)
+
+    def shape(self, mbit: float | None) -> None:
+        """Limit this host's link to ``mbit`` Mbit/s in each direction (None: no limit). The bucket holds 2 ms of
+        traffic and at least 64 KiB, one TSO segment, so that veth's large segments pass whole."""
+        for namespace, device in ((self.name, self.interface), (self.switch, f"s{self.interface}")):
+            if mbit is None:
+                subprocess.run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"], capture_output=True)
+                continue
+            burst = max(64 * 1024, int(mbit * 1e6 / 8 * 0.002))
+            subprocess.run(
+                ["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{mbit}mbit",
+                 "burst", str(burst), "latency", f"{QUEUE_MS}ms"],
+                check=True, capture_output=True, text=True,
+            )  # fmt: skip
+
+    def link_bytes(self) -> dict[str, int]:
+        """What this host's interface has sent and received (its kernel counters, headers included), and what
+        passed each shaping bucket: ``tx``, ``rx``, ``shaped_tx`` (the host's end), ``shaped_rx`` (the switch's)."""
+        stats = _json("-n", self.name, "-s", "link", "show", "dev", self.interface)[0]["stats64"]
+        sizes = {"tx": stats["tx"]["bytes"], "rx": stats["rx"]["bytes"]}
+        for key, namespace, device in (("shaped_tx", self.name, self.interface),
+                                       ("shaped_rx", self.switch, f"s{self.interface}")):  # fmt: skip
+            qdiscs = json.loads(subprocess.run(["tc", "-n", namespace, "-s", "-j", "qdisc", "show", "dev", device],
+                                               check=True, capture_output=True, text=True).stdout)  # fmt: skip
+            sizes[key] = sum(q["bytes"] for q in qdiscs if q["kind"] == "tbf")
+        return sizes
 
     def unplug(self) -> None:
         """Take this host's link down on the bridge's side: its packets stop, nobody is told."""
@@ -134,6 +171,47 @@ class Hosts:
         for name in [h.name for h in self.hosts] + [self.switch]:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)  # takes its veth ends with it
             shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+
+
+_RECEIVE = """
+import socket, sys, time
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+conn, _ = server.accept()
+got, first = 0, None
+while chunk := conn.recv(1 << 20):
+    first = first or time.perf_counter()
+    got += len(chunk)
+print(got, time.perf_counter() - first, flush=True)
+"""
+_SEND = """
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as conn:
+    conn.sendall(bytes(int(sys.argv[3])))
+"""
+
+
+def measure_mbit(sender: Host, receiver: Host, nbytes: int, port: int = 29990) -> float:
+    """Send ``nbytes`` over TCP from ``sender`` to ``receiver`` and return the rate the receiver saw, in Mbit/s of
+    payload, from its first byte to its last (the connection's setup left out)."""
+    run = ["ip", "netns", "exec"]
+    listener = subprocess.Popen(
+        [*run, receiver.name, sys.executable, "-c", _RECEIVE, receiver.address, str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert listener.stdout.readline().strip() == "ready"
+        subprocess.run(
+            [*run, sender.name, sys.executable, "-c", _SEND, receiver.address, str(port), str(nbytes)],
+            check=True,
+            timeout=120,
+        )
+        got, seconds = listener.communicate(timeout=120)[0].split()
+    finally:
+        listener.kill()
+    assert int(got) == nbytes, (got, nbytes)
+    return nbytes * 8 / float(seconds) / 1e6
 
 
 def torchrun(
