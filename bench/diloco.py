@@ -19,9 +19,11 @@ warm-up steps, ``diloco-cold`` without, ``-wide`` for ``--model wide``); another
 ``--runs``, only prints its table. The loss reported is the held-out loss of the weights the paper evaluates: the
 global weights for DiLoCo (``step.global_weights()``), the model for the others, after the last step.
 
-Bytes are what one rank sends, counted from each program's collectives: a ring all-reduce of B bytes sends
-``2 (W-1)/W B``, an all-to-all or an all-gather of a B-byte buffer ``(W-1)/W B``; DDP all-reduces every gradient
-every step. The peak message is the largest buffer one collective carries. Step time is the median over the run's
+Bytes are what one rank sends, counted from the buffers each program hands its collectives (B bytes each): a ring
+all-reduce sends ``2 (W-1)/W B``, an all-to-all ``(W-1)/W B``, an all-gather ``(W-1) B`` (the rank's message to each
+of the others; until issue 64 this counted ``(W-1)/W B``, W times too few, which the link counters of
+``bench/wan.py`` showed); DDP all-reduces every gradient every step. The peak message is the largest buffer a rank
+hands one collective. Step time is the median over the run's
 steps, the slower rank's, syncs included.
 """
 
@@ -50,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 from bench.models import NarrowGPT  # noqa: E402
 from bench.two_ranks import write_section  # noqa: E402
 from transpiler import transpile  # noqa: E402
+from transpiler.graph.edit import node_bytes  # noqa: E402
 
 DOC = ROOT / "docs" / "strategies" / "diloco.md"
 BEGIN, END = "<!-- diloco:begin -->", "<!-- diloco:end -->"  # diloco-cold / diloco-warm in the page
@@ -99,7 +102,13 @@ def default_runs(model: str) -> list[str]:
 
 
 GLOBAL_WEIGHTS = ("diloco", "streaming_diloco", "sparseloco")  # evaluated on θ_global, as the papers do
-SENT = {"all_reduce": 2.0, "all_reduce_": 2.0, "all_to_all_single": 1.0, "all_gather_into_tensor": 1.0}
+SENT = {  # what a rank sends per byte of the buffer it hands the collective, as a factor of (W-1)/W (ring algorithms)
+    "all_reduce": lambda world: 2.0,
+    "all_reduce_": lambda world: 2.0,
+    "all_to_all_single": lambda world: 1.0,
+    "reduce_scatter_tensor": lambda world: 1.0,
+    "all_gather_into_tensor": lambda world: float(world),  # its whole message to each of the W-1 others
+}
 
 
 def corpus() -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -132,12 +141,12 @@ def sent_bytes(program, world: int) -> tuple[float, int]:
     """What one rank sends in one run of ``program``, and its largest message."""
     total, peak = 0.0, 0
     for node in program.graph.nodes:
-        info = node.meta.get("collective")
-        if info is None:
+        if "collective" not in node.meta:
             continue
         op = node.target._schema.name.split("::")[-1]
-        total += SENT[op] * (world - 1) / world * info["bytes"]
-        peak = max(peak, info["bytes"])
+        given = node_bytes(node.args[0])
+        total += SENT[op](world) * (world - 1) / world * given
+        peak = max(peak, given)
     return total, peak
 
 
