@@ -53,6 +53,7 @@ from .gradient_flow import (
     before_output,
     output_values,
     participant_count,
+    seed_end,
     set_output_values,
 )
 from .partitions import module_fragments
@@ -254,8 +255,13 @@ class DiLoCoOuterStep(Pass):
                 program.extra_init[carried_name] = init
                 add_outputs(program, [carried], [Port("extra", carried_name)])
                 return None
+        info = info | {"finishes": True}  # a new dict: the one start() gave its collective stays as it is
+        # an exchange started by an earlier step goes on where this step's forward ends (its all-gather then runs
+        # behind the backward); one started here has nothing left to hide behind
+        early = Cursor(program.graph, seed_end(program)) if self.phase == "finish" else before_output(program)
+        reduced = pseudo_exchange.reduce(program, early, carried, length, self.exchange, info)
         cursor = before_output(program)
-        total = pseudo_exchange.finish(program, cursor, carried, length, self.exchange, info | {"finishes": True})
+        total = pseudo_exchange.finish(program, cursor, reduced, length, self.exchange)
         views = unflatten(cursor, total, list(locals_.values()), COMM)
         return {name: views[node] for name, node in locals_.items()}
 

@@ -155,6 +155,15 @@ def before_output(program: StepProgram) -> Cursor:
     return Cursor(program.graph, program.graph.output_node().prev)
 
 
+def seed_end(program: StepProgram) -> fx.Node:
+    """The loss-gradient seed as the backward reads it: the end of the ``loss_grad`` chain, where the forward and
+    the loss are done and the backward starts."""
+    chain = [n for n in program.graph.nodes if n.meta.get("role") == "loss_grad"]
+    if not chain:
+        raise ValueError("the step has no loss-gradient seed node (role 'loss_grad')")
+    return next(n for n in chain if not any(u.meta.get("role") == "loss_grad" for u in n.users))
+
+
 def scale_seed(program: StepProgram, factor: float | fx.Node, *, inverse: bool = False, **meta) -> fx.Node:
     """Multiply the loss-gradient seed (after any scaling already there) by ``factor`` (``inverse``: by
     ``reciprocal(factor)``, a node); returns the new seed.
@@ -162,10 +171,7 @@ def scale_seed(program: StepProgram, factor: float | fx.Node, *, inverse: bool =
     The seed is ``ones_like(loss)`` with role ``loss_grad``; each scaling adds one ``mul`` at the end of that
     chain, so passes that scale it (1/world size, 1/accumulation steps, the loss scale) compose in any order.
     """
-    chain = [n for n in program.graph.nodes if n.meta.get("role") == "loss_grad"]
-    if not chain:
-        raise ValueError("the step has no loss-gradient seed node (role 'loss_grad')")
-    end = next(n for n in chain if not any(u.meta.get("role") == "loss_grad" for u in n.users))
+    end = seed_end(program)
     if isinstance(factor, fx.Node):
         cursor = Cursor(program.graph, factor)
         if inverse:  # in the factor's dtype, as 1/world_size is a float32 constant for a float32 seed

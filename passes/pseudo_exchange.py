@@ -2,8 +2,9 @@
 later one, in full or low precision, always summed in float32.
 
 Not a pass. ``diloco-outer-step`` starts an exchange with :func:`start` (the fragment's Δs in one flat float32
-buffer; what :func:`start` returns is carried to a later step unwaited) and ends it with :func:`finish`, which
-returns the sum over ranks. The wire formats (``exchange``):
+buffer; what :func:`start` returns is carried to a later step unwaited), goes on with :func:`reduce` (a
+low-precision exchange's second collective, issued in the later step as soon as its forward ends) and ends it with
+:func:`finish`, which returns the sum over ranks. The wire formats (``exchange``):
 
 - ``float32``: one sum all-reduce of the buffer.
 - ``bfloat16``, ``float8_e4m3fn``, ``int4``: the buffer, padded to ``W`` equal chunks of whole blocks, is
@@ -109,19 +110,33 @@ def start(program: StepProgram, cursor: Cursor, flat: fx.Node, exchange: str, in
     return cursor.emit(C10D.all_to_all_single.default, (wire, sizes, sizes, group), collective=info, **comm)
 
 
-def finish(program: StepProgram, cursor: Cursor, carried: fx.Node, length: int, exchange: str, info: dict) -> fx.Node:
-    """Wait for the exchange :func:`start` issued (``carried``) and return the float32 sum over ranks, 1-D."""
-    comm = {"role": "communication"}
-    waited = cursor.emit(WAIT, (carried,), **comm)
+def reduce(program: StepProgram, cursor: Cursor, carried: fx.Node, length: int, exchange: str, info: dict) -> fx.Node:
+    """The second half of a low-precision exchange: wait for the all-to-all :func:`start` issued (``carried``), sum
+    this rank's chunk and issue the all-gather of the sums; returns it unwaited (float32: ``carried`` as it is,
+    its all-reduce already sums). Emitted where the step's forward ends when the exchange was started by an
+    earlier step, so that the all-to-all has the forward to finish in and the all-gather the backward."""
     if exchange == "float32":
-        return waited
+        return carried
+    comm = {"role": "communication", "pinned": True}  # schedule-collectives leaves it where it is emitted
     world, group = program.world_size, program.group_name
     chunk = padded_length(length, world, exchange) // world
+    waited = cursor.emit(WAIT, (carried,), **comm)
     received = cursor.emit(aten.view.default, (waited, [world, row_bytes(chunk, exchange)]), **comm)
     mine = cursor.emit(aten.sum.dim_IntList, (cursor.emit(decode, (received, exchange, chunk), **comm), [0]), **comm)
     summed = cursor.emit(encode, (cursor.emit(aten.view.default, (mine, [1, chunk]), **comm), exchange), **comm)
     flat = cursor.emit(aten.view.default, (summed, [-1]), **comm)
-    gathered = cursor.emit(C10D.all_gather_into_tensor.default, (flat, world, group), collective=info, **comm)
-    rows = cursor.emit(aten.view.default, (cursor.emit(WAIT, (gathered,), **comm), [world, -1]), **comm)
+    gather = C10D.all_gather_into_tensor.default
+    return cursor.emit(gather, (flat, world, group), collective=info, in_flight_alone=True, **comm)
+
+
+def finish(program: StepProgram, cursor: Cursor, reduced: fx.Node, length: int, exchange: str) -> fx.Node:
+    """Wait for what :func:`reduce` issued and return the float32 sum over ranks, 1-D."""
+    comm = {"role": "communication"}
+    waited = cursor.emit(WAIT, (reduced,), **comm)
+    if exchange == "float32":
+        return waited
+    world = program.world_size
+    chunk = padded_length(length, world, exchange) // world
+    rows = cursor.emit(aten.view.default, (waited, [world, -1]), **comm)
     values = cursor.emit(aten.view.default, (cursor.emit(decode, (rows, exchange, chunk), **comm), [-1]), **comm)
     return cursor.emit(aten.slice.Tensor, (values, 0, 0, length), **comm)

@@ -9,16 +9,20 @@ so the parameters of the first buckets update while the last bucket is still
 being reduced; every wait and the unpacking after it sits right before its
 first reader. A node its pass marked ``pinned`` keeps its place (ZeRO-3's
 parameter gathers, issued one bucket ahead: hoisted, they would all be in
-flight at once and hold the whole model). Collectives keep their order (none is hoisted ahead of the one
-before it, even where ranks' programs differ, as a sharded update's do), so all
-ranks keep the same collective sequence.
+flight at once and hold the whole model; Streaming DiLoCo's second collective,
+issued where the applying step's forward ends: sunk, it would wait at the end).
+Collectives keep their order (none is hoisted ahead of the one before it, even
+where ranks' programs differ, as a sharded update's do), so all ranks keep the
+same collective sequence.
 
 An all-gather of CPU tensors (gloo) runs alone: every collective issued before
 it is waited before it is issued, and it is waited at once. torch 2.13's gloo
 corrupts the heap when all-gathers are in flight together ("malloc(): unaligned
 tcache chunk detected", SIGSEGV; bench/gloo_all_gather.py reproduces it with
-torch alone), so overlapping them on the CPU is not safe. GPU collectives
-(NCCL) keep the full overlap.
+torch alone), so overlapping them on the CPU is not safe. An all-gather its pass
+marked ``in_flight_alone`` may stay in flight beside compute, still with no
+other collective: the next collective issued after it waits for it first.
+GPU collectives (NCCL) keep the full overlap.
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ class ScheduleCollectives(Pass):
         _updates_in_completion_order(graph)
         order = dict(position(graph))
         for node in reversed(comm):  # completion side, backwards: sink right before the first reader
-            if node not in completion or not node.users:
+            if node not in completion or not node.users or node.meta.get("pinned"):
                 continue
             first = min(node.users, key=order.__getitem__)
             if not _only_between(node, first, completion):
@@ -128,10 +132,15 @@ class ScheduleCollectives(Pass):
         return list(graph.nodes) != before
 
 
+def _host_all_gather(node: fx.Node) -> bool:
+    return node.target is C10D.all_gather_into_tensor.default and node.args[0].meta["val"].device.type == "cpu"
+
+
 def _host_all_gathers_alone(graph: fx.Graph) -> None:
     """Every all-gather of CPU tensors runs with no other collective in flight: the waits of the collectives
     still in flight move right before it, and its own wait right after it (a wait moved earlier stays after
-    its collective and before its readers)."""
+    its collective and before its readers). One marked ``in_flight_alone`` keeps its wait where it is, and the
+    next collective issued before that wait waits for it first."""
     in_flight: dict[fx.Node, list[fx.Node]] = {}  # collective -> its waits, for those issued and not waited yet
     for node in list(graph.nodes):
         if is_wait(node):
@@ -139,10 +148,11 @@ def _host_all_gathers_alone(graph: fx.Graph) -> None:
         if not is_collective(node):
             continue
         waits = [u for u in node.users if is_wait(u)]
-        if node.target is C10D.all_gather_into_tensor.default and node.args[0].meta["val"].device.type == "cpu":
+        if _host_all_gather(node) or any(map(_host_all_gather, in_flight)):
             for wait in [w for pending in in_flight.values() for w in pending]:
                 node.prepend(wait)
             in_flight.clear()
+        if _host_all_gather(node) and not node.meta.get("in_flight_alone"):
             for wait in reversed(waits):
                 node.append(wait)
         else:

@@ -220,6 +220,21 @@ def test_static_programs_of_a_world_and_their_variants():
     assert [p.name for p in carried] == ["inflight.0"]
 
 
+@pytest.mark.parametrize(("sync_every", "delay"), [(4, 1), (8, 2)])
+def test_an_exchange_started_earlier_goes_on_behind_the_applying_steps_backward(sync_every, delay):
+    """A low-precision exchange is two collectives: the all-to-all the sync step starts, then an all-gather of each
+    rank's summed chunk. The applying step issues that all-gather where its forward ends and waits for it after its
+    backward, so that it runs behind the backward; at the step's end it was on the critical path (issue 64: at
+    20 Mbit/s, bench/wan.py)."""
+    step = static(sync_every=sync_every, fragments=2, fragment_sync_delay=delay, exchange_dtype="int4")
+    nodes = list(step.programs["apply0"].graph.nodes)
+    at = {node: i for i, node in enumerate(nodes)}
+    (gather,) = [n for n in nodes if "collective" in n.meta]
+    (waited,) = [n for n in nodes if n.target == torch.ops._c10d_functional.wait_tensor.default and gather in n.args]
+    backward = [at[n] for n in nodes if n.meta.get("role") == "backward"]
+    assert at[gather] < backward[0] and at[waited] > backward[-1], (at[gather], at[waited], backward[0], backward[-1])
+
+
 def collectives_by_group(step) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """Each variant's collectives as (kind, the ranks of its group), in graph order."""
     groups = {name: ranks for ranks, name in step.programs["sync"].subgroups.items()}
