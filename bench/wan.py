@@ -4,8 +4,9 @@ torchft's own DiLoCo, to the same target loss (docs/strategies/low_communication
     python bench/wan.py [--rates 1000 100 20] [--budget 70] [--ddp-steps 180] [--ddp-budget 240]
                         [--warmup-steps 600] [--hosts 4] [--variants LABEL ...] [--out DIR] [--no-doc] [--report]
 
-Needs root (network namespaces, ``tc``) and ``pip install -e ".[bench]"`` (torchft, matplotlib). ``--hosts`` hosts of one rank each (``tests/hosts.py``), every host's link
-limited to each ``--rates`` rate in Mbit/s both ways (``tbf``; no latency is added: this kernel has no ``netem``).
+Needs root (network namespaces, ``tc``) and ``pip install -e ".[bench]"`` (torchft, matplotlib). ``--hosts`` hosts
+of one rank each (``tests/hosts.py``), every host's link limited to each ``--rates`` rate in Mbit/s both ways
+(``tbf``; no latency is added: this kernel has no ``netem``).
 All ranks start from one warm start: the GPT of ``bench/diloco.py`` (1.8M parameters) trained by DDP for
 ``--warmup-steps`` steps on unshaped links, kept in ``--out`` for the next invocation. The inner lr is constant
 (a run's course does not depend on how long it is let run). At each rate every variant trains for ``--budget``
