@@ -19,7 +19,8 @@ Reported per rate: the time to the target (and the steps), the held-out loss at 
 (steps × the median traced inner step of ``diloco H=50`` at the same rate, a step with no exchange, over the clock),
 the bytes through each host's interface from its kernel counters against what the mode says it sent, and the largest
 message. Figures: held-out loss against time per rate, and a timeline of rank 0's steps for Streaming DiLoCo at the
-lowest rate. ``--report`` writes the tables and figures again from ``--out``'s ``results.json``, running nothing.
+lowest rate. ``--report`` writes the tables and figures again from ``--out``'s ``results.json`` (with the setting
+it was run with), running nothing.
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="no runs: tables (and docs) from --out's results.json")
     args = parser.parse_args()
     setting = {"budget": args.budget, "ddp_steps": args.ddp_steps, "hosts": args.hosts, "warmup": args.warmup_steps}
-    if args.report:
-        report(json.loads((Path(args.out) / "results.json").read_text()), setting, args.no_doc)
+    if args.report:  # the run's own setting, kept beside its results
+        saved = json.loads((Path(args.out) / "results.json").read_text())
+        report(saved["results"], saved["setting"], args.no_doc)
         return
     if args.variants[0] != "DDP":
         parser.error("the first variant must be DDP: its loss after --ddp-steps steps is every run's target")
@@ -108,7 +110,7 @@ def main() -> None:
             launch(hosts, options, out / f"rate{rate:g}", port + 1 + i, timeout)
             results += [json.loads(line) | {"rate": rate} for line in lines.read_text().splitlines()]
             print(f"{rate:g} Mbit/s took {time.monotonic() - began:.0f} s", flush=True)
-    (out / "results.json").write_text(json.dumps(results))
+    (out / "results.json").write_text(json.dumps({"setting": setting, "results": results}))
     report(results, setting, args.no_doc)
 
 
