@@ -102,12 +102,12 @@ def default_runs(model: str) -> list[str]:
 
 
 GLOBAL_WEIGHTS = ("diloco", "streaming_diloco", "sparseloco")  # evaluated on θ_global, as the papers do
-SENT = {  # what a rank sends per byte of the buffer it hands the collective, as a factor of (W-1)/W (ring algorithms)
-    "all_reduce": lambda world: 2.0,
-    "all_reduce_": lambda world: 2.0,
-    "all_to_all_single": lambda world: 1.0,
-    "reduce_scatter_tensor": lambda world: 1.0,
-    "all_gather_into_tensor": lambda world: float(world),  # its whole message to each of the W-1 others
+SENT = {  # what a rank sends per byte of the buffer it hands the collective, in a world of W (ring algorithms)
+    "all_reduce": lambda world: 2 * (world - 1) / world,
+    "all_reduce_": lambda world: 2 * (world - 1) / world,
+    "all_to_all_single": lambda world: (world - 1) / world,
+    "reduce_scatter_tensor": lambda world: (world - 1) / world,
+    "all_gather_into_tensor": lambda world: world - 1,  # its whole message to each of the others
 }
 
 
@@ -145,7 +145,7 @@ def sent_bytes(program, world: int) -> tuple[float, int]:
             continue
         op = node.target._schema.name.split("::")[-1]
         given = node_bytes(node.args[0])
-        total += SENT[op](world) * (world - 1) / world * given
+        total += SENT[op](world) * given
         peak = max(peak, given)
     return total, peak
 

@@ -82,7 +82,7 @@ def tables(results: list[dict], setting: dict) -> str:
                 reach = f"{'≈' if projected else ''}{seconds:.0f} s" + (" (projected)" if projected else "")
                 times, steps_cell = f"{seconds / ddp_time:.2f}", f"{steps}"
             clock = r["series"][-1][1]
-            timed = r["series"][-1][0] - r.get("untimed", 1)
+            timed = r["series"][-1][0] - r["untimed"]
             utilisation = f"{100 * timed * compute / 1000 / clock:.0f}%" if compute else "–"
             tx, said = sum(r["link_tx"]) / world, sum(r["mode_sent"]) / world
             lines.append(
@@ -112,7 +112,7 @@ def against_torchft(results: list[dict]) -> list[str]:
         ours, theirs = rows.get("diloco H=15"), rows.get("torchft DiLoCo H=15")
         if ours is None or theirs is None:
             continue
-        speed = [(r["series"][-1][0] - r.get("untimed", 1)) / r["series"][-1][1] for r in (ours, theirs)]
+        speed = [(r["series"][-1][0] - r["untimed"]) / r["series"][-1][1] for r in (ours, theirs)]
         common = min(len(ours["series"]), len(theirs["series"]))
         apart = max(abs(a[2] / b[2] - 1) for a, b in zip(ours["series"][:common], theirs["series"][:common]))
         lines.append(

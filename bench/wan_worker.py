@@ -97,6 +97,7 @@ class Variant:
             self.inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
         self.sync_every = options.get("sync_every")
         self.manager, self.taken = None, 0
+        self.counts: dict[str, tuple[float, int]] = {}  # this project's program -> what it sends, its peak
         self.untimed = 2 if options.get("hook") == "powersgd" else 1  # steps before the clock: PowerSGD's 1st is plain
         if self.kind == "ddp":
             # PowerSGD's callbacks start all-reduces from gloo's thread: with DDP's default small first bucket the
@@ -152,26 +153,34 @@ class Variant:
         outer = torch.optim.SGD(self.model.parameters(), **OUTER)
         self.diloco = DiLoCo(self.manager, [self.model], self.inner, outer, sync_every=self.sync_every).__enter__()
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[str, float, int]:
-        """One step: its program's name, and the bytes and largest message this rank says it sent."""
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> str:
+        """One step; the name of the program it ran."""
         if self.kind not in ("ddp", "torchft"):
             self.step(x, y)
-            program = self.step.programs[self.step.last_variant]
-            sent, peak = sent_bytes(program, self.world)
-            return self.step.last_variant.rstrip("0123456789"), sent, peak
+            return self.step.last_variant
         self.counter.on, self.counter.bytes, self.counter.peak = True, 0, 0
         self.inner.zero_grad()
         nn.functional.cross_entropy((self.ddp if self.kind == "ddp" else self.model)(x), y).backward()
         self.inner.step()  # torchft: its hook syncs at every H-th step
         self.counter.on, self.taken = False, self.taken + 1
+        if self.kind == "ddp":
+            return "step"
+        return "sync" if self.taken % self.sync_every == 0 else "inner"
+
+    def sent(self, program: str) -> tuple[float, int]:
+        """What this rank says the step that ran ``program`` sent, and its largest message; read after the clock
+        stopped (this project's programs are counted once each)."""
         ring = 2 * (self.world - 1) / self.world
         if self.kind == "ddp" and self.hooked:
-            return "step", ring * self.counter.bytes, self.counter.peak
+            return ring * self.counter.bytes, self.counter.peak
         if self.kind == "ddp":  # the reducer all-reduces every gradient (its 25 MiB buckets hold the whole model)
-            return "step", ring * 4 * self.params, 4 * self.params
-        synced = self.taken % self.sync_every == 0
-        largest = max(p.numel() for p in self.model.parameters()) * 4  # torchft all-reduces each tensor alone
-        return ("sync" if synced else "inner"), (ring * 4 * self.params if synced else 0.0), largest
+            return ring * 4 * self.params, 4 * self.params
+        if self.kind == "torchft":
+            largest = max(p.numel() for p in self.model.parameters()) * 4  # it all-reduces each tensor alone
+            return (ring * 4 * self.params if program == "sync" else 0.0), largest
+        if program not in self.counts:
+            self.counts[program] = sent_bytes(self.step.programs[program], self.world)
+        return self.counts[program]
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The weights the papers evaluate: θ_global for this project's DiLoCo family, the model otherwise
@@ -209,8 +218,9 @@ def run(label: str, args: argparse.Namespace, data: tuple, start: dict, counter,
         x, y = windows(train, PER_RANK, gen)
         tx = link_bytes()[0]
         begin = time.perf_counter()
-        program, s, p = variant(x, y)
+        ran = variant(x, y)
         took = time.perf_counter() - begin
+        (s, p), program = variant.sent(ran), ran.rstrip("0123456789")
         timeline.append((clock, took, program, link_bytes()[0] - tx))
         clock, steps, sent, peak = clock + took, steps + 1, sent + s, max(peak, p)
         by_program.setdefault(program, []).append(took)
