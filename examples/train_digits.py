@@ -110,6 +110,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --fault-tolerance: seconds to wait for a quorum of --min-replicas groups",
     )
     parser.add_argument(
+        "--async-quorum",
+        action="store_true",
+        help="with --fault-tolerance: take each step's quorum while the step runs, and vote while it updates",
+    )
+    parser.add_argument(
+        "--quorum-every",
+        type=int,
+        default=1,
+        help="with --fault-tolerance: a quorum after every N committed steps, the steps between under the last one",
+    )
+    parser.add_argument(
         "--option",
         "-O",
         action="append",
@@ -184,7 +195,12 @@ def main(argv: list[str] | None = None) -> None:
         example_inputs=(x_train[:per_rank], y_train[:per_rank]),
         compile=args.compile,
         cuda_graph=args.cuda_graph,
-        fault_tolerance=FaultTolerance(min_replicas=args.min_replicas, quorum_timeout=args.quorum_timeout)
+        fault_tolerance=FaultTolerance(
+            min_replicas=args.min_replicas,
+            quorum_timeout=args.quorum_timeout,
+            async_quorum=args.async_quorum,
+            quorum_every=args.quorum_every,
+        )
         if args.fault_tolerance
         else None,
         **key_values(args.option),
@@ -214,15 +230,17 @@ def main(argv: list[str] | None = None) -> None:
         disable=rank != 0,
     ) as progress:
         task = progress.add_task("train", total=args.epochs, completed=position.epoch, loss=float("nan"), metrics="")
+        steps_run = 0  # the log's step number where no quorum or checkpointer counts them
         try:
             while position.epoch < args.epochs:
                 total, count = 0.0, 0
                 for idx in batches(step, position, rank, world):
                     seat = step.quorum.seat if step.quorum is not None else None  # this step's quorum
                     loss = step(x_train[idx], y_train[idx]).item()
-                    total, count = total + loss, count + 1
+                    total, count, steps_run = total + loss, count + 1, steps_run + 1
                     if log is not None:
-                        number = seat.committed_steps + 1 if seat else checkpointer.steps + 1 if checkpointer else None
+                        counted = checkpointer.steps + 1 if checkpointer else steps_run
+                        number = seat.committed_steps + 1 if seat else counted
                         log.write(number, position, idx, loss, step.committed)
                     if checkpointer is not None:
                         checkpointer.step_done()

@@ -38,6 +38,7 @@ WHERE = {
     "flatten-update": "flatten_update:FlattenUpdate",
     "foreach-update": "foreach_update:ForeachUpdate",
     "schedule-collectives": "schedule_collectives:ScheduleCollectives",
+    "overlap-quorum": "overlap_quorum:OverlapQuorum",
     "reinplace-optimizer": "reinplace_optimizer:ReinplaceOptimizer",
 }
 

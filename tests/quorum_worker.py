@@ -85,6 +85,8 @@ def main() -> None:
     modes = ("fused_allreduce", "zero2", "zero3", "diloco", "streaming_diloco")
     parser.add_argument("--mode", choices=modes, default="fused_allreduce")
     parser.add_argument("--min-replicas", type=int, default=2)
+    parser.add_argument("--sync-quorum", action="store_true", help="each quorum before its step (else beside it)")
+    parser.add_argument("--quorum-every", type=int, default=1, help="FaultTolerance.quorum_every")
     parser.add_argument("--timeout", type=float, default=10, help="FaultTolerance.timeout, seconds")
     args = parser.parse_args()
     life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -96,7 +98,13 @@ def main() -> None:
 
 def _setting(args: argparse.Namespace) -> FaultTolerance:
     return FaultTolerance(
-        args.lighthouse, args.group, min_replicas=args.min_replicas, timeout=args.timeout, quorum_timeout=60
+        args.lighthouse,
+        args.group,
+        min_replicas=args.min_replicas,
+        timeout=args.timeout,
+        quorum_timeout=60,
+        async_quorum=not args.mode.endswith("diloco") and not args.sync_quorum,  # beside the step, where it can be
+        quorum_every=args.quorum_every,
     )
 
 
@@ -184,6 +192,10 @@ def data_parallel(args: argparse.Namespace, life: int) -> None:
     while True:
         indices = step.next_batch(position)
         seat = step.quorum.seat
+        dying = life == 0 and 0 <= args.die_at <= seat.committed_steps and rank == world - 1
+        if dying or seat.committed_steps in (args.hold_at, args.refuse_at):  # this step's quorum as it formed
+            step.quorum.wait()  # (the step assumes the last one's while it is taken), then its batch
+            indices, seat = step.next_batch(position), step.quorum.seat
         if life == 0 and 0 <= args.die_at <= seat.committed_steps and rank == world - 1:
             log.close()
             os._exit(1)  # mid-step: the others' collectives fail, and torchrun restarts the whole group
@@ -205,6 +217,7 @@ def data_parallel(args: argparse.Namespace, life: int) -> None:
             "participants": seat.participants,
             "index": seat.index,
             "committed": step.committed,
+            "moved": step.quorum.moved,  # not committed: it stopped where the quorum it assumed had moved
             "epoch": epoch,
             "indices": indices.tolist(),
             "loss": float(loss),

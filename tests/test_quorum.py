@@ -27,6 +27,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -99,12 +100,16 @@ def diloco_world(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module", params=["zero2", "zero3", "fused_allreduce"])
 def groups_world(request, tmp_path_factory) -> tuple[str, Path]:
-    """The lighthouse and two groups of two ranks under ``zero2`` or ``fused_allreduce``: g1's second rank dies
-    mid-step at committed step 3; g0 goes on alone; torchrun restarts g1, whose ranks heal from g0's and rejoin;
-    the run ends at the first step of both at or after step 12. The mode, and the folder."""
+    """The lighthouse and two groups of two ranks under ``zero2``, ``zero3`` or ``fused_allreduce``: g1's second
+    rank dies mid-step at committed step 3; g0 goes on alone; torchrun restarts g1, whose ranks heal from g0's and
+    rejoin; the run ends at the first step of both at or after step 12. Under ZeRO each step's quorum is taken
+    beside it (``async_quorum``); under ``fused_allreduce`` before it, every third committed step
+    (``quorum_every=3``). The mode, and the folder."""
     out = tmp_path_factory.mktemp(f"quorum_{request.param}")
     with lighthouse(out, min_replicas=1) as (address, jobs):
         common = ["--mode", request.param, "--groups", "2", "--first-groups", "2", "--min-replicas", "1"]
+        if request.param == "fused_allreduce":
+            common += ["--sync-quorum", "--quorum-every", "3"]
         extras = {"g1": ["--die-at", str(DIE_AT)]}
         jobs += [_torchrun(out, g, address, [*common, *extras.get(g, [])], RANKS) for g in ("g0", "g1")]
         _finished(out, jobs)
@@ -209,7 +214,18 @@ def test_survivors_go_on_in_place_and_the_lost_group_heals_and_rejoins(quorum_wo
     lives = {r["life"] for r in logs["g2"]}
     assert lives == {0, 1}
     back = [r for r in logs["g2"] if r["life"] == 1]
-    assert back[0]["step"] > DIE_AT and all(r["committed"] for r in back), "it came back at the quorum's step"
+    assert back[0]["step"] > DIE_AT and back[0]["committed"], "it came back at the quorum's step"
+    # the quorum is taken while a step runs, assuming the last one's: where a group joins, the others' step stops
+    # before its first collective across groups, unvoted, and runs again at once under the quorum it found
+    for group, records in logs.items():
+        for r in records:
+            if r["moved"]:
+                again = next(a for a in records[records.index(r) + 1 :] if a["pid"] == r["pid"])
+                assert again["step"] == r["step"] and again["committed"], (group, r)
+                assert again["participants"] == r["participants"] + 1, (group, r, "only a join moves a quorum here")
+    moved = {g: [r["step"] for r in records if r["moved"]] for g, records in logs.items()}
+    assert moved["g0"] == moved["g1"] == [back[0]["step"], logs[ALL[GROUPS]][0]["step"]], moved
+    assert all(r["committed"] or r["moved"] for r in back), "g2 back: every step committed, or moved at g3's join"
     joined = logs[ALL[GROUPS]]
     assert joined[0]["step"] > JOIN_AFTER and joined[-1]["participants"] == len(ALL), "g3 joined at the quorum's step"
     failed_at = next(r["time"] for r in logs["g0"] if r["step"] == died_at and not r["committed"])
@@ -289,7 +305,8 @@ def test_every_committed_step_is_the_reference_step_on_the_participants_batches(
             optimizer.load_state_dict(trajectory[step - 1]["optimizer"])
         parts = [position.quorum_part(i, participants) for i in range(participants)]
         for i, part in enumerate(parts):
-            logged = [r["indices"] for g in logs.values() for r in g if r["step"] == step and r["index"] == i]
+            here = (step, i, False)  # a moved step took the batch of the quorum it assumed
+            logged = [r["indices"] for g in logs.values() for r in g if (r["step"], r["index"], r["moved"]) == here]
             assert logged and all(ix == part.tolist() for ix in logged), (step, i)
             taken.setdefault(position.epoch, []).extend(part.tolist())
         total = None
@@ -637,6 +654,60 @@ def test_clear_errors_before_anything_runs(monkeypatch):
         transpile(model, sgd, "fused_allreduce", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
     with pytest.raises(ConfigurationError, match="must be a transpiler.FaultTolerance"):
         transpile(model, sgd, "fused_allreduce", LOSS, fault_tolerance={"lighthouse": "http://h:1"})
+    with pytest.raises(ConfigurationError, match="quorum_every must be an int >= 1, got 0"):
+        transpile(model, sgd, "fused_allreduce", LOSS, fault_tolerance=replace(ft, quorum_every=0))
+    with pytest.raises(ConfigurationError, match="async_quorum must be True or False, got 'yes'"):
+        transpile(model, sgd, "zero2", LOSS, fault_tolerance=replace(ft, async_quorum="yes"))
+
+
+@pytest.mark.quick
+@settings(max_examples=12, deadline=None)
+@given(
+    st.sampled_from(["allreduce", "fused_allreduce", "zero1", "zero2", "zero3", "diloco"]),
+    st.integers(1, 3),
+    st.booleans(),
+)
+def test_the_quorum_and_the_vote_are_nodes_where_the_step_needs_them(mode, ranks, beside):
+    """``overlap-quorum`` (about 0.5 s an example): in a data-parallel mode the vote is cast right after the last
+    wait of any collective, reading it; with ``async_quorum`` the quorum is awaited on the input of the first
+    collective on torchft's group (labelled ``quorum``), and every collective before it stays inside the group.
+    DiLoCo's programs hold neither: its syncs take their quorum before the step and vote after it. The nodes add
+    no arithmetic: each is an alias or returns nothing."""
+    from transpiler.graph.collectives import is_collective, is_wait
+    from transpiler.graph.quorum_ops import AWAIT_QUORUM, CAST_VOTE
+
+    model = MLP()
+    ft = FaultTolerance(async_quorum=beside)
+    inputs = (torch.randn(4, 20), torch.randint(0, 5, (4,)))
+    extra = {"replica_mode": "zero1"} if mode == "diloco" and ranks > 1 else {}
+    step = transpile(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        mode,
+        LOSS,
+        inputs,
+        world_size=ranks,
+        rank=ranks - 1,
+        fault_tolerance=ft,
+        **extra,
+    )
+    for variant, program in step.programs.items():
+        nodes = list(program.graph.nodes)
+        awaits = [n for n in nodes if n.target is AWAIT_QUORUM]
+        votes = [n for n in nodes if n.target is CAST_VOTE]
+        if mode == "diloco":
+            assert not awaits and not votes, variant
+            continue
+        across = [n for n in nodes if is_collective(n) and n.args[-1] == "quorum"]
+        waits = [n for n in nodes if is_wait(n)]
+        assert across, "the sums across groups run on torchft's group"
+        assert len(votes) == 1 and votes[0].args[0] == [waits[-1]] and votes[0].prev is waits[-1]
+        if not beside:
+            assert not awaits
+            continue
+        assert len(awaits) == 1 and across[0].args[0] is awaits[0] and awaits[0].next is across[0]
+        assert awaits[0].args[1] == "quorum"
+        assert all(n.args[-1] != "quorum" for n in nodes[: nodes.index(awaits[0])] if is_collective(n))
 
 
 @pytest.mark.quick

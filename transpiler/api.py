@@ -114,7 +114,7 @@ def transpile(
             raise ConfigurationError(
                 f"fault_tolerance must be a transpiler.FaultTolerance, got {type(fault_tolerance).__name__}."
             )
-        strategy = quorum_strategy(mode, options, placement.world_size)
+        strategy = quorum_strategy(mode, options, placement.world_size, overlap=fault_tolerance.async_quorum)
         if world_size is not None and not (dist.is_available() and dist.is_initialized()):  # to be looked at
             seats = InspectedQuorum()
         else:

@@ -146,18 +146,22 @@ class DistributedStep:
         """The run loop: the programs for this batch, ready to run; this step's variant fed, run, written back."""
         state = self._state
         state.refuse_while_lent("a training step")
-        built = state.built = self._cache.prepare(batch, state.model, state.optimizer, state.outer_optimizer, autocast)
-        self._startup.ready(state, built)
+        with self._writing():
+            built = state.built = self._cache.prepare(
+                batch, state.model, state.optimizer, state.outer_optimizer, autocast
+            )
+            self._startup.ready(state, built)
         if self.quorum is not None:
             self.quorum.join()  # the first call: the quorum, and healing, which may move the schedule
         variant = state.schedule.variant()
         program = built.programs[variant]
-        feed.init_extra(state, built)
-        if program.param_buckets:  # ZeRO-3's slices, before a flat shard binds them
-            self._lent.hold(program, built.params)
-        state.flat.bind(program.flat_buffers, built.params, state.optimizer, state.extra, built.whole)
         seat = self.quorum.seat_for(program) if self.quorum is not None else None
-        inputs = feed.inputs(state, program, built, batch, variant, self.quorum.inputs() if seat else None)
+        with self._writing():
+            feed.init_extra(state, built)
+            if program.param_buckets:  # ZeRO-3's slices, before a flat shard binds them
+                self._lent.hold(program, built.params)
+            state.flat.bind(program.flat_buffers, built.params, state.optimizer, state.extra, built.whole)
+            inputs = feed.inputs(state, program, built, batch, variant, self.quorum.inputs() if seat else None)
         on_gpu = bool(built.params) and built.device.type == "cuda"
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(built.device)
@@ -176,7 +180,14 @@ class DistributedStep:
         self.last_variant, self.last_metrics = variant, metrics
         for observe in self.observers:
             observe(state.model, variant)
+        if self.quorum is not None:
+            self.quorum.take_next()  # the next step's quorum, while this process goes on
         return outputs[0]
+
+    def _writing(self) -> contextlib.AbstractContextManager:
+        """Held while the step writes its state before the program runs: a peer healing from this group copies
+        that state on the quorum's thread meanwhile (``transpiler/runtime/quorum.py``)."""
+        return self.quorum.state_lock if self.quorum is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------ the quorum
     def next_batch(self, position: DataPosition) -> torch.Tensor:

@@ -5,12 +5,22 @@ quorum before every step, and a torchft ``Manager`` reconfigures the process gro
 (``ProcessGroupGloo``/``ProcessGroupNCCL``, registered here under a name so that the graph's functional
 collectives run on it). What this module adds to a step, around the same rewritten program:
 
-- **before the step** (:meth:`Quorum.begin`): the quorum, and with it, for a group that starts late or comes
-  back, the whole step state from a live peer over torchft's checkpoint transport (``heal``);
+- **the quorum, beside the step** (:meth:`Quorum.begin`): after a committed step the next step's quorum is taken
+  on a thread of its own while this process writes the step back, loads the next batch and runs the forward and
+  backward (``FaultTolerance.async_quorum``, the data-parallel modes). The step is computed for the quorum it
+  assumes, the last one's (its participant count and this group's place in it, which pick its samples), and
+  the program's ``transpiler::await_quorum`` node (``overlap-quorum``) waits for the real one before the first
+  collective across groups. Where they differ (a group left or joined) or this group must heal, the step stops
+  there, before anything has left for another group and without a vote, and runs again under the quorum it
+  found: nothing is lost but the forward and backward. A group that starts, or whose last step did not commit,
+  takes its quorum before the step, and with it, when it is behind, the whole step state from a live peer over
+  torchft's checkpoint transport (``heal``), applied before the step;
 - **the participant count as an input**: the program's ``participants`` port (``scale-loss-grad
   {participants=true}``) gets this quorum's size, so the mean is over the groups that take part and a quorum
   change never retraces;
-- **after the step** (:meth:`Quorum.run`): torchft's commit vote. The program's updates are functional (its
+- **the vote** (:meth:`Quorum.run`): torchft's commit vote, cast by the program's ``transpiler::cast_vote`` node
+  once its last collective is waited for, on the quorum's thread, while the update computes. The program's
+  updates are functional (its
   pipeline has no ``reinplace-optimizer``), so a step that does not commit (a peer died mid-step, the quorum
   fell below ``min_replicas``) writes nothing back: parameters, optimizer state, schedule and data position
   stay as they were, bit for bit, and the next call retries under the new quorum.
@@ -25,7 +35,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -34,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from transpiler.errors import CommunicationError, ConfigurationError, NoQuorumError
+from transpiler.graph import quorum_ops
 from transpiler.graph.ports import PortKind
 
 from .failures import is_communication_failure
@@ -53,7 +66,13 @@ class FaultTolerance:
     every collective across groups, the commit vote and healing: a peer that stops answering costs the others
     this long once. ``quorum_timeout`` bounds the wait for a quorum of ``min_replicas`` groups. ``max_retries``:
     after this many steps in a row that did not commit, the step raises a CommunicationError instead of retrying
-    (None: retry for ever)."""
+    (None: retry for ever). ``async_quorum``: in the data-parallel modes, take each step's quorum on a thread
+    while the step runs, and vote while its update computes (default False: both before and after the step, as
+    torchft's ``use_async_quorum=False``, which measured faster on a 2-core machine: docs/fault_tolerance.md;
+    DiLoCo's syncs always take theirs before the step). ``quorum_every``: in the data-parallel modes, a quorum
+    after every this many committed steps, the steps between running under the last one: a lost group still
+    fails the step it is lost in, and the next step takes a quorum before it runs; a group that joins or comes
+    back waits up to this many steps for the others to ask."""
 
     lighthouse: str | None = None
     replica_id: str | None = None
@@ -61,6 +80,8 @@ class FaultTolerance:
     timeout: float = 30.0
     quorum_timeout: float = 120.0
     max_retries: int | None = 10
+    async_quorum: bool = False
+    quorum_every: int = 1
 
     def resolved(self) -> FaultTolerance:
         """This setting with the environment's defaults filled in, checked."""
@@ -81,6 +102,11 @@ class FaultTolerance:
         retries = self.max_retries
         if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
             raise ConfigurationError(f"max_retries must be an int >= 0 or None, got {retries!r}.")
+        if not isinstance(self.async_quorum, bool):
+            raise ConfigurationError(f"async_quorum must be True or False, got {self.async_quorum!r}.")
+        every = self.quorum_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigurationError(f"quorum_every must be an int >= 1, got {every!r}.")
         for name in ("timeout", "quorum_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
@@ -98,9 +124,15 @@ class Seat:
     committed_steps: int
 
 
+class QuorumMoved(Exception):
+    """Raised at a step's ``await_quorum`` node: the quorum taken beside the step is not the one the step was
+    computed for (a group left or joined, or this group must heal). Nothing has left for another group yet."""
+
+
 class Quorum:
     """This replica group's torchft ``Manager`` and the process group across groups it reconfigures, with the
-    step's participation: :meth:`join` and :meth:`seat_for` before a step, :meth:`run` for it and the vote."""
+    step's participation: :meth:`join` and :meth:`begin` before a step, :meth:`run` for it and the vote, and
+    :meth:`take_next` after it. The quorum and the vote run on a thread of their own, one after the other."""
 
     def __init__(self, setting: FaultTolerance, placement: Placement, every_step: bool = True) -> None:
         setting = setting.resolved()
@@ -125,7 +157,9 @@ class Quorum:
             load_state_dict=None,
             state_dict=None,
             min_replica_size=setting.min_replicas,
-            use_async_quorum=False,  # a late group heals before its step, and takes part in it
+            # torchft's synchronous semantics, on a thread of our own: a group that is behind heals inside the
+            # quorum and takes part in the step (its participant count includes it); the step's program waits
+            use_async_quorum=False,
             timeout=timeout,
             quorum_timeout=timedelta(seconds=setting.quorum_timeout),
             connect_timeout=timeout,
@@ -139,10 +173,20 @@ class Quorum:
         self.setting = setting
         self.group_name = _register(self.group, f"transpiler-quorum-{setting.replica_id}")
         self.every_step = every_step  # every program talks across groups (data parallel); else only some (DiLoCo)
-        self.seat: Seat | None = None  # the quorum of the step under way
+        self.overlapped = setting.async_quorum and every_step  # the quorum taken beside the step (overlap-quorum)
+        self.seat: Seat | None = None  # the quorum of the step under way (assumed until its program settles it)
         self.last_seat: Seat | None = None  # the quorum of the last step that took one
         self.joined = False  # this group took part in a quorum (and healed) since it started
         self.has_committed = False  # a step of this process committed under a quorum
+        self.moved = False  # the last step stopped at its first collective across groups: the quorum moved
+        self.state_lock = threading.Lock()  # held while the step's state is written, and while a peer copies it
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="transpiler-quorum")
+        self._taking: Future | None = None  # the quorum under way on the thread
+        self._since = 0  # committed steps since the last quorum (quorum_every)
+        self._voting: Future | None = None  # the vote under way on the thread
+        self._received: dict | None = None  # the state a heal brought, applied on the step's thread
+        self._load: Callable[[dict], None] | None = None
+        quorum_ops.serve(self.group_name, quorum_ops.QuorumHooks(self._settle, self._cast_vote))
 
     def placement(self, placement: Placement, two_level: bool) -> Placement:
         """Where the programs' collectives go: on the group's own world where the strategy reduces in two levels
@@ -156,34 +200,50 @@ class Quorum:
         return across_groups(axes, self.group_name)
 
     def serve(self, save: Callable[[], dict], load: Callable[[dict], None]) -> None:
-        """What a healing peer takes from this group, and how this group takes it from a peer."""
-        self.manager.register_state_dict_fn("transpiler", load, save)
+        """What a healing peer takes from this group (copied on the quorum's thread while no step writes the
+        state), and how this group takes it from a peer (on the step's thread, before the step)."""
+        self._load = load
+
+        def locked_save() -> dict:
+            with self.state_lock:
+                return save()
+
+        self.manager.register_state_dict_fn("transpiler", self._receive, locked_save)
 
     def begin(self) -> Seat:
-        """This step's quorum (once per step): waits for it, reconfigures the process group when it changed, and
-        heals this group from a live peer when it is behind (it started late or restarted)."""
+        """This step's quorum (once per step). Taken before the step when none is under way: waited for, the
+        process group reconfigured when it changed, and this group healed from a live peer when it is behind
+        (it started late, restarted, or its last step did not commit). Under way (:meth:`take_next`): the last
+        step's quorum, assumed, which the program's ``await_quorum`` checks."""
         if self.seat is None:
-            try:
-                self.manager.start_quorum()
-            except Exception as exc:  # torchft's own error says only "Timeout expired"
-                setting = self.setting
-                late = (
-                    ""
-                    if self.has_committed
-                    else " This group has not committed a step since it started: if the other groups have finished "
-                    "the run, it came back too late to heal from them."
-                )
-                raise NoQuorumError(
-                    f"replica group {setting.replica_id!r}: no quorum within quorum_timeout={setting.quorum_timeout} s "
-                    f"({type(exc).__name__}: {exc}). Check that the lighthouse at {setting.lighthouse} is up and that "
-                    f"at least min_replicas={setting.min_replicas} groups are running.{late}"
-                ) from exc
-            index = self.manager.participating_rank()
-            if index is None:
-                raise ConfigurationError("this replica group is not taking part in the quorum (a spare).")
-            self.seat = Seat(index, self.manager.num_participants(), self.manager.current_step())
-            self.joined = True
+            if self._taking is None and not (self._since and self.last_seat is not None):
+                self._taking = self._thread.submit(self._take)
+                self.seat = self._wait()
+                self._heal()
+            else:
+                last = self.last_seat
+                self.seat = Seat(last.index, last.participants, last.committed_steps + 1)
         return self.seat
+
+    def wait(self) -> Seat:
+        """This step's quorum as it formed, waited for (healing this group when it is behind). Where the step had
+        assumed another, the step runs under this one; take the step's batch after this call."""
+        seat = self.begin()
+        if self._taking is not None:
+            self.seat = seat = self._wait()
+            self._heal()
+        return seat
+
+    def take_next(self) -> None:
+        """After a committed step is written back (data parallel): counts it, and after every ``quorum_every``
+        steps starts the next step's quorum on the quorum's thread (``async_quorum``; else the next step takes it
+        before it runs). The steps between run under the last quorum."""
+        if self.every_step and self.joined and self._taking is None:
+            self._since += 1
+            if self._since >= self.setting.quorum_every:
+                self._since = 0
+                if self.overlapped:
+                    self._taking = self._thread.submit(self._take)
 
     def join(self) -> None:
         """Before this group's first step, whatever it is: the quorum, so that a group that starts late or comes
@@ -207,15 +267,30 @@ class Quorum:
 
     def run(self, program: Callable[[], Any]) -> tuple[Any, bool]:
         """Run one step's program and vote: (its outputs, or None when it failed; whether the quorum commits).
-        A collective that fails because a peer left is reported to torchft, and the step does not commit."""
+        A collective that fails because a peer left is reported to torchft, and the step does not commit. A step
+        whose quorum moved under it stops before its first collective across groups and is not voted on: the
+        next call runs it under the quorum it found."""
         outputs, error = None, None
+        self.moved = False
         try:
             outputs = program()
+        except QuorumMoved as moved:
+            self.moved = True
+            self._heal()
+            log.warning("replica group %r: %s; the step runs again under it", self.setting.replica_id, moved)
+            return None, False
+        except NoQuorumError:
+            self.seat = None
+            raise
         except Exception as exc:  # a peer left mid-step: torchft reconfigures at the next quorum
             error = exc
-            self.manager.report_error(exc)
+            if self._voting is None:
+                if self._taking is not None:  # it failed before its first collective across groups
+                    self.seat = self._wait()
+                self.manager.report_error(exc)
         try:
-            committed = self.manager.should_commit()
+            voting, self._voting = self._voting, None
+            committed = voting.result() if voting is not None else self.manager.should_commit()
         except RuntimeError as exc:  # torchft's max_retries: this many steps in a row did not commit
             if "max_retries" not in str(exc):
                 raise
@@ -227,16 +302,76 @@ class Quorum:
             ) from error or exc
         finally:  # the next step takes a quorum of its own, whatever this one did
             self.seat, self.last_seat = None, self.seat
+            self._heal()  # a failed step's quorum may have found this group behind
         if error is not None and not _is_peer_failure(error):
             raise error
         if error is not None or not committed:
             why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}" if error else "the vote said no"
             log.warning("replica group %r: step not committed (%s); it is retried", self.setting.replica_id, why)
-        self.has_committed |= committed and error is None
-        return outputs, committed and error is None
+        committed = committed and error is None
+        self.has_committed |= committed
+        if not committed:  # the next step takes its quorum before it runs
+            self._since = 0
+        return outputs, committed
 
     def shutdown(self) -> None:
+        quorum_ops.serve(self.group_name, None)
+        self._thread.shutdown(wait=False, cancel_futures=True)
         self.manager.shutdown(wait=False)
+
+    # ------------------------------------------------------------ on the quorum's thread, and waiting for it
+    def _take(self) -> tuple[int | None, int, int]:
+        """The quorum (torchft's, synchronous on this thread): this group's index, the participants, the step."""
+        self.manager.start_quorum()
+        return self.manager.participating_rank(), self.manager.num_participants(), self.manager.current_step()
+
+    def _receive(self, state: dict) -> None:
+        """A heal's state, as torchft hands it over inside the quorum: kept for the step's thread to apply."""
+        self._received = state
+
+    def _heal(self) -> None:
+        received, self._received = self._received, None
+        if received is not None:
+            with self.state_lock:
+                self._load(received)
+
+    def _wait(self) -> Seat:
+        """The quorum under way, waited for: this group's seat in it."""
+        taking, self._taking = self._taking, None
+        try:
+            index, participants, step = taking.result()
+        except Exception as exc:  # torchft's own error says only "Timeout expired"
+            setting = self.setting
+            late = (
+                ""
+                if self.has_committed
+                else " This group has not committed a step since it started: if the other groups have finished "
+                "the run, it came back too late to heal from them."
+            )
+            raise NoQuorumError(
+                f"replica group {setting.replica_id!r}: no quorum within quorum_timeout={setting.quorum_timeout} s "
+                f"({type(exc).__name__}: {exc}). Check that the lighthouse at {setting.lighthouse} is up and that "
+                f"at least min_replicas={setting.min_replicas} groups are running.{late}"
+            ) from exc
+        if index is None:
+            raise ConfigurationError("this replica group is not taking part in the quorum (a spare).")
+        self.joined = True
+        return Seat(index, participants, step)
+
+    def _settle(self) -> None:
+        """The program's ``await_quorum``: the quorum taken beside the step, waited for; QuorumMoved when it is not
+        the one the step assumed, or when this group must heal (its state is applied once the program stops)."""
+        if self._taking is None:
+            return
+        assumed, self.seat = self.seat, self._wait()
+        if self.seat != assumed or self._received is not None:
+            healing = ", and this group must heal from a peer" if self._received is not None else ""
+            raise QuorumMoved(f"the quorum is {self.seat}, not the {assumed} this step assumed{healing}")
+
+    def _cast_vote(self) -> None:
+        """The program's ``cast_vote``: every collective is waited for, so the vote goes out while the update
+        computes."""
+        self._voting = self._thread.submit(self.manager.should_commit)
 
 
 def across_groups(axes: tuple[dict[str, tuple[int, ...]], ...], group_name: str) -> dict[tuple[int, ...], str]:

@@ -1,6 +1,6 @@
 """A mode's strategy under a torchft quorum (``transpile(fault_tolerance=...)``): what changes in its pipeline.
 
-Four passes change, and nothing else. ``scale-loss-grad`` (and DiLoCo's ``diloco-outer-step``) divides by the
+Four passes change, and one is added. ``scale-loss-grad`` (and DiLoCo's ``diloco-outer-step``) divides by the
 step's input ``participants`` instead of the world size: a quorum's size changes from step to step, and the graph
 must not be traced again for it. ``broadcast-params`` goes, since torchft makes every group start from the first
 one's state (``init_sync``) and heals a late group from a peer. In a group of several ranks each rank takes that
@@ -9,6 +9,9 @@ at the start and others not: a broadcast inside the group would be run by some o
 the groups must start alike (a seeded model), as under torchft. ``flatten-update`` and ``reinplace-optimizer`` go,
 so that the update writes new tensors (the flat update writes into the parameters' flat storage) and a step that
 the quorum does not commit leaves the old ones untouched; the update stays multi-tensor (``foreach-update``).
+The data-parallel modes end with ``overlap-quorum``: the commit vote is cast inside the step once its last
+collective is waited for, and with ``FaultTolerance(async_quorum=True)`` the step waits at its first collective
+across groups for the quorum taken while it ran.
 
 In a replica group of several ranks the data-parallel modes reduce in two levels (HSDP's layout): each bucket
 (``allreduce``: each gradient) is all-reduced in the group's own process group, then summed on axis ``across``
@@ -52,9 +55,11 @@ _NOT_UNDER_QUORUM = {
 _DROPPED = frozenset({"broadcast-params", "flatten-update", "reinplace-optimizer"})
 
 
-def quorum_strategy(mode: str, options: dict[str, Any], group_size: int) -> Strategy:
+def quorum_strategy(mode: str, options: dict[str, Any], group_size: int, overlap: bool = True) -> Strategy:
     """The strategy of ``mode`` for one replica group of ``group_size`` ranks under a torchft quorum; an error for
-    a mode, option or group size that is not built for it, saying what is."""
+    a mode, option or group size that is not built for it, saying what is. The data-parallel modes vote where the
+    step can no longer fail (``overlap-quorum``), and with ``overlap`` wait there for a quorum taken while the
+    step runs."""
     if mode not in QUORUM_MODES:
         raise ConfigurationError(
             f"fault_tolerance is built for modes {', '.join(QUORUM_MODES)}; mode '{mode}' is not yet. Use one "
@@ -68,7 +73,9 @@ def quorum_strategy(mode: str, options: dict[str, Any], group_size: int) -> Stra
             )
     if mode in _TWO_LEVEL or (mode in _DATA_PARALLEL and group_size > 1):
         strategy = build_strategy(mode, options)
-        variants = {variant: [_across(p) for p in _rewritten(passes)] for variant, passes in strategy.variants.items()}
+        variants = {
+            variant: [_across(p) for p in _rewritten(passes, overlap)] for variant, passes in strategy.variants.items()
+        }
         return dataclasses.replace(strategy, variants=variants, layout=AcrossGroups(strategy.layout))
     replica_size = options.get("replica_size", group_size)
     if replica_size != group_size:
@@ -86,13 +93,17 @@ def quorum_strategy(mode: str, options: dict[str, Any], group_size: int) -> Stra
     if group_size > 1:
         options = {**options, "replica_size": group_size}
     strategy = build_strategy(mode, options)
-    variants = {variant: _rewritten(passes) for variant, passes in strategy.variants.items()}
+    every_step = strategy.outer is None  # DiLoCo's syncs take theirs before the step and vote after it
+    overlap_in = overlap if every_step else None
+    variants = {variant: _rewritten(passes, overlap_in) for variant, passes in strategy.variants.items()}
     return dataclasses.replace(strategy, variants=variants)
 
 
-def _rewritten(passes: list[Pass]) -> list[Pass]:
-    kept = [p for p in passes if p.name not in _DROPPED]
-    return [_counting(p) for p in kept]
+def _rewritten(passes: list[Pass], overlap: bool | None) -> list[Pass]:
+    """The passes under a quorum; ``overlap`` None: no vote inside the step (DiLoCo), else the vote, and with
+    True the wait for a quorum taken beside the step."""
+    kept = [_counting(p) for p in passes if p.name not in _DROPPED]
+    return kept if overlap is None else [*kept, make("overlap-quorum", wait=overlap)]
 
 
 def _across(p: Pass) -> Pass:
