@@ -146,7 +146,10 @@ class DistributedStep:
         """The run loop: the programs for this batch, ready to run; this step's variant fed, run, written back."""
         state = self._state
         state.refuse_while_lent("a training step")
-        with self._writing():
+        # held while the step writes its state before the program runs: a peer healing from this group copies that
+        # state on the quorum's thread meanwhile (runtime/quorum.py)
+        writing = self.quorum.state_lock if self.quorum is not None else contextlib.nullcontext()
+        with writing:
             built = state.built = self._cache.prepare(
                 batch, state.model, state.optimizer, state.outer_optimizer, autocast
             )
@@ -156,7 +159,7 @@ class DistributedStep:
         variant = state.schedule.variant()
         program = built.programs[variant]
         seat = self.quorum.seat_for(program) if self.quorum is not None else None
-        with self._writing():
+        with writing:
             feed.init_extra(state, built)
             if program.param_buckets:  # ZeRO-3's slices, before a flat shard binds them
                 self._lent.hold(program, built.params)
@@ -183,11 +186,6 @@ class DistributedStep:
         if self.quorum is not None:
             self.quorum.take_next()  # the next step's quorum, while this process goes on
         return outputs[0]
-
-    def _writing(self) -> contextlib.AbstractContextManager:
-        """Held while the step writes its state before the program runs: a peer healing from this group copies
-        that state on the quorum's thread meanwhile (``transpiler/runtime/quorum.py``)."""
-        return self.quorum.state_lock if self.quorum is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------ the quorum
     def next_batch(self, position: DataPosition) -> torch.Tensor:
