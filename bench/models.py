@@ -133,3 +133,103 @@ def narrow_gpt_factory() -> tuple:
         nn.CrossEntropyLoss(),
         narrow_batch("gpt", 4, torch.Generator().manual_seed(0)),
     )
+
+
+class LlamaAttention(nn.Module):
+    """Causal self-attention with separate ``wq``/``wk``/``wv``/``wo`` (no bias), as Llama's: a tensor-parallel plan
+    splits the heads by splitting the three input projections' rows, so the head count is read from the shard."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    """Llama's feed-forward: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int):
+        super().__init__()
+        self.attention_norm, self.attention = nn.RMSNorm(dim), LlamaAttention(dim, heads)
+        self.ffn_norm, self.feed_forward = nn.RMSNorm(dim), SwiGLU(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TinyLlama(nn.Module):
+    """A Llama-style decoder (RMSNorm, multi-head attention, SwiGLU; no position encoding, which causal attention
+    learns without) with torchtitan's module names, so its tensor-parallel plan (:func:`llama_tp_plan`) reads as
+    torchtitan's. Returns logits (batch, seq, vocab)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, hidden: int = 64, blocks: int = 2):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaBlock(dim, heads, hidden) for _ in range(blocks))
+        self.norm, self.output = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def llama_tp_plan(model: TinyLlama, sequence_parallel: bool) -> dict:
+    """torchtitan's tensor-parallel plan for a Llama block, by module name: ``wq``/``wk``/``wv`` and ``w1``/``w3``
+    split by columns (heads, hidden units), ``wo`` and ``w2`` by rows, the embedding table by rows (vocabulary),
+    the output layer by columns. With ``sequence_parallel`` the norms run on this rank's part of the sequence
+    (``SequenceParallel``) and the activations between blocks stay split along it; without, the norms are plain
+    replicated parameters."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    rows = {"output_layouts": Shard(1)} if sequence_parallel else {}
+    plan: dict = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), **rows),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Replicate()
+        ),
+    }
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    for i in range(len(model.layers)):
+        block = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(**rows),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(**rows),
+        }
+        if sequence_parallel:
+            block["attention_norm"] = SequenceParallel()
+            block["ffn_norm"] = SequenceParallel()
+            block["attention"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            block["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan.update({f"layers.{i}.{k}": v for k, v in block.items()})
+    return plan

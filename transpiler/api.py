@@ -9,20 +9,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from transpiler.graph.options import parse_options
 from transpiler.graph.program import StepProgram
 from transpiler.runtime import cuda_graph as cuda_graph_module
 from transpiler.runtime.distributed_step import DistributedStep
-from transpiler.runtime.process_group import as_timeout, resolve_placement, subgroup_names
+from transpiler.runtime.process_group import as_timeout, mesh_placement, resolve_placement, subgroup_names
 from transpiler.runtime.quorum import FaultTolerance, InspectedQuorum, Quorum
 from transpiler.runtime.trajectory import TRAJECTORY_OPTIONS, TrajectoryWriter
 from transpiler.strategies.modes import build_strategy
 from transpiler.strategies.quorum import quorum_strategy
 from transpiler.strategies.strategy import Strategy
+from transpiler.strategies.tensor_parallel import check_tensor_parallel
 from transpiler.trace.environment import AutocastState
 from transpiler.trace.optimizers import as_optimizer
 from transpiler.trace.signature import StepTrace
+from transpiler.trace.tensor_parallel import has_dtensor_parameters, localize, tensor_parallel_of
 from transpiler.trace.trace_cache import TraceCache
 from transpiler.trace.tracer import LossFn, trace_step
 
@@ -49,6 +52,7 @@ def transpile(
     outer_optimizer: torch.optim.Optimizer | None = None,
     fault_tolerance: FaultTolerance | None = None,
     trace: StepTrace | TraceCache | None = None,
+    mesh: DeviceMesh | None = None,
     **options: Any,
 ) -> DistributedStep:
     """Trace one training step and rewrite it into this rank's distributed program.
@@ -87,6 +91,11 @@ def transpile(
     and hyper-parameters, this loss and this batch (a ``TraceMismatchError`` names the first difference). A
     :class:`TraceCache` instead serves every build (a new batch shape, eval mode) from the traces it holds, and
     keeps the ones it makes.
+    ``mesh`` is the 1-D device mesh the mode spans (``mesh["dp"]`` of a ``("dp", "tp")`` mesh), for a model under
+    torch's tensor-parallel plan (``parallelize_module(model, mesh["tp"], plan)``): the step is traced through
+    DTensor, each rank's program holds its shards of the parameters (the model and the optimizer hold them from
+    here on; calling the model still works), and the mode (``fused_allreduce``, ``zero1/2/3``, ``diloco``,
+    ``streaming_diloco``) runs across ``mesh`` (``trace/tensor_parallel.py``, docs/strategies/tensor_parallel.md).
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -106,7 +115,14 @@ def transpile(
     )
     if "trajectory_every" in saving and not saving.get("save_trajectory"):
         raise ConfigurationError("trajectory_every only applies with save_trajectory=DIR; give both or neither.")
-    placement = resolve_placement(world_size, rank, as_timeout(timeout))
+    if mesh is not None or has_dtensor_parameters(model) or tensor_parallel_of(model) is not None:
+        check_tensor_parallel(
+            mode, options, optimizer, fault_tolerance=fault_tolerance is not None, cuda_graph=cuda_graph
+        )
+        localize(model, [optimizer] + ([outer_optimizer] if outer_optimizer is not None else []))
+        placement = mesh_placement(mesh, world_size, rank, timeout)
+    else:
+        placement = resolve_placement(world_size, rank, as_timeout(timeout))
     quorum: Quorum | None = None
     seats: Quorum | InspectedQuorum | None = None  # where the collectives across replica groups go
     if fault_tolerance is not None:

@@ -41,6 +41,7 @@ from transpiler.strategies.strategy import RankPlan, Strategy
 from transpiler.trace.environment import AutocastState
 from transpiler.trace.outer import trace_outer_update
 from transpiler.trace.signature import StepTrace
+from transpiler.trace.tensor_parallel import tensor_parallel_of
 from transpiler.trace.trace_cache import TraceCache
 from transpiler.trace.tracer import LossFn, trace_step
 
@@ -141,6 +142,8 @@ class StepBuilder:
         """What every rank compares before these programs first run (``handshake.py``)."""
         placement, outer = self.placement, self.outer
         members, alone = world_groups(self.subgroups, placement)
+        if tensor_parallel_of(self.model) is not None:  # each rank's 'tp' collectives, matched across 'dp'
+            members["tp"] = tuple(range(placement.world_size))
         return Setup(
             world_size=placement.world_size,
             mode=self.strategy.specs(),

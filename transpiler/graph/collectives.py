@@ -59,7 +59,8 @@ def signature(node: fx.Node) -> CollectiveSignature:
     dtype = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else "?"
     op = node.target._schema.name.split("::")[-1]
     detail = str(node.args[1]) if len(node.args) > 2 else ""
-    return CollectiveSignature(op, detail, shape, dtype, str(node.args[-1]))
+    # a tensor-parallel plan's collective names its mesh dimension: each rank's 'tp' group is another group
+    return CollectiveSignature(op, detail, shape, dtype, node.meta.get("mesh_dim") or str(node.args[-1]))
 
 
 def collective_sequence(graph: fx.Graph) -> list[CollectiveSignature]:

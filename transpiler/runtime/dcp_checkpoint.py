@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from transpiler.errors import CheckpointError
 from transpiler.graph.ports import ACCUMULATOR, GLOBAL, IN_FLIGHT, REPLICATED
+from transpiler.trace.tensor_parallel import tensor_parallel_of
 
 from .checkpoint_kind import CheckpointKind
 from .failures import failures_named
@@ -63,8 +64,20 @@ def blocked(state: StepState) -> str | None:
     return None
 
 
+def refuse_tensor_parallel(state: StepState) -> None:
+    """DCP reads a checkpoint at another world size by the parameters' global shapes; under a tensor-parallel plan
+    each rank's step holds its shards as plain tensors, so that is not built."""
+    if tensor_parallel_of(state.model) is not None:
+        raise CheckpointError(
+            "save_checkpoint()/load_checkpoint() are not built beside a tensor-parallel plan: each rank holds its "
+            "shards of the parameters as plain tensors, so a checkpoint could not be read at another mesh shape. "
+            "Save step.state_dict() on every rank with torch.save, and resume at the same mesh shape."
+        )
+
+
 def save(state: StepState, lent: LentParameters, path: str | Path) -> None:
     """Write the step's state to the folder ``path``; every rank calls it."""
+    refuse_tensor_parallel(state)
     why = blocked(state)
     if why is not None:
         raise CheckpointError(why)
@@ -123,6 +136,7 @@ def load(state: StepState, lent: LentParameters, path: str | Path) -> None:
     """Read a :func:`save` folder, written at any world size and in any mode of this step's layout; every rank
     calls it. Once the step is built each rank reads only its own slices of what is sharded; before, whole
     tensors, cut at the first step."""
+    refuse_tensor_parallel(state)
     with failures_named(f"loading the checkpoint {path}", state.placement):
         saved = _sharded_checkpoint().read_setup(path, _ranks(state))
         CheckpointKind.of(state).check(saved.get("format"), saved, resharding=True, path=path)

@@ -157,6 +157,7 @@ class Handshake:
     rank: int
     world_size: int
     timeout: timedelta
+    group: str = ""  # the step's group: the steps of several data-parallel groups (beside TP) share the store
     instance: int = field(default_factory=next_instance)
     rounds: int = 0
 
@@ -164,7 +165,7 @@ class Handshake:
         """Return when every rank runs the same setup; otherwise raise on every rank."""
         self.rounds += 1
         store = dist.distributed_c10d._get_default_store()
-        prefix = f"transpiler/handshake/{self.instance}/{self.rounds}/"
+        prefix = f"transpiler/handshake/{self.group}/{self.instance}/{self.rounds}/"
         store.set(prefix + str(self.rank), pickle.dumps(setup))
         keys = [prefix + str(r) for r in range(self.world_size)]
         try:

@@ -137,6 +137,33 @@ def resolve_placement(world_size: int | None, rank: int | None, timeout: timedel
     return Placement(world_size, rank or 0, STATIC_GROUP, False, local_timeout)
 
 
+def mesh_placement(mesh: object, world_size: int | None, rank: int | None, timeout: object) -> Placement:
+    """The placement of a mode across one dimension of a device mesh (``transpile(mesh=mesh["dp"])``, beside a
+    tensor-parallel plan on the other): its size, this rank's place in it, its group and that group's timeout."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if mesh is None:
+        raise ConfigurationError(
+            "the model's parameters are DTensors (a tensor-parallel plan): give transpile() the mesh dimension the "
+            "mode spans, mesh=mesh['dp'] of a ('dp', 'tp') mesh (a mesh of size 1 where all ranks are one TP group)."
+        )
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise ConfigurationError(
+            f"mesh must be a 1-D torch DeviceMesh, the dimension the mode spans (mesh['dp']); got "
+            f"{type(mesh).__name__}{f' with {mesh.ndim} dimensions' if isinstance(mesh, DeviceMesh) else ''}."
+        )
+    if world_size is not None or rank is not None or timeout is not None:
+        raise ConfigurationError(
+            "with mesh=, leave out world_size=, rank= and timeout=: the mesh gives the ranks, and its groups take "
+            "the timeout given to torch.distributed.init_process_group()."
+        )
+    group = mesh.get_group()
+    size = mesh.size()
+    if size == 1:
+        return Placement(1, 0, LOCAL_GROUP, True, group_timeout(group))
+    return Placement(size, mesh.get_local_rank(), group.group_name, True, group_timeout(group))
+
+
 _subgroups: dict[tuple[tuple[int, ...], timedelta], str] = {}
 
 

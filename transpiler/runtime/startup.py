@@ -18,7 +18,9 @@ class Startup:
 
     def __init__(self, placement: Placement) -> None:
         multi = placement.live and placement.world_size > 1
-        self.handshake = Handshake(placement.rank, placement.world_size, placement.timeout) if multi else None
+        self.handshake = (
+            Handshake(placement.rank, placement.world_size, placement.timeout, placement.group_name) if multi else None
+        )
         self.agreed: bytes | None = None  # the digest of the setup the ranks last agreed on
 
     def ready(self, state: StepState, built: Built) -> None:

@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 
 from transpiler.errors import TraceMismatchError, UnsupportedModelError, UnsupportedOptimizerError
+from transpiler.graph.collectives import is_collective
 from transpiler.graph.ports import Port, PortKind, is_input
 from transpiler.graph.program import StepProgram
 
@@ -28,6 +29,7 @@ from .functional import trace_functional, twin_updates
 from .optimizers import GenericPlan, OptimizerPlan
 from .signature import StepSignature, StepTrace, step_signature
 from .step_inputs import LossFn, ModelState, step_inputs
+from .tensor_parallel import as_local, check_update, tensor_parallel_of
 
 
 def trace_step(
@@ -108,9 +110,16 @@ def trace_step(
         else:
             new_params, updated = twin_updates(plan, params, grads, states, dict(zip(slots, scalars)))
         new_states = [t for s in updated for t in s]
-        out_leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] if loss_fn else []
+        out_leaves = [as_local(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] if loss_fn else []
         n_model_out[:] = [len(out_leaves)]
-        return (loss.detach(), *out_leaves, *[g for g in grads if g is not None], *new_params, *new_states, *buffers)
+        return (
+            as_local(loss.detach()),
+            *out_leaves,
+            *[g for g in grads if g is not None],
+            *new_params,
+            *new_states,
+            *buffers,
+        )
 
     flat_inputs = [
         *[p.detach().requires_grad_(True) for p in wholes],
@@ -147,6 +156,16 @@ def trace_step(
     )
     used = [n for n, ok in zip(state.names, grad_present) if ok]
     program = _finish(functional, ports, plan, n_model_out[0], used)
+    tensor_parallel = tensor_parallel_of(model)
+    if tensor_parallel is not None:
+        check_update(program.graph)
+        for node in program.graph.nodes:  # every collective of the trace is the plan's, on the 'tp' group
+            if is_collective(node):
+                node.meta["mesh_dim"] = "tp"
+        program.decisions["tensor-parallel"] = (
+            f"traced through DTensor: {len(tensor_parallel.specs)} parameters are DTensors on 'tp' "
+            f"({tensor_parallel.size} ranks); this rank's program holds its shards"
+        )
     if generic:
         how = (
             "its capturable (tensor) form, since its default path branches on a value of its state"
