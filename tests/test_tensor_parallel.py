@@ -20,7 +20,8 @@ Not bitwise: one process training the unsplit model on every ``dp`` rank's batch
 and column sum into two partial sums, and the mean of per-rank means rounds differently: within 5e-5 after 10
 AdamW steps (7.1e-6 measured at dp=2, 2.4e-7 at dp=1).
 
-Cost (a 2-core Xeon, 2026-11-28): the world of 4's jobs about 100 s, the world of 2's about 50 s.
+Cost (a 2-core Xeon, 2026-11-28, one process): the world of 4's parity job 70 s, the world of 2's 30 s, Hugging
+Face 11 s, the refusals 7 s (these two tests are in the quick tier: one world of 2 for the family).
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ def refusals(tmp_path_factory) -> dict:
     return run_in_world(2, "tests.tensor_parallel_worker:refusals", out, timeout=300)[0]
 
 
+@pytest.mark.quick
 def test_what_does_not_run_beside_a_plan_is_refused_clearly(refusals):
     record = refusals
     expected = {
@@ -135,6 +137,7 @@ def test_what_does_not_run_beside_a_plan_is_refused_clearly(refusals):
         assert words in record[case], f"{case}: {record[case]}"
 
 
+@pytest.mark.quick
 def test_the_model_holds_its_shards_and_still_runs_eagerly(refusals):
     record = refusals
     assert set(record["parameters"].values()) == {"Parameter"}  # plain shards, no DTensor left

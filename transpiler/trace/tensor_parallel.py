@@ -47,30 +47,19 @@ class ShardSpec:
             local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )
 
-    def describe(self) -> str:
-        return f"{list(self.shape)} as {', '.join(map(str, self.placements))}"
-
 
 @dataclass
 class TensorParallel:
-    """A localized model's shards (parameter name -> spec), its tensor-parallel mesh, and the hook that wraps the
-    shards back into DTensors for each call."""
+    """A localized model's shards (parameter name -> spec), its tensor-parallel mesh, and the handles of the hooks
+    that wrap the shards back into DTensors for each call."""
 
     specs: dict[str, ShardSpec]
     mesh: DeviceMesh
     handles: tuple = ()
 
     @property
-    def group_name(self) -> str:
-        return self.mesh.get_group().group_name
-
-    @property
     def size(self) -> int:
         return self.mesh.size()
-
-    def describe(self) -> dict[str, str]:
-        """What the ranks compare at startup: each parameter's global shape and placements."""
-        return {name: spec.describe() for name, spec in self.specs.items()}
 
 
 def tensor_parallel_of(model: torch.nn.Module) -> TensorParallel | None:
