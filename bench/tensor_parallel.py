@@ -4,6 +4,7 @@ would pick instead, in one run.
 
     python bench/tensor_parallel.py                 # timing table, and a 300-step training run of diloco
     python bench/tensor_parallel.py --train 0       # timing only
+    python bench/tensor_parallel.py --no-timing --warm 600 --train 300   # DiLoCo from a warmed-up model
 
 Variants: eager TP with each shard's gradient averaged over ``dp`` (one flat all-reduce per step, as DDP would
 bucket it: DDP itself refuses DTensor parameters), eager TP with FSDP2 on ``mesh["dp"]`` (every block, then the
@@ -15,7 +16,9 @@ are dispatched, each group named by its mesh dimension), and the bytes a rank ho
 gradients, optimizer state; each storage once).
 
 ``--train N``: N steps of ``fused_allreduce`` and of ``diloco`` (H=50, the paper's outer Nesterov SGD) on the
-character-level corpus of bench/diloco.py, the held-out loss of each (DiLoCo's on its global weights) after N.
+character-level corpus of bench/diloco.py, the held-out loss of each (DiLoCo's on its global weights) after N;
+``--warm M``: both start from the weights M steps of ``fused_allreduce`` reached, each with a fresh AdamW, as
+bench/diloco.py's runs start from a warmed-up model.
 """
 
 from __future__ import annotations
@@ -174,10 +177,9 @@ def timing(rank: int, mesh, vocab: int) -> dict:
     return result
 
 
-def training(mesh, steps: int) -> dict:
-    """Held-out loss after ``steps`` of fused_allreduce and of diloco on the corpus of bench/diloco.py."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
+def training(mesh, steps: int, warm: int) -> dict:
+    """Held-out loss after ``steps`` of fused_allreduce and of diloco on the corpus of bench/diloco.py, both from
+    the weights ``warm`` steps of fused_allreduce reached (from scratch when 0), each with a fresh AdamW."""
     from bench.diloco import corpus, windows
 
     train, held_out, vocab = corpus()
@@ -185,16 +187,31 @@ def training(mesh, steps: int) -> dict:
     torch.manual_seed(0)
     base = TinyLlama(vocab=vocab, **SIZE)
     eval_batch = windows(held_out, 64, torch.Generator().manual_seed(99))
-    out = {}
-    for label in ("fused_allreduce", "diloco"):
+    dpr = mesh["dp"].get_local_rank()
+
+    def run(label: str, count: int, seed: int, start: dict | None) -> tuple[nn.Module, object]:
+        from torch.distributed.tensor.parallel import parallelize_module
+
         model = copy.deepcopy(base)
         parallelize_module(model, mesh["tp"], llama_tp_plan(model, sequence_parallel=True))
-        gen = torch.Generator().manual_seed(1 + mesh["dp"].get_local_rank())
+        gen = torch.Generator().manual_seed(seed + dpr)
         options = {"sync_every": H} if label == "diloco" else {}
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         step = transpile(model, optimizer, label, loss_fn, windows(train, PER_RANK, gen), mesh=mesh["dp"], **options)
-        for _ in range(steps):
+        with torch.no_grad():
+            for name, p in model.named_parameters() if start is not None else ():
+                p.copy_(start[name])  # this rank's shards of the warmed-up weights, before the first step
+        for _ in range(count):
             step(*windows(train, PER_RANK, gen))
+        return model, step
+
+    start = None
+    if warm:
+        model, _ = run("fused_allreduce", warm, 1000, None)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = {}
+    for label in ("fused_allreduce", "diloco"):
+        model, step = run(label, steps, 1, start)
         weights = step.global_weights() if label == "diloco" else step.gathered()
         with weights, torch.no_grad():
             out[label] = float(loss_fn(model(eval_batch[0]), eval_batch[1]))
@@ -209,7 +226,7 @@ def rank_main(out: str) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     args = json.loads(os.environ["TP_BENCH"])
     result = {"timing": timing(dist.get_rank(), mesh, vocab=256) if args["timing"] else None}
-    result["training"] = training(mesh, args["train"]) if args["train"] else None
+    result["training"] = training(mesh, args["train"], args["warm"]) if args["train"] else None
     finish_rank(out, result)
 
 
@@ -217,7 +234,7 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def render(ranks: list[dict], train_steps: int) -> str:
+def render(ranks: list[dict], train_steps: int, warm: int) -> str:
     lines = [
         f"`{COMMAND}` on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, 4 gloo ranks "
         f"(dp=2 × tp=2), one thread each, torch {torch.__version__}."
@@ -251,9 +268,10 @@ def render(ranks: list[dict], train_steps: int) -> str:
         lines.append("")
     if ranks[0]["training"] is not None:
         t = ranks[0]["training"]
+        start = f"from {warm} steps of fused_allreduce" if warm else "from scratch"
         lines.append(
-            f"Training, {train_steps} steps on bench/diloco.py's corpus: held-out loss {t['fused_allreduce']:.4f} "
-            f"under fused_allreduce, {t['diloco']:.4f} under diloco (H={H}, θ_global): "
+            f"Training, {train_steps} steps on bench/diloco.py's corpus {start}: held-out loss "
+            f"{t['fused_allreduce']:.4f} under fused_allreduce, {t['diloco']:.4f} under diloco (H={H}, θ_global): "
             f"{(t['diloco'] / t['fused_allreduce'] - 1) * 100:+.1f}%."
         )
     return "\n".join(lines) + "\n"
@@ -262,12 +280,13 @@ def render(ranks: list[dict], train_steps: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--train", type=int, default=300, help="training steps of the quality check (0: none)")
+    parser.add_argument("--warm", type=int, default=0, help="steps of fused_allreduce both training runs start from")
     parser.add_argument("--no-timing", action="store_true", help="only the training run")
     parser.add_argument("--port", type=int, default=29561)
     args = parser.parse_args()
-    os.environ["TP_BENCH"] = json.dumps({"timing": not args.no_timing, "train": args.train})
+    os.environ["TP_BENCH"] = json.dumps({"timing": not args.no_timing, "train": args.train, "warm": args.warm})
     ranks = two_rank_results(__file__, lambda out, _: [out], args.port, world=4)
-    text = render(ranks, args.train)
+    text = render(ranks, args.train, args.warm)
     print(text)
     if not args.no_timing and args.train:
         write_section(DOC, BEGIN, END, text)

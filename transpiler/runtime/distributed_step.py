@@ -159,6 +159,11 @@ class DistributedStep:
         variant = state.schedule.variant()
         program = built.programs[variant]
         seat = self.quorum.seat_for(program) if self.quorum is not None else None
+        # a quorum that healed this group from a peer moved its schedule: the step is the one the peers run (a
+        # Streaming DiLoCo group one sync behind syncs their fragment, not the one it retried)
+        if seat is not None and state.schedule.variant() != variant:
+            variant = state.schedule.variant()
+            program = built.programs[variant]
         with writing:
             feed.init_extra(state, built)
             if program.param_buckets:  # ZeRO-3's slices, before a flat shard binds them
