@@ -80,24 +80,30 @@ def traced(base, mesh, sp: bool, data, mode: str, **options) -> dict:
     return record
 
 
+def average_over_dp(model: torch.nn.Module, mesh) -> None:
+    """Each shard's gradient (a Partial one reduced over ``tp`` first, as the step does) divided by the size of
+    ``dp`` and summed over it: what DDP would do, had it taken DTensor parameters."""
+    dp, group = mesh["dp"].size(), mesh["dp"].get_group()
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor):  # a Partial gradient (a norm's weight under SP) summed over tp first
+            g = p.grad = g.redistribute(g.device_mesh, p.placements)
+            g = g.to_local()
+        g.div_(dp)
+        dist.all_reduce(g, group=group)
+
+
 def eager_averaged(base, mesh, sp: bool, data) -> dict:
-    """Eager TP; each shard's gradient (a Partial one reduced over ``tp`` first) divided by the size of ``dp`` and
-    summed over it, then AdamW."""
+    """Eager TP, each shard's gradient averaged over ``dp`` (:func:`average_over_dp`), then AdamW."""
     model = planned(base, mesh, sp)
     optimizer = adamw(model.parameters())
-    dp, dpr, group = mesh["dp"].size(), mesh["dp"].get_local_rank(), mesh["dp"].get_group()
+    dpr = mesh["dp"].get_local_rank()
     losses = []
     for batch in data:
         optimizer.zero_grad()
         loss = loss_fn(model(batch[dpr][0]), batch[dpr][1])
         loss.backward()
-        for p in model.parameters():
-            g = p.grad
-            if isinstance(g, DTensor):  # a Partial gradient (a norm's weight under SP) summed over tp first
-                g = p.grad = g.redistribute(g.device_mesh, p.placements)
-                g = g.to_local()
-            g.div_(dp)
-            dist.all_reduce(g, group=group)
+        average_over_dp(model, mesh)
         optimizer.step()
         losses.append(loss.item())
     return {"losses": losses, "params": {n: local(p) for n, p in model.named_parameters()}}
@@ -263,12 +269,7 @@ def hugging_face(rank: int, world: int, dp: str) -> dict:
                 optimizer.zero_grad()
                 loss = model(x)
                 loss.backward()
-                for p in model.parameters():
-                    g = p.grad.redistribute(p.grad.device_mesh, p.placements) if isinstance(p.grad, DTensor) else p.grad
-                    p.grad = g
-                    g = g.to_local() if isinstance(g, DTensor) else g
-                    g.div_(dp)
-                    dist.all_reduce(g, group=mesh["dp"].get_group())
+                average_over_dp(model, mesh)
                 optimizer.step()
                 losses.append(loss.item())
             runs[how] = {"losses": losses, "params": {n: local(p) for n, p in model.named_parameters()}}

@@ -115,11 +115,11 @@ def transpile(
     )
     if "trajectory_every" in saving and not saving.get("save_trajectory"):
         raise ConfigurationError("trajectory_every only applies with save_trajectory=DIR; give both or neither.")
-    if mesh is not None or has_dtensor_parameters(model) or tensor_parallel_of(model) is not None:
+    planned = mesh is not None or has_dtensor_parameters(model) or tensor_parallel_of(model) is not None
+    if planned:
         check_tensor_parallel(
             mode, options, optimizer, fault_tolerance=fault_tolerance is not None, cuda_graph=cuda_graph
         )
-        localize(model, [optimizer] + ([outer_optimizer] if outer_optimizer is not None else []))
         placement = mesh_placement(mesh, world_size, rank, timeout)
     else:
         placement = resolve_placement(world_size, rank, as_timeout(timeout))
@@ -147,6 +147,8 @@ def transpile(
         strategy = build_strategy(mode, options)
     strategy.check(optimizer)
     outer = outer_for(strategy, outer_optimizer, optimizer, mode)
+    if planned:  # every check passed: the model and optimizers hold their shards from here on
+        localize(model, [optimizer] + ([outer] if outer is not None else []))
     if cuda_graph and outer is not None:
         raise ConfigurationError(
             f"cuda_graph=True is not built for mode '{mode}': its programs hand an exchange in flight from one to "

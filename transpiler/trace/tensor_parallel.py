@@ -156,8 +156,8 @@ _active: list[ExitStack] = []  # one per call of a localized model in progress (
 
 def _enter_dtensors(model: torch.nn.Module, args: tuple) -> None:
     stack = ExitStack()
+    _active.append(stack)  # first: the post-hook runs even when entering fails, and must pop this call's entry
     stack.enter_context(dtensor_parameters(model))
-    _active.append(stack)
 
 
 def _leave_dtensors(model: torch.nn.Module, args: tuple, output: object) -> None:
