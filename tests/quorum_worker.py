@@ -7,7 +7,8 @@ With ``--die-at K`` the group's first life ends (``os._exit``) at the first step
 once the quorum for that step has formed, so that the other groups' collectives fail mid-step. With
 ``--refuse-at K`` the group votes against committed step K (once): it reports an error to torchft after the
 quorum, runs the step, and saves its state before and after (``refused.pt``); the others commit without it, and
-at the next quorum it is behind and heals from a peer, in the same process.
+at the next quorum it is behind and heals from a peer, in the same process. With ``--slow-heal S`` every fetch of a
+peer's state over torchft's checkpoint transport starts S seconds late (a slow link, or a loaded machine).
 """
 
 from __future__ import annotations
@@ -88,12 +89,28 @@ def main() -> None:
     parser.add_argument("--sync-quorum", action="store_true", help="each quorum before its step (else beside it)")
     parser.add_argument("--quorum-every", type=int, default=1, help="FaultTolerance.quorum_every")
     parser.add_argument("--timeout", type=float, default=10, help="FaultTolerance.timeout, seconds")
+    parser.add_argument("--slow-heal", type=float, default=0.0, help="seconds each fetch of a peer's state waits")
     args = parser.parse_args()
+    if args.slow_heal:
+        _slow_heal(args.slow_heal)
     life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a worker waits, into its group's log
     dist.init_process_group("gloo")
     (diloco if args.mode.endswith("diloco") else data_parallel)(args, life)
     dist.destroy_process_group()
+
+
+def _slow_heal(seconds: float) -> None:
+    """Every fetch of a peer's state over torchft's HTTP checkpoint transport starts ``seconds`` late."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    fetch = HTTPTransport.recv_checkpoint
+
+    def late_fetch(self, *args, **kwargs):
+        time.sleep(seconds)
+        return fetch(self, *args, **kwargs)
+
+    HTTPTransport.recv_checkpoint = late_fetch
 
 
 def _setting(args: argparse.Namespace) -> FaultTolerance:

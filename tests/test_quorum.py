@@ -405,6 +405,21 @@ def _reference_sync(groups: list[dict]) -> dict[str, torch.Tensor]:
     return {n: t.detach() for n, t in zip(names, theta)}
 
 
+def test_a_group_healing_slowly_at_the_first_quorum_gets_its_copy_before_its_peer_votes(tmp_path):
+    """Under ``diloco`` the groups' first quorum comes before an inner step, which talks to no other group; torchft
+    stops serving a group's state when that group votes, and counts on the step's collectives to hold the vote back
+    until every group that heals from it has its copy. Here each fetch of a peer's state starts 2 s late: both groups
+    still commit their first step, and no heal fails (without the meeting after the join g0 voted at once and g1's
+    fetch waited out the timeout, as in 4e7b665's CI). About 15 s on 2 cores."""
+    common = ["--mode", "diloco", "--groups", "2", "--first-groups", "2", "--min-steps", "2", "--slow-heal", "2"]
+    with lighthouse(tmp_path) as (address, jobs):
+        jobs += [_torchrun(tmp_path, g, address, [*common, "--timeout", "5"]) for g in ("g0", "g1")]
+        _finished(tmp_path, jobs)
+    logs = _records_of(tmp_path, ["g0", "g1"])
+    assert [logs[g][0]["committed"] for g in ("g0", "g1")] == [True, True], logs
+    assert "got exception in recovery" not in (tmp_path / "g1.log").read_text()
+
+
 def test_diloco_survivors_sync_without_the_lost_group_and_it_returns_at_a_sync(diloco_world):
     """Under ``diloco`` only the syncs take a quorum; each group is two ranks with ZeRO-1 inside. g2 loses a rank
     mid-round: the survivors keep their processes, and their next sync averages the two pseudo-gradients they

@@ -75,10 +75,12 @@ def test_a_group_left_without_a_quorum_at_the_end_of_its_run_says_so_and_exits_0
     """Two groups under ``diloco`` with a sync every epoch (11 steps), g0 for 2 epochs and g1 for 3: g1's last step
     is a sync that no quorum can take (g0 has ended). It says so in one line and exits 0, its work done. Then g2
     starts when nobody else runs: it cannot join at all, and its NoQuorumError says that it may have come back
-    too late; it exits 1. quorum_timeout bounds the first quorum too, so it must cover g1 reaching its first call
-    later than g0 on a loaded machine: 3 s did not in two CI runs, nor 8 s once beside test_diloco (g0 waited out
-    its join). 20 s did. About 55 s on 2 cores, most of it the two waits the test is about."""
-    common = "--fault-tolerance --min-replicas 2 --mode diloco -O sync_every=11 --quorum-timeout 20".split()
+    too late; it exits 1. quorum_timeout bounds the first quorum too, so it covers g1 reaching its first call later
+    than g0 on a loaded machine. This test failed at 3, 8 and 20 s in CI and beside test_diloco: g1's heal at the
+    first quorum lost a race with g0's vote, and g0 then waited out its first sync (fixed in runtime/quorum.py,
+    ``Quorum._meet_peers``; tests/test_quorum.py forces the race). About 35 s on 2 cores, most of it the two
+    waits the test is about."""
+    common = "--fault-tolerance --min-replicas 2 --mode diloco -O sync_every=11 --quorum-timeout 10".split()
     with lighthouse(tmp_path, min_replicas=2, join_timeout_ms=None, heartbeat_timeout_ms=1000) as (address, jobs):
         jobs += [
             torchrun_group(tmp_path, group, address, SCRIPT, [*common, "--epochs", epochs], max_restarts=0)
@@ -93,7 +95,7 @@ def test_a_group_left_without_a_quorum_at_the_end_of_its_run_says_so_and_exits_0
         codes.append(late.wait(timeout=120))
     logs = {g: (tmp_path / f"{g}.log").read_text() for g in ("g0", "g1", "g2")}
     assert codes == [0, 0, 1], {g: log[-3000:] for g, log in logs.items()}
-    ended = "replica group 'g1': no quorum within quorum_timeout=20.0 s at the run's last step"
+    ended = "replica group 'g1': no quorum within quorum_timeout=10.0 s at the run's last step"
     assert logs["g1"].count(ended) == 1 and "this group's work is done" in logs["g1"]
     assert "trained 3 epochs" in logs["g1"] and "trained 2 epochs" in logs["g0"]
     assert "NoQuorumError" in logs["g2"] and "came back too late to heal from them" in logs["g2"]

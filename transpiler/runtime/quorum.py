@@ -184,6 +184,8 @@ class Quorum:
         self._taking: Future | None = None  # the quorum under way on the thread
         self._since = 0  # committed steps since the last quorum (quorum_every)
         self._voting: Future | None = None  # the vote under way on the thread
+        self._meet = False  # the step under a quorum talks to no other group: the groups meet before it (join)
+        self._token = torch.zeros(1, device="cuda" if nccl else "cpu")  # what they all-reduce when they meet
         self._received: dict | None = None  # the state a heal brought, applied on the step's thread
         self._load: Callable[[dict], None] | None = None
         quorum_ops.serve(self.group_name, quorum_ops.QuorumHooks(self._settle, self._cast_vote))
@@ -256,8 +258,10 @@ class Quorum:
         """The quorum a step of ``program`` runs under: one that reads the participant count (every step of the
         data-parallel modes, DiLoCo's syncs) or that follows a join; None for a step that talks to no other group
         (DiLoCo's inner steps), which commits without a vote."""
-        if self.seat is None and any(port.kind == PortKind.QUORUM for port in program.inputs):
+        talks = any(port.kind == PortKind.QUORUM for port in program.inputs)
+        if self.seat is None and talks:
             self.begin()
+        self._meet = self.seat is not None and not talks
         return self.seat
 
     def inputs(self) -> dict[str, torch.Tensor]:
@@ -272,7 +276,10 @@ class Quorum:
         next call runs it under the quorum it found."""
         outputs, error = None, None
         self.moved = False
+        quorum_failed = self.manager.errored() is not None  # its process group or this group's heal did not set up
         try:
+            if self._meet:
+                self._meet_peers()
             outputs = program()
         except QuorumMoved as moved:
             self.moved = True
@@ -303,7 +310,7 @@ class Quorum:
         finally:  # the next step takes a quorum of its own, whatever this one did
             self.seat, self.last_seat = None, self.seat
             self._heal()  # a failed step's quorum may have found this group behind
-        if error is not None and not _is_peer_failure(error):
+        if error is not None and not (quorum_failed or _is_peer_failure(error)):
             raise error
         if error is not None or not committed:
             why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}" if error else "the vote said no"
@@ -324,6 +331,19 @@ class Quorum:
         """The quorum (torchft's, synchronous on this thread): this group's index, the participants, the step."""
         self.manager.start_quorum()
         return self.manager.participating_rank(), self.manager.num_participants(), self.manager.current_step()
+
+    def _meet_peers(self) -> None:
+        """One all-reduce of a token across the quorum's groups, before a step that talks to no other group (a
+        DiLoCo inner step after the join). A group stops serving its state to healing peers once it votes, and
+        torchft counts on the step's own collectives to hold that vote back until every peer that heals from it
+        has its copy: a group that votes first leaves a slower peer's fetch waiting out the timeout (its heal
+        fails, and the peer's first step does not commit). Every group of the quorum runs the same step here: they
+        all started together, or a returning group healed to its peers' schedule, which is at a sync. A failure
+        is reported to torchft, so the step does not commit."""
+        try:
+            self.group.allreduce([self._token], dist.ReduceOp.SUM).wait()
+        except Exception as exc:
+            self.manager.report_error(exc)
 
     def _receive(self, state: dict) -> None:
         """A heal's state, as torchft hands it over inside the quorum: kept for the step's thread to apply."""
