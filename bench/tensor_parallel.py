@@ -5,6 +5,7 @@ would pick instead, in one run.
     python bench/tensor_parallel.py                 # timing table, and a 300-step training run of diloco
     python bench/tensor_parallel.py --train 0       # timing only
     python bench/tensor_parallel.py --no-timing --warm 600 --train 300   # DiLoCo from a warmed-up model
+    python bench/tensor_parallel.py --compile       # and fused_allreduce with compile=True (Inductor)
 
 Variants: eager TP with each shard's gradient averaged over ``dp`` (one flat all-reduce per step, as DDP would
 bucket it: DDP itself refuses DTensor parameters), eager TP with FSDP2 on ``mesh["dp"]`` (every block, then the
@@ -12,8 +13,9 @@ root, as torchtitan applies it), and this project's step (``transpile(..., mesh=
 ``fused_allreduce``, ``zero2``, ``zero3`` and ``diloco`` (H=50). All with foreach AdamW. Per variant: the median
 step time over interleaved rounds (the slowest rank), the work ops and view ops one step dispatches
 (``bench/op_count.py``), each dimension's collectives and the bytes this rank hands them per step (counted as they
-are dispatched, each group named by its mesh dimension), and the bytes a rank holds between steps (parameters,
-gradients, optimizer state; each storage once).
+are dispatched, each group named by its mesh dimension), the bytes a rank holds between steps (parameters,
+gradients, optimizer state; each storage once), and the most a rank holds during a step (those, plus the most the
+step allocates above them at once, from the profiler's allocation records).
 
 ``--train N``: N steps of ``fused_allreduce`` and of ``diloco`` (H=50, the paper's outer Nesterov SGD) on the
 character-level corpus of bench/diloco.py, the held-out loss of each (DiLoCo's on its global weights) after N;
@@ -54,6 +56,7 @@ BEGIN, END = "<!-- bench/tensor_parallel.py begin -->", "<!-- bench/tensor_paral
 PER_RANK, SEQ, H = 8, 32, 50
 SIZE = {"dim": 64, "heads": 4, "hidden": 128, "blocks": 4}
 VARIANTS = ("eager TP, grads averaged", "eager TP + FSDP2", "fused_allreduce", "zero2", "zero3", "diloco")
+COMPILED = "fused_allreduce, compile=True"  # with --compile
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d")
 COLLECTIVE_WORDS = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "all_to_all", "alltoall")
 
@@ -82,6 +85,27 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def step_rise(run: Callable[[], object]) -> int:
+    """The most bytes one step holds at once on the CPU above what it held when it began: the profiler's
+    allocation records (``profile_memory``) of every tensor allocated and freed during ``run()``, summed in time
+    order. CPU tensors have no allocator statistics (``max_memory_allocated`` is CUDA's); the records are read
+    from the profiler's raw results (``kineto_results``), as its own per-op memory columns are built."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    records = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU
+    )
+    live = rise = 0
+    for _, nbytes in records:
+        live += nbytes
+        rise = max(rise, live)
+    return rise
+
+
 def group_of(args: tuple) -> str | None:
     """The group a collective runs on: a functional collective's name (its last string argument), or the name
     of the process group an eager ``c10d`` op takes."""
@@ -106,9 +130,10 @@ def build(label: str, base: nn.Module, mesh, batch: tuple) -> tuple[Callable[[],
 
     model = copy.deepcopy(base)
     parallelize_module(model, mesh["tp"], llama_tp_plan(model, sequence_parallel=True))
-    if label in VARIANTS[2:]:
-        options = {"sync_every": H} if label == "diloco" else {}
-        step = transpile(model, adamw(model.parameters()), label, loss_fn, batch, mesh=mesh["dp"], **options)
+    if label in (*VARIANTS[2:], COMPILED):
+        mode = label.split(",")[0]
+        options = {"sync_every": H} if mode == "diloco" else {"compile": True} if label == COMPILED else {}
+        step = transpile(model, adamw(model.parameters()), mode, loss_fn, batch, mesh=mesh["dp"], **options)
         return (lambda: step(*batch)), (lambda: step.memory_report().held)
     if label == "eager TP + FSDP2":
         from torch.distributed.fsdp import fully_shard
@@ -147,29 +172,31 @@ def build(label: str, base: nn.Module, mesh, batch: tuple) -> tuple[Callable[[],
     return run, held
 
 
-def timing(rank: int, mesh, vocab: int) -> dict:
+def timing(rank: int, mesh, vocab: int, variants: tuple[str, ...]) -> dict:
     torch.manual_seed(0)
     base = TinyLlama(vocab=vocab, **SIZE)
     gen = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
     tokens = torch.randint(0, vocab, (PER_RANK, SEQ + 1), generator=gen)
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     runs, held = {}, {}
-    for label in VARIANTS:
+    for label in variants:
         runs[label], held[label] = build(label, base, mesh, batch)
     dims = {mesh["tp"].get_group().group_name: "tp", mesh["dp"].get_group().group_name: "dp"}
     result: dict = {"params": sum(p.numel() for p in base.parameters())}
     for label, run in runs.items():
         for _ in range(2):
             run()
+        result[label] = {"held": held[label](), "rise": step_rise(run)}
+        if label == COMPILED:  # Dynamo refuses a frame run under a dispatch mode, so its ops are not counted
+            continue
         ops = count_ops(run)
         with CollectiveCounter(dims) as counter:
             run()
-        result[label] = {
+        result[label] |= {
             "work": ops.work,
             "views": ops.views,
             "calls": dict(counter.calls),
             "bytes": dict(counter.bytes),
-            "held": held[label](),
         }
     times = interleaved_ms(runs)
     for label in runs:
@@ -225,7 +252,8 @@ def rank_main(out: str) -> None:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     args = json.loads(os.environ["TP_BENCH"])
-    result = {"timing": timing(dist.get_rank(), mesh, vocab=256) if args["timing"] else None}
+    variants = (*VARIANTS, COMPILED) if args["compile"] else VARIANTS
+    result = {"timing": timing(dist.get_rank(), mesh, 256, variants) if args["timing"] else None}
     result["training"] = training(mesh, args["train"], args["warm"]) if args["train"] else None
     finish_rank(out, result)
 
@@ -242,28 +270,38 @@ def render(ranks: list[dict], train_steps: int, warm: int) -> str:
     timing_ = [r["timing"] for r in ranks]
     if timing_[0] is not None:
         first = timing_[0]
+        labels = [label for label in (*VARIANTS, COMPILED) if label in first]
         lines += [
             f"TinyLlama {SIZE} ({first['params']:,} parameters), {PER_RANK}×{SEQ} tokens per dp rank, torchtitan's "
             "plan with sequence parallel, foreach AdamW. Step time: per round the slowest rank's, median over "
-            "rounds. Ops, collectives and bytes: rank 0's, per step. Held: rank 0's bytes between steps.",
+            "rounds. Ops, collectives and bytes: rank 0's, per step. Held: rank 0's bytes between steps "
+            "(parameters, gradients, optimizer state). Peak: the most any rank holds during a step, its held bytes "
+            "plus the most the step allocates above them at once (the profiler's allocation records).",
             "",
             "| variant | step ms | × eager TP + FSDP2 | work ops | view ops | tp collectives (KiB) "
-            "| dp collectives (KiB) | held MiB |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| dp collectives (KiB) | held MiB | peak MiB | × eager TP + FSDP2 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         ms = {
             label: statistics.median(max(t[label]["ms"][i] for t in timing_) for i in range(len(first[label]["ms"])))
-            for label in VARIANTS
+            for label in labels
         }
-        for label in VARIANTS:
+        peak = {label: max(t[label]["held"] + t[label]["rise"] for t in timing_) for label in labels}
+        for label in labels:
             row = first[label]
 
             def dim(d: str, row=row) -> str:
-                return f"{row['calls'].get(d, 0)} ({row['bytes'].get(d, 0) / 1024:.0f})"
+                return f"{row['calls'].get(d, 0)} ({row['bytes'].get(d, 0) / 1024:.0f})" if "calls" in row else "—"
 
             lines.append(
-                f"| {label} | {ms[label]:.1f} | {ms[label] / ms['eager TP + FSDP2']:.2f} | {row['work']} | "
-                f"{row['views']} | {dim('tp')} | {dim('dp')} | {mib(row['held'])} |"
+                f"| {label} | {ms[label]:.1f} | {ms[label] / ms['eager TP + FSDP2']:.2f} | {row.get('work', '—')} | "
+                f"{row.get('views', '—')} | {dim('tp')} | {dim('dp')} | {mib(row['held'])} | {mib(peak[label])} | "
+                f"{peak[label] / peak['eager TP + FSDP2']:.2f} |"
+            )
+        if COMPILED in labels:
+            lines.append(
+                f"\n{COMPILED}: its ops and collectives are not counted (the counters are dispatch modes, and Dynamo "
+                "refuses to run a compiled frame under one); Inductor compiled it in the first call."
             )
         lines.append("")
     if ranks[0]["training"] is not None:
@@ -282,9 +320,11 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=300, help="training steps of the quality check (0: none)")
     parser.add_argument("--warm", type=int, default=0, help="steps of fused_allreduce both training runs start from")
     parser.add_argument("--no-timing", action="store_true", help="only the training run")
+    parser.add_argument("--compile", action="store_true", help=f"a row for {COMPILED} too (about a minute more)")
     parser.add_argument("--port", type=int, default=29561)
     args = parser.parse_args()
-    os.environ["TP_BENCH"] = json.dumps({"timing": not args.no_timing, "train": args.train, "warm": args.warm})
+    settings = {"timing": not args.no_timing, "train": args.train, "warm": args.warm, "compile": args.compile}
+    os.environ["TP_BENCH"] = json.dumps(settings)
     ranks = two_rank_results(__file__, lambda out, _: [out], args.port, world=4)
     text = render(ranks, args.train, args.warm)
     print(text)

@@ -5,7 +5,8 @@ eager runs a user would otherwise make, from the same weights and batches, for `
 * eager TP with each shard's gradient averaged over ``dp`` here (what DDP would do, had it taken DTensors);
 * eager TP with FSDP2 on ``mesh["dp"]`` (torchtitan's 2-D layout);
 * one process on the whole batch, the model never split;
-* for ``diloco``, eager TP inside each replica and the paper's outer step on each shard, written here.
+* for ``diloco`` (and ``streaming_diloco`` at dp=2 under sequence parallel), eager TP inside each replica and
+  the paper's outer step on each shard (each fragment's), written here.
 
 Each run records the loss of every step and this rank's shards of the parameters at the end.
 """
@@ -25,11 +26,13 @@ from torch.distributed.tensor.parallel import parallelize_module
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.models import TinyLlama, llama_tp_plan  # noqa: E402
+from passes.diloco_outer_step import fragments_of  # noqa: E402
 from tests.distributed import run_rank  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 STEPS = 10
 H = 3  # DiLoCo's inner steps per round
+STREAM = {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
 PER_RANK, SEQ, VOCAB = 4, 16, 64
 MODES = ("fused_allreduce", "zero1", "zero2", "zero3")
 
@@ -77,6 +80,9 @@ def traced(base, mesh, sp: bool, data, mode: str, **options) -> dict:
     record = {"losses": losses, "params": params}
     if step.outer_optimizer is not None:
         record["global"] = {n: t.clone() for n, t in step.global_parameters().items()}
+    if mode == "streaming_diloco":  # the parameters of each fragment, in order
+        of = fragments_of(step.programs["sync0"], options["fragments"])
+        record["fragments"] = [[n for n in params if of[n] == p] for p in range(options["fragments"])]
     return record
 
 
@@ -148,14 +154,40 @@ def single_process(base, data) -> dict:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def eager_diloco(base, mesh, sp: bool, data) -> dict:
+def eager_diloco(base, mesh, sp: bool, data, fragments: list[list[str]] | None = None) -> dict:
     """DiLoCo (Douillard et al. 2023, Algorithm 1) with eager TP inside each replica: H inner AdamW steps, then
-    each shard's Δ = θ_global − θ averaged over ``dp`` through the paper's outer Nesterov SGD."""
+    each shard's Δ = θ_global − θ averaged over ``dp`` through the paper's outer Nesterov SGD. With ``fragments``
+    (parameter names, per fragment), Streaming DiLoCo (Douillard et al. 2025) as :data:`STREAM` sets it: fragment
+    p's Δ is taken at the steps t ≡ (p+1)·H/P (mod H), averaged over ``dp`` ``delay`` inner steps later, when only
+    that fragment's θ_global goes through the outer SGD, and the fragment becomes α·θ_local + (1−α)·θ_global."""
+    sync_every, delay, alpha = H, 0, 0.0
+    if fragments:
+        sync_every, delay, alpha = STREAM["sync_every"], STREAM["fragment_sync_delay"], STREAM["fragment_update_alpha"]
     model = planned(base, mesh, sp)
-    inner = adamw(model.parameters())
-    theta = [torch.nn.Parameter(local(p)) for p in model.parameters()]
-    outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
+    params = dict(model.named_parameters())
+    fragments = fragments or [list(params)]
+    inner = adamw(params.values())
+    theta = {n: torch.nn.Parameter(local(p)) for n, p in params.items()}
+    outer = torch.optim.SGD(theta.values(), lr=0.7, momentum=0.9, nesterov=True)
     dp, dpr, group = mesh["dp"].size(), mesh["dp"].get_local_rank(), mesh["dp"].get_group()
+    offsets = [(p + 1) * sync_every // len(fragments) for p in range(len(fragments))]
+    pending: dict[int, dict[str, torch.Tensor]] = {}
+
+    def shard(name: str) -> torch.Tensor:
+        p = params[name]
+        return p.to_local() if isinstance(p, DTensor) else p
+
+    def apply(p: int) -> None:
+        for g in theta.values():
+            g.grad = None
+        for name, delta in pending.pop(p).items():
+            dist.all_reduce(delta, group=group)
+            theta[name].grad = delta * (1.0 / dp)
+        outer.step()
+        with torch.no_grad():
+            for name in fragments[p]:
+                shard(name).copy_(alpha * shard(name) + (1 - alpha) * theta[name])
+
     losses = []
     for t, batch in enumerate(data, 1):
         inner.zero_grad()
@@ -163,21 +195,15 @@ def eager_diloco(base, mesh, sp: bool, data) -> dict:
         loss.backward()
         inner.step()
         losses.append(loss.item())
-        if t % H:
-            continue
-        for p, g in zip(model.parameters(), theta):
-            delta = g.detach() - local(p)
-            dist.all_reduce(delta, group=group)
-            g.grad = delta * (1.0 / dp)
-        outer.step()
-        with torch.no_grad():
-            for p, g in zip(model.parameters(), theta):
-                (p.to_local() if isinstance(p, DTensor) else p).copy_(g)
-    names = [n for n, _ in model.named_parameters()]
+        for p, offset in enumerate(offsets):
+            if t >= offset and (t - offset) % sync_every == 0:
+                pending[p] = {n: theta[n].detach() - shard(n).detach() for n in fragments[p]}
+            if t - delay >= offset and (t - delay - offset) % sync_every == 0:
+                apply(p)
     return {
         "losses": losses,
-        "params": {n: local(p) for n, p in model.named_parameters()},
-        "global": {n: g.detach().clone() for n, g in zip(names, theta)},
+        "params": {n: local(p) for n, p in params.items()},
+        "global": {n: g.detach().clone() for n, g in theta.items()},
     }
 
 
@@ -202,6 +228,9 @@ def parity(rank: int, world: int, dp: str) -> dict:
         runs["eager fsdp2"] = eager_fsdp2(base, mesh, sp, data)
         runs["diloco"] = traced(base, mesh, sp, data, "diloco", sync_every=H)
         runs["eager diloco"] = eager_diloco(base, mesh, sp, data)
+        if sp and dp > 1:  # Streaming DiLoCo at dp=2 under sequence parallel only, to keep the jobs short
+            runs["streaming_diloco"] = traced(base, mesh, sp, data, "streaming_diloco", **STREAM)
+            runs["eager streaming"] = eager_diloco(base, mesh, sp, data, runs["streaming_diloco"]["fragments"])
         whole = single_process(base, data)
         runs["single process"] = {"losses": whole["losses"], "params": shards_of(whole["params"], base, mesh, sp)}
         out["sp" if sp else "plain"] = runs
