@@ -278,7 +278,7 @@ class Quorum:
         self.moved = False
         quorum_failed = self.manager.errored() is not None  # its process group or this group's heal did not set up
         try:
-            if self._meet:
+            if self._meet and not quorum_failed:  # a group whose heal failed may be at another step than its peers
                 self._meet_peers()
             outputs = program()
         except QuorumMoved as moved:
@@ -338,8 +338,10 @@ class Quorum:
         torchft counts on the step's own collectives to hold that vote back until every peer that heals from it
         has its copy: a group that votes first leaves a slower peer's fetch waiting out the timeout (its heal
         fails, and the peer's first step does not commit). Every group of the quorum runs the same step here: they
-        all started together, or a returning group healed to its peers' schedule, which is at a sync. A failure
-        is reported to torchft, so the step does not commit."""
+        all started together, or a returning group healed to its peers' schedule, which is at a sync. A group
+        whose quorum or heal failed does not meet (:meth:`run`): it may be at another step than its peers, and a
+        token all-reduced against their sync's bucket would abort gloo; a peer waiting for it at the meeting fails
+        after ``timeout`` instead. A failure is reported to torchft, so the step does not commit."""
         try:
             self.group.allreduce([self._token], dist.ReduceOp.SUM).wait()
         except Exception as exc:
