@@ -47,8 +47,8 @@ def first_bucket_option() -> float:
     return option(1.0, minimum=0, help="cap in MiB of the first bucket, issued earliest")
 
 
-def compress_option() -> str:
-    """The ``compress`` field of a reducing pass: the wire format of its all-reduces."""
+def wire_dtype_option() -> str:
+    """The ``wire_dtype`` field of a reducing pass: the wire format of its all-reduces."""
     return option("none", choices=tuple(WIRE), help="all-reduce in half precision (SINGA fp16, DDP fp16/bf16 hooks)")
 
 

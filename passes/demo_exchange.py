@@ -7,11 +7,12 @@ lr the momentum takes.
 Guarantees: each rank adds its gradient into a momentum that is never sent, ``δ = β·δ + lr·g``
 (``demo_momentum.<param>``, extra state starting at zero; ``lr`` the group's, from the step's scalar input). In
 dtype/size buckets, each momentum is cut into tiles (``sparse_tiles.py``: each side the largest divisor of the
-dimension not above ``chunk``); each tile's 2-D DCT coefficients (the authors' FFT-built bases, constants of the
+dimension not above ``chunk_size``); each tile's 2-D DCT coefficients (the authors' FFT-built bases, constants of the
 program) go through the sparse exchange of ``sparse_pseudo_exchange``: the ``topk`` coefficients of largest
-magnitude per tile, in float32 (or quantised with ``bins``), one all-gather per bucket. What was sent leaves the
-momentum through the inverse DCT, and every rank averages each coefficient over the ranks that sent it and returns
-the tiles to values. The optimizer reads that mean, or with ``sign`` its sign (DeMo's update), as the gradient.
+magnitude per tile, in float32 (or quantised with ``quantization_bins``), one all-gather per bucket. What was
+sent leaves the momentum through the inverse DCT, and every rank averages each coefficient over the ranks that
+sent it and returns the tiles to values. The optimizer reads that mean, or with ``sign`` its sign (DeMo's update),
+as the gradient.
 The momentum itself never leaves the rank: the verifier ``check_private_state_stays`` holds the pass to that.
 """
 
@@ -41,17 +42,19 @@ aten = torch.ops.aten
 class DeMoExchange(BucketedGradientPass):
     name = "demo-exchange"
     summary = "DeMo: local momentum, its top-k DCT coefficients per tile all-gathered, the decoded mean's sign"
-    decay: float = option(0.999, minimum=0, maximum=1, help="β of the local momentum δ = β·δ + lr·g")
-    chunk: int = option(64, minimum=2, help="the most a tile's side takes (a divisor of the dimension)")
+    compression_decay: float = option(0.999, minimum=0, maximum=1, help="β of the local momentum δ = β·δ + lr·g")
+    chunk_size: int = option(64, minimum=2, help="the most a tile's side takes (a divisor of the dimension)")
     topk: int = option(32, minimum=1, help="DCT coefficients sent per tile")
-    bins: int = option(0, minimum=0, help="quantise the sent coefficients to this many bins per tensor (0: float32)")
-    sigmas: float = option(6.0, minimum=0, help="the quantiser's range, in standard deviations")
+    quantization_bins: int = option(
+        0, minimum=0, help="quantise the sent coefficients to this many bins per tensor (0: float32)"
+    )
+    quantization_range: float = option(6.0, minimum=0, help="the quantiser's range, in standard deviations")
     sign: bool = option(True, help="the optimizer steps on the sign of the decoded mean (DeMo); off: the mean")
     weight_decay: float = option(0.0, minimum=0, help="DeMo's decoupled weight decay: θ·(1 − lr·λ) before the step")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_options(self.bins, "DeMo")
+        check_options(self.quantization_bins, "DeMo")
 
     def reduce(self, program: StepProgram, grads: list[fx.Node]) -> None:
         bad = [g.meta["grad_of"] for g in grads if g.meta["val"].dtype != torch.float32]
@@ -75,11 +78,11 @@ class DeMoExchange(BucketedGradientPass):
             kept = add_state(program, DEMO_MOMENTUM + name, grad, ExtraInit.zeros_like(name))
             lr = rates(name)
             cursor = Cursor(program.graph, grad)
-            if self.decay != 1.0:  # as the authors' optimizer: no multiply by 1
-                kept = cursor.emit(aten.mul.Tensor, (kept, self.decay), role="communication")
+            if self.compression_decay != 1.0:  # as the authors' optimizer: no multiply by 1
+                kept = cursor.emit(aten.mul.Tensor, (kept, self.compression_decay), role="communication")
             momenta.append(cursor.emit(aten.addcmul.default, (kept, grad, lr), role="communication"))
         left: dict[str, fx.Node] = {}
-        sparsity = Sparsity(self.chunk, self.topk, False, self.bins, self.sigmas)
+        sparsity = Sparsity(self.chunk_size, self.topk, False, self.quantization_bins, self.quantization_range)
         for index, members, cursor in self.buckets(program, momenta):
             names = {grads[i].meta["grad_of"]: momenta[i] for i in members}
             info = {"kind": "demo", "bucket": index, "grads": tuple(names)}

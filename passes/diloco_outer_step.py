@@ -9,23 +9,23 @@ parameter, as LocalSGD's snapshot); the Δs sum all-reduced in dtype/size bucket
 and scalar ports prefixed ``outer/`` (the runtime feeds them from the outer optimizer); its result the new
 ``θ_global`` and, by default, the parameter every replica continues from. The inner optimizer's state is left as
 the inner update wrote it. With ``fragments=P`` and ``fragment=f`` only fragment ``f``'s parameters sync
-(Streaming DiLoCo's fragments, :func:`fragments_of`), and with ``alpha`` the parameter becomes
-``alpha * θ_i + (1 - alpha) * θ_global'`` (Streaming DiLoCo's mixing; 0, the default, is plain DiLoCo).
-Streaming (more than one fragment, a ``phase`` or an ``exchange`` other than the defaults) sends the fragment's
-Δs as one float32 buffer in the wire format ``exchange`` (``pseudo_exchange.py``); ``phase=start`` issues the
+(Streaming DiLoCo's fragments, :func:`fragments_of`), and with ``fragment_update_alpha`` (α) the parameter
+becomes ``α * θ_i + (1 - α) * θ_global'`` (Streaming DiLoCo's mixing; 0, the default, is plain DiLoCo).
+Streaming (more than one fragment, a ``phase`` or an ``exchange_dtype`` other than the defaults) sends the fragment's
+Δs as one float32 buffer in the wire format ``exchange_dtype`` (``pseudo_exchange.py``); ``phase=start`` issues the
 exchange and outputs it unwaited as the extra state ``inflight.<f>``, ``phase=finish`` (a later step's program)
 reads that, waits, and does the rest, and ``whole`` does both in one program.
-With ``offload`` θ_global lives in host memory (``global.<param>`` on the CPU, rule ``host_copy_param``): each
+With ``offload_global`` θ_global lives in host memory (``global.<param>`` on the CPU, rule ``host_copy_param``): each
 sync copies it to the parameter's device after the inner update, where the Δ needs it (``foreach-update`` may
 then hoist the copies just before the updates it fuses, still after the backward), and the new
 θ_global back to the host as the output, so between syncs the device holds no copy of it (torchft's
 ``backup_device``). The copies are nodes (``offload`` in their meta) that the dumps show.
 With ``topk > 0`` (SparseLoCo, Sarfi et al., 2025, as its authors' code computes it) each Δ is first added into
-an error buffer that never leaves the rank (``error_feedback.<param>``, ``e = error_decay·e + error_lr·Δ``,
-``error_lr`` the outer lr, as the authors' optimizer adds its lr·gradient), and only the top-k entries of each
-tile of ``e`` (k scaled to the tile's size), quantised per tensor with ``bins``, are sent and taken out of it: one
-all-gather, each entry averaged over the ranks that sent it (``sparse_pseudo_exchange.py``); the mode gives the
-outer update as plain SGD at the same lr.
+an error buffer that never leaves the rank (``error_feedback.<param>``, ``e = error_decay·e + outer_lr·Δ``,
+``outer_lr`` the outer lr, as the authors' optimizer adds its lr·gradient), and only the top-k entries of each
+tile of ``e`` (k scaled to the tile's size), quantised per tensor with ``quantization_bins``, are sent and taken
+out of it: one all-gather, each entry averaged over the ranks that sent it (``sparse_pseudo_exchange.py``); the
+mode gives the outer update as plain SGD at the same lr.
 The outer update reads only the averaged Δ: every node it takes as a gradient is tagged
 ``meta["averaged_delta_of"]``, which the verifier ``check_outer_reads_averaged`` checks.
 """
@@ -72,29 +72,33 @@ class DiLoCoOuterStep(Pass):
     summary = "DiLoCo sync: all-reduce pseudo-gradients θ_global - θ, outer optimizer on θ_global, write back"
     fragments: int = option(1, minimum=1, help="split the parameters into this many fragments (streaming)")
     fragment: int = option(0, minimum=0, help="the fragment this program syncs (0 .. fragments-1)")
-    alpha: float = option(0.0, minimum=0, maximum=1, help="keep alpha * local + (1 - alpha) * global (streaming)")
+    fragment_update_alpha: float = option(0.0, minimum=0, maximum=1, help="keep α·local + (1 − α)·global (streaming)")
     phase: str = option("whole", choices=PHASES, help="whole sync; or start the exchange, or finish it (a later step)")
-    exchange: str = option("float32", choices=EXCHANGES, help="wire format of the pseudo-gradients (summed in float32)")
-    offload: bool = option(False, help="keep θ_global in host memory, copied to the device at each sync")
+    exchange_dtype: str = option(
+        "float32", choices=EXCHANGES, help="wire format of the pseudo-gradients (summed in float32)"
+    )
+    offload_global: bool = option(False, help="keep θ_global in host memory, copied to the device at each sync")
     bucket_cap_mb: float = bucket_cap_option()
     first_bucket_mb: float = first_bucket_option()
     participants: bool = option(
         False, help="average over the step's input 'participants' (a torchft quorum's size), not the world size"
     )
     topk: int = option(0, minimum=0, help="SparseLoCo: send the top-k of each chunk × chunk tile of an error buffer")
-    chunk: int = option(64, minimum=1, help="SparseLoCo: the most a tile's side takes (a divisor of the dimension)")
-    bins: int = option(0, minimum=0, help="SparseLoCo: quantisation bins per tensor (0: float32 values)")
-    sigmas: float = option(6.0, minimum=0, help="SparseLoCo: the quantiser's range, in standard deviations")
+    chunk_size: int = option(
+        64, minimum=1, help="SparseLoCo: the most a tile's side takes (a divisor of the dimension)"
+    )
+    quantization_bins: int = option(0, minimum=0, help="SparseLoCo: quantisation bins per tensor (0: float32 values)")
+    quantization_range: float = option(6.0, minimum=0, help="SparseLoCo: the quantiser's range, in standard deviations")
     error_decay: float = option(0.0, minimum=0, maximum=1, help="SparseLoCo: β of the error buffer e = β·e + lr·Δ")
-    error_lr: float = option(1.0, minimum=0, help="SparseLoCo: the lr that Δ enters the error buffer with")
+    outer_lr: float = option(1.0, minimum=0, help="SparseLoCo: the lr that Δ enters the error buffer with")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        sparse_pseudo_exchange.check_options(self.bins, "SparseLoCo")
-        if self.topk > self.chunk**2:
+        sparse_pseudo_exchange.check_options(self.quantization_bins, "SparseLoCo")
+        if self.topk > self.chunk_size**2:
             raise ConfigurationError(
-                f"topk={self.topk} of a {self.chunk}×{self.chunk} tile ({self.chunk**2} entries): give topk <= "
-                "chunk_size² (the published run keeps 128 of 64×64)."
+                f"topk={self.topk} of a {self.chunk_size}×{self.chunk_size} tile ({self.chunk_size**2} entries): give "
+                "topk <= chunk_size² (the published run keeps 128 of 64×64)."
             )
         if self.topk and self.streaming:
             raise ConfigurationError(
@@ -105,7 +109,7 @@ class DiLoCoOuterStep(Pass):
     @property
     def streaming(self) -> bool:
         """Streaming DiLoCo's exchange: fragments, a phase or a wire format other than the defaults."""
-        return self.fragments > 1 or self.phase != "whole" or self.exchange != "float32"
+        return self.fragments > 1 or self.phase != "whole" or self.exchange_dtype != "float32"
 
     def run(self, program: StepProgram) -> bool:
         if program.outer_update is None:
@@ -146,12 +150,14 @@ class DiLoCoOuterStep(Pass):
         extra_ports = [Port("extra", f"{ERROR_FEEDBACK}{n}") for n in kept]
         for name in names:
             theta = new_global[name]
-            if self.alpha:  # α·θ_local + (1 - α)·θ_global, θ_local as it is now (τ inner steps after the start)
-                kept = cursor.emit(aten.mul.Tensor, (values[where[name]], self.alpha), role="optimizer")
-                taken = cursor.emit(aten.mul.Tensor, (theta, 1.0 - self.alpha), role="optimizer")
+            if (
+                self.fragment_update_alpha
+            ):  # α·θ_local + (1 - α)·θ_global, θ_local as it is now (τ inner steps after the start)
+                kept = cursor.emit(aten.mul.Tensor, (values[where[name]], self.fragment_update_alpha), role="optimizer")
+                taken = cursor.emit(aten.mul.Tensor, (theta, 1.0 - self.fragment_update_alpha), role="optimizer")
                 theta = cursor.emit(aten.add.Tensor, (kept, taken), role="optimizer")
             values[where[name]] = theta
-            if self.offload:  # back to the host, which keeps it until the next sync
+            if self.offload_global:  # back to the host, which keeps it until the next sync
                 host = {"device": torch.device("cpu")}
                 kept_global = cursor.emit(aten._to_copy.default, (new_global[name],), host, **COMM, offload="to host")
             else:
@@ -171,9 +177,9 @@ class DiLoCoOuterStep(Pass):
         return Cursor(program.graph, count).emit(aten.reciprocal.default, (count,), **COMM)
 
     def _global(self, program: StepProgram, name: str, local: fx.Node) -> fx.Node:
-        """θ_global of parameter ``name`` as the sync reads it: the ``extra`` input, or with ``offload`` the
+        """θ_global of parameter ``name`` as the sync reads it: the ``extra`` input, or with ``offload_global`` the
         input in host memory copied to the device right after the inner update ``local``."""
-        if not self.offload:
+        if not self.offload_global:
             return add_state(program, f"{GLOBAL}{name}", local, ExtraInit.copy_of(name))
         val = local.meta["val"]
         host = add_state(program, f"{GLOBAL}{name}", _fake(program, val, "cpu"), ExtraInit.host_copy_of(name))
@@ -184,11 +190,11 @@ class DiLoCoOuterStep(Pass):
         self, program: StepProgram, globals_: dict[str, fx.Node], locals_: dict[str, fx.Node]
     ) -> dict[str, fx.Node]:
         """DiLoCo: each Δ sum all-reduced in dtype/size buckets, waited in this program (each Δ right after its
-        parameter's update, and after θ_global's copy to the device under ``offload``)."""
+        parameter's update, and after θ_global's copy to the device under ``offload_global``)."""
         items = [
             (
                 name,
-                Cursor(program.graph, globals_[name] if self.offload else node).emit(
+                Cursor(program.graph, globals_[name] if self.offload_global else node).emit(
                     aten.sub.Tensor, (globals_[name], node), role="communication"
                 ),
             )
@@ -214,8 +220,10 @@ class DiLoCoOuterStep(Pass):
             error = add_state(program, f"{ERROR_FEEDBACK}{name}", node, ExtraInit.zeros_like(name))
             if self.error_decay != 1.0:  # as the authors' optimizer: no multiply by 1
                 error = cursor.emit(aten.mul.Tensor, (error, self.error_decay), **COMM)
-            buffers[name] = cursor.emit(aten.add.Tensor, (error, delta), {"alpha": self.error_lr}, **COMM)
-        sparsity = sparse_pseudo_exchange.Sparsity(self.chunk, self.topk, True, self.bins, self.sigmas)
+            buffers[name] = cursor.emit(aten.add.Tensor, (error, delta), {"alpha": self.outer_lr}, **COMM)
+        sparsity = sparse_pseudo_exchange.Sparsity(
+            self.chunk_size, self.topk, True, self.quantization_bins, self.quantization_range
+        )
         means, kept = sparse_pseudo_exchange.exchange(program, cursor, buffers, sparsity)
         for name, mean in means.items():
             mean.meta["averaged_delta_of"] = name
@@ -233,12 +241,12 @@ class DiLoCoOuterStep(Pass):
                 f"streaming DiLoCo exchanges float32 pseudo-gradients; parameters {bad[:3]} are not float32."
             )
         length = sum(node.meta["val"].numel() for node in locals_.values())
-        wire_length, wire_dtype = carried_like(length, program.world_size, self.exchange)
+        wire_length, wire_dtype = carried_like(length, program.world_size, self.exchange_dtype)
         carried_name = f"{IN_FLIGHT}{self.fragment}"
         info = {
             "kind": "pseudo-gradients",
             "fragment": self.fragment,
-            "exchange": self.exchange,
+            "exchange": self.exchange_dtype,
             "pseudo-gradients": tuple(locals_),
             "bytes": wire_length * wire_dtype.itemsize,
         }
@@ -250,7 +258,7 @@ class DiLoCoOuterStep(Pass):
             deltas = [cursor.emit(aten.sub.Tensor, (globals_[n], node), **COMM) for n, node in locals_.items()]
             pieces = [cursor.emit(aten.reshape.default, (delta, [-1]), **COMM) for delta in deltas]
             flat = cursor.emit(aten.cat.default, (pieces,), **COMM)
-            carried = pseudo_exchange.start(program, cursor, flat, self.exchange, info)
+            carried = pseudo_exchange.start(program, cursor, flat, self.exchange_dtype, info)
             if self.phase == "start":
                 program.extra_init[carried_name] = init
                 add_outputs(program, [carried], [Port("extra", carried_name)])
@@ -259,9 +267,9 @@ class DiLoCoOuterStep(Pass):
         # an exchange started by an earlier step goes on where this step's forward ends (its all-gather then runs
         # behind the backward); one started here has nothing left to hide behind
         early = Cursor(program.graph, seed_end(program)) if self.phase == "finish" else before_output(program)
-        reduced = pseudo_exchange.reduce(program, early, carried, length, self.exchange, info)
+        reduced = pseudo_exchange.reduce(program, early, carried, length, self.exchange_dtype, info)
         cursor = before_output(program)
-        total = pseudo_exchange.finish(program, cursor, reduced, length, self.exchange)
+        total = pseudo_exchange.finish(program, cursor, reduced, length, self.exchange_dtype)
         views = unflatten(cursor, total, list(locals_.values()), COMM)
         return {name: views[node] for name, node in locals_.items()}
 

@@ -11,7 +11,7 @@ buffer the gradients are produced or copied into (``bucket_views.py``), so no st
 ``bucket-cap-mb=0`` gives one bucket per gradient; ``bucket-cap-mb=auto`` picks both caps on the cost
 model measured at startup (``transpiler/graph/cost_model.py``, ``bucket_plan.py``) and says what it chose in
 ``program.decisions``. Each all-reduce carries ``meta["collective"]`` with its members.
-With ``compress=fp16|bf16`` each bucket is cast to half precision, reduced
+With ``wire-dtype=fp16|bf16`` each bucket is cast to half precision, reduced
 and cast back; the gradients are already each rank's share (``scale-loss-grad``
 ran before), so the sum cannot overflow where the mean does not.
 With ``across`` (replica groups of several ranks under a torchft quorum) each bucket, once reduced in the group,
@@ -37,9 +37,9 @@ from .bucketing import (
     bucket_cap_option,
     bucket_key,
     caps_in_bytes,
-    compress_option,
     first_bucket_option,
     reduce_in_buckets,
+    wire_dtype_option,
 )
 from .gradient_flow import replace_gradient, unreduced_gradients
 
@@ -50,7 +50,7 @@ class FuseAllReduce(ReducingPass):
     summary = "coalesce gradients into dtype/size buckets, one all-reduce per bucket"
     bucket_cap_mb: float | str = bucket_cap_option(("auto", "picks both caps from a cost model measured at startup"))
     first_bucket_mb: float = first_bucket_option()
-    compress: str = compress_option()
+    wire_dtype: str = wire_dtype_option()
     gradient_as_bucket_view: bool = option(
         True, help="write gradients into persistent bucket buffers and read them back as views (DDP's option)"
     )
@@ -70,7 +70,7 @@ class FuseAllReduce(ReducingPass):
                 cap,
                 first,
                 tag="grads",
-                compress=WIRE[self.compress],
+                compress=WIRE[self.wire_dtype],
                 bucket_views=self.gradient_as_bucket_view,
                 across=self.across,
             ),
@@ -92,7 +92,7 @@ class FuseAllReduce(ReducingPass):
                 "when the step runs in a world of more than one process"
             )
             return int(DEFAULT_CAP_MB * MB), MB
-        wire = WIRE[self.compress]
+        wire = WIRE[self.wire_dtype]
         nbytes = [g.meta["val"].numel() * (wire or g.meta["val"].dtype).itemsize for g in grads]
         choice = choose_caps(
             program.cost_model, [g.meta["grad_of"] for g in grads], nbytes, [bucket_key(g) for g in grads]

@@ -11,7 +11,7 @@ the buffer as the update wrote it, against a flat snapshot laid out as it (a ``f
 ``snapshot.<buffer>`` whose views the runtime binds to the snapshots ``snapshot.<param>``), both
 written back in place; the same arithmetic per element, one all-reduce per buffer. With
 ``average-state``, optimizer state (all but Adam's step count) and floating-point buffers are averaged in the
-same buckets (a flat state buffer whole); otherwise they stay local. With ``compress=fp16|bf16``
+same buckets (a flat state buffer whole); otherwise they stay local. With ``wire-dtype=fp16|bf16``
 each delta is first multiplied by ``1/world_size`` (so the half-precision sum cannot overflow), then
 reduced in half precision and cast back, and the mean is that sum. With ``report-loss``, the loss
 summed over ranks / world_size comes out as the metric ``avg_loss`` (adaptive LocalSGD reads it).
@@ -31,7 +31,7 @@ from transpiler.graph.pipeline import Fact, Pass
 from transpiler.graph.ports import SNAPSHOT, ExtraInit, Port
 from transpiler.graph.program import FlatBuffer, StepProgram
 
-from .bucketing import WIRE, bucket_cap_option, caps_in_bytes, compress_option, first_bucket_option, reduce_in_buckets
+from .bucketing import WIRE, bucket_cap_option, caps_in_bytes, first_bucket_option, reduce_in_buckets, wire_dtype_option
 from .flat_writes import written_value
 from .gradient_flow import add_input, add_state, before_output, input_node
 
@@ -48,7 +48,7 @@ class LocalSGDAverage(Pass):
     report_loss: bool = option(False, help="also all-reduce the loss, for adaptive LocalSGD")
     bucket_cap_mb: float = bucket_cap_option()
     first_bucket_mb: float = first_bucket_option()
-    compress: str = compress_option()
+    wire_dtype: str = wire_dtype_option()
 
     def run(self, program: StepProgram) -> bool:
         if any(p.kind in ("extra", "flat") and p.name.startswith(SNAPSHOT) for p in program.inputs):
@@ -57,7 +57,7 @@ class LocalSGDAverage(Pass):
         values = list(output.args[0])
         ports = list(program.outputs)
         scale = 1.0 / program.world_size
-        wire = WIRE[self.compress]
+        wire = WIRE[self.wire_dtype]
         items, targets = [], []  # what to all-reduce, and how to rebuild the output from the sum
         flat = self._flat_items(program, scale, wire)
         items += [(name, delta) for name, delta, _, _ in flat]

@@ -9,8 +9,25 @@ import numpy as np
 import torch
 
 from tests.models import MLP, make_batch
-from transpiler import transpile
+from transpiler import PassPipeline, mode_config, transpile
+from transpiler.graph.pipeline import Pass
 from transpiler.graph.ports import Port
+from transpiler.strategies.mode_config import ALONE, Surroundings
+from transpiler.strategies.modes import MODES
+from transpiler.strategies.strategy import Strategy
+
+
+def strategy_of(mode: str, surroundings: Surroundings = ALONE, **options) -> Strategy:
+    """The strategy of a mode's name with its options, or of a pipeline spec."""
+    config = mode_config(mode, **options) if mode in MODES else PassPipeline(spec=mode)
+    return config.strategy(surroundings)
+
+
+def passes_of(mode: str, **options) -> list[Pass]:
+    """The passes of a mode with one program variant (its name with its options), or of a pipeline spec."""
+    variants = strategy_of(mode, **options).variants
+    assert list(variants) == ["step"], f"mode '{mode}' has several program variants ({', '.join(variants)})"
+    return variants["step"]
 
 
 def eager_twin(model: torch.nn.Module, make_opt):

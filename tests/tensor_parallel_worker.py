@@ -315,16 +315,16 @@ def refusals(rank: int, world: int) -> dict:
     """What does not run beside a plan, each as the error a user gets (its type and message), and what works
     between steps: calling the model eagerly, and the collectives each program runs per mesh dimension."""
     from tests.models import Lamb
-    from transpiler import FaultTolerance
+    from transpiler import AdaSum, Clipping, DataParallel, FaultTolerance, PassPipeline, StaticWorld
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     base, data = base_model(), batches(1)
     batch = data[0][0]
 
-    def attempt(build, *, mode="fused_allreduce", optimizer=adamw, call=None, **kwargs) -> str:
+    def attempt(build, *, config=None, optimizer=adamw, call=None, **kwargs) -> str:
         model = planned(base, mesh, False) if build else copy.deepcopy(base)
         try:
-            step = transpile(model, optimizer(model.parameters()), mode, loss_fn, batch, **kwargs)
+            step = transpile(model, optimizer(model.parameters()), config or DataParallel(), loss_fn, batch, **kwargs)
             if call is not None:
                 call(step)
         except Exception as exc:  # noqa: BLE001 - the test reads the type and the message
@@ -332,16 +332,16 @@ def refusals(rank: int, world: int) -> dict:
         return "no error"
 
     out = {
-        "adasum": attempt(True, mode="adasum", mesh=mesh["dp"]),
-        "spec": attempt(True, mode="scale-loss-grad,allreduce-grads", mesh=mesh["dp"]),
-        "clipping": attempt(True, mesh=mesh["dp"], max_grad_norm=1.0),
+        "adasum": attempt(True, config=AdaSum(), mesh=mesh["dp"]),
+        "spec": attempt(True, config=PassPipeline(spec="scale-loss-grad,allreduce-grads"), mesh=mesh["dp"]),
+        "clipping": attempt(True, config=DataParallel(clipping=Clipping(max_norm=1.0)), mesh=mesh["dp"]),
         "fault tolerance": attempt(True, mesh=mesh["dp"], fault_tolerance=FaultTolerance(lighthouse="http://x:1")),
         "muon": attempt(True, optimizer=lambda ps: torch.optim.Muon([p for p in ps if p.dim() == 2]), mesh=mesh["dp"]),
         "lamb": attempt(True, optimizer=lambda ps: Lamb(ps, lr=1e-2), mesh=mesh["dp"]),
         "no mesh": attempt(True),
         "2-D mesh": attempt(True, mesh=mesh),
         "no plan": attempt(False, mesh=mesh["dp"]),
-        "world_size": attempt(True, mesh=mesh["dp"], world_size=2, rank=0),
+        "static world": attempt(True, mesh=StaticWorld(size=2)),
         "checkpoint": attempt(True, mesh=mesh["dp"], call=lambda step: step.save_checkpoint("/nonexistent/ckpt")),
     }
     reference = planned(base, mesh, True)

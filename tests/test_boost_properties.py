@@ -12,12 +12,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 from passes.partitions import group_bounds, partition_of
-from tests.helpers import assert_rewrite_is_final
-from transpiler import transpile
+from tests.helpers import assert_rewrite_is_final, strategy_of
+from transpiler import Accumulation, Clipping, Compression, DataParallel, Freeze, LossScaling, transpile
 from transpiler.build import rewrite
 from transpiler.graph.collectives import is_collective
 from transpiler.runtime.process_group import Placement
-from transpiler.strategies.modes import build_strategy
 from transpiler.strategies.schedules import EveryStep, FreezeSchedule, continuous_freeze_cycle
 from transpiler.trace.tracer import trace_step
 
@@ -116,7 +115,8 @@ def test_accumulation_is_eager_micro_batch_accumulation_bitwise(widths, k, seed)
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
-    step = transpile(model, opt, "fused_allreduce", nn.MSELoss(), accumulate_steps=k)
+    config = DataParallel(accumulation=Accumulation(steps=k) if k > 1 else None)
+    step = transpile(model, opt, config, nn.MSELoss())
     for i in range(2 * k):
         x, y = torch.randn(3, widths[0]), torch.randn(3, widths[-1])
         step(x, y)
@@ -130,11 +130,11 @@ def test_accumulation_is_eager_micro_batch_accumulation_bitwise(widths, k, seed)
 
 COMBINATIONS = st.fixed_dictionaries(
     {
-        "accumulate_steps": st.sampled_from([1, 2, 3]),
-        "loss_scale": st.sampled_from(["off", "dynamic", 8.0]),
-        "max_grad_norm": st.sampled_from([0.0, 1.0]),
-        "freeze_groups": st.sampled_from([0, 2]),
-        "compress": st.sampled_from(["none", "fp16"]),
+        "accumulation": st.sampled_from([None, Accumulation(steps=2), Accumulation(steps=3)]),
+        "loss_scaling": st.sampled_from([None, LossScaling(), LossScaling(dynamic=False, init_scale=8.0)]),
+        "clipping": st.sampled_from([None, Clipping(max_norm=1.0)]),
+        "freeze": st.sampled_from([None, Freeze(groups=2)]),
+        "compression": st.sampled_from([None, Compression()]),
     }
 )
 
@@ -146,7 +146,7 @@ def rewritten_variants(widths, mode, options, world, make_opt=torch.optim.SGD):
     batch = (torch.randn(4, max(widths[0], 2)), torch.randn(4, max(widths[-1], 2)))
     traced = trace_step(model, make_opt(model.parameters(), lr=0.1), nn.MSELoss(), batch)[0].program
     programs = {}
-    for variant, passes in build_strategy(mode, options).variants.items():
+    for variant, passes in strategy_of(mode, **options).variants.items():
         program = rewrite(traced, passes, Placement(world, 0, "world", False))
         assert_rewrite_is_final(program, passes, f"{variant}: ")
         assert_all_gathers_run_alone(program.graph)
@@ -185,9 +185,9 @@ def test_every_composition_verifies_on_every_rank_and_is_idempotent(widths, opti
     """Each variant passes the verifiers (roles, waits, one reduction per gradient) and the cross-rank check;
     running its passes again changes nothing."""
     if mode == "allreduce":
-        options = {k: v for k, v in options.items() if k != "compress"}
+        options = {k: v for k, v in options.items() if k != "compression"}
     programs = rewritten_variants(widths, mode, options, world)
-    assert programs.keys() == build_strategy(mode, options).variants.keys()
+    assert programs.keys() == strategy_of(mode, **options).variants.keys()
     for variant, program in programs.items():  # at W > 1 every variant but a micro-step communicates
         if world > 1:
             communicates = any(is_collective(n) for n in program.graph.nodes)
@@ -209,7 +209,7 @@ def test_sharded_compositions_verify_tile_and_are_idempotent(widths, options, wo
     ``reshard_after_forward``): each variant verifies, its programs for every rank agree and tile the
     parameters (checked inside ``rewrite``), and a second run changes nothing. zero1/zero2 gather once per
     bucket; zero3 once for the forward and, resharding, again for the backward where it reads the bucket."""
-    options = {k: v for k, v in options.items() if k not in ("freeze_groups", "compress")}
+    options = {k: v for k, v in options.items() if k not in ("freeze", "compression")}
     if mode == "zero3":
         options["reshard_after_forward"] = reshard
     make = torch.optim.Adam if adam else torch.optim.SGD

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tests import dim_reduce_problem as problem
+from tests.helpers import strategy_of
 from tests.models import plain_sgd_factory
 from tests.worlds import run_in_world
 from transpiler import ConfigurationError, transpile
@@ -34,7 +35,6 @@ from transpiler.cli import main
 from transpiler.graph.basis import layout
 from transpiler.runtime.handshake import differences
 from transpiler.runtime.process_group import Placement
-from transpiler.strategies.modes import build_strategy
 from transpiler.trace.tracer import trace_step
 
 ATOL = 2e-6
@@ -281,7 +281,7 @@ def test_every_rank_issues_the_same_collectives_and_the_pass_is_idempotent(tmp_p
     model = problem.model()
     batch = problem.batches(steps=1)[0]
     traced = trace_step(model, torch.optim.SGD(model.parameters(), lr=1.0), nn.MSELoss(), batch)[0].program
-    passes = build_strategy("dim_reduce", {"pca_path": str(path)}).variants["step"]
+    passes = strategy_of("dim_reduce", pca_path=str(path)).variants["step"]
     program = rewrite(traced, passes, Placement(world, rank, "world", False))
     code = program.graph_module.code
     assert not any(p.run(program) for p in passes)

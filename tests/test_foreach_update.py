@@ -174,16 +174,16 @@ def test_a_second_schedule_keeps_in_place_updates_before_their_readers():
     ["after"]``) and the schedule keeps that order: run again on zero3's finished Adam program, it moves nothing
     (it used to move ``exp_avg_sq``'s update after the square root that reads it). In bfloat16, whose ``add``
     rounds differently in a flat buffer, so that the update stays multi-tensor."""
+    from tests.helpers import strategy_of
     from transpiler.build import rewrite
     from transpiler.runtime.process_group import Placement
-    from transpiler.strategies.modes import build_strategy
     from transpiler.trace.tracer import trace_step
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, 2)).bfloat16()
     batch = (torch.randn(4, 2).bfloat16(), torch.randn(4, 2).bfloat16())
     traced = trace_step(model, torch.optim.Adam(model.parameters(), lr=0.1), nn.MSELoss(), batch)[0].program
-    passes = build_strategy("zero3", {"reshard_after_forward": False}).variants["step"]
+    passes = strategy_of("zero3", reshard_after_forward=False).variants["step"]
     program = rewrite(traced, passes, Placement(1, 0, "world", False))
     square_root = next(n for n in program.graph.nodes if n.target is torch.ops.aten._foreach_sqrt.default)
     assert [n.target for n in square_root.meta["after"]] == [torch.ops.aten._foreach_addcmul_.Scalar]

@@ -20,14 +20,13 @@ from torch.distributed.distributed_c10d import _register_process_group, _unregis
 
 from passes import PASSES
 from passes.bucketing import MB, assign_buckets
-from tests.helpers import assert_rewrite_is_final, run_by_ports
+from tests.helpers import assert_rewrite_is_final, passes_of, run_by_ports
 from transpiler.build import rewrite
 from transpiler.errors import PipelineSpecError
 from transpiler.graph.bucket_layout import BUCKET_READY, slot_offsets
 from transpiler.graph.collectives import collective_sequence, is_collective
 from transpiler.graph.pipeline import check_order
 from transpiler.runtime.process_group import LOCAL_GROUP, Placement, ensure_local_group
-from transpiler.strategies.modes import build_passes
 from transpiler.trace.tracer import trace_step
 
 sizes_and_keys = st.lists(
@@ -109,7 +108,7 @@ SLOW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthChe
 @given(widths=widths_strategy, cap=cap_strategy, world=st.integers(2, 5))
 def test_fused_buckets_on_real_graphs(widths, cap, world):
     *_, traced, _, _ = _traced(widths)
-    passes = build_passes("fused_allreduce", {"bucket_cap_mb": cap, "first_bucket_mb": cap})
+    passes = passes_of("fused_allreduce", bucket_cap_mb=cap, first_bucket_mb=cap)
     program = rewrite(traced, passes, Placement(world, 0, "world", False))
     grads = [n.meta["grad_of"] for n in traced.graph.nodes if "grad_of" in n.meta]
     members = [g for n in program.graph.nodes if is_collective(n) for g in n.meta["collective"]["grads"]]
@@ -128,7 +127,7 @@ def test_fused_buckets_on_real_graphs(widths, cap, world):
 @given(widths=widths_strategy, mode=st.sampled_from(["allreduce", "fused_allreduce"]), world=st.integers(1, 4))
 def test_pipeline_is_idempotent(widths, mode, world):
     *_, traced, _, _ = _traced(widths)
-    passes = build_passes(mode, {})
+    passes = passes_of(mode)
     program = rewrite(traced, passes, Placement(world, 0, "world", False))
     assert_rewrite_is_final(program, passes)
 
@@ -150,7 +149,7 @@ def test_pipeline_is_idempotent(widths, mode, world):
 def test_rewritten_graph_computes_the_original_at_world_size_one(widths, spec):
     model, opt, data, traced, state, plan = _traced(widths)
     ensure_local_group()
-    program = rewrite(traced, build_passes(spec, {}), Placement(1, 0, LOCAL_GROUP, True))
+    program = rewrite(traced, passes_of(spec), Placement(1, 0, LOCAL_GROUP, True))
     inputs = [
         *(p.detach() for p in state.params),
         *(b for b in state.buffers),
@@ -170,7 +169,7 @@ def test_rewritten_graph_computes_the_original_at_world_size_one(widths, spec):
 @given(widths=widths_strategy, world=st.integers(2, 6), mode=st.sampled_from(["allreduce", "fused_allreduce"]))
 def test_all_ranks_issue_the_same_collectives(widths, world, mode):
     *_, traced, _, _ = _traced(widths)
-    passes = build_passes(mode, {})
+    passes = passes_of(mode)
     # the test compares every rank's sequence itself; rewrite's own cross-rank check (verify) would build each
     # rank's program once more per rank
     programs = {r: rewrite(traced, passes, Placement(world, r, "world", False), verify=False) for r in range(world)}
@@ -196,16 +195,16 @@ def test_every_pass_reports_no_change_when_it_has_nothing_to_do():
 )
 def test_adasum_sends_pair_with_receives_across_ranks(widths, log_participants, local_size, target):
     """Every rank's exchanges meet their partner's with swapped sizes, and the whole world cannot deadlock."""
+    from tests.helpers import strategy_of
     from transpiler.graph.verify import check_communication
     from transpiler.runtime.process_group import subgroup_names
-    from transpiler.strategies.modes import build_strategy
 
     world = (1 << log_participants) * local_size
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])  # one dtype, as AdaSum needs
     batch = (torch.randn(4, widths[0]), torch.randn(4, widths[-1]))
     traced = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(), batch)[0].program
-    strategy = build_strategy(target, {"local_size": local_size})
+    strategy = strategy_of(target, local_size=local_size)
     placement = Placement(world, 0, "world", False)
     groups = subgroup_names(placement, strategy.layout.groups(world))
     programs = [
@@ -259,7 +258,7 @@ def test_bucket_views_hold_each_gradient_once_and_are_reused_safely(widths, cap,
     model, opt, data, traced, state, plan = _traced(widths)
     ensure_local_group()
     spec = f"scale-loss-grad,fuse-allreduce{{bucket-cap-mb={cap},first-bucket-mb={cap}}},schedule-collectives"
-    program = rewrite(traced, build_passes(spec + ",reinplace-optimizer", {}), Placement(1, 0, LOCAL_GROUP, True))
+    program = rewrite(traced, passes_of(spec + ",reinplace-optimizer"), Placement(1, 0, LOCAL_GROUP, True))
     readies = [n for n in program.graph.nodes if n.target is BUCKET_READY]
     held = [g for r in readies for g in next(iter(r.users)).meta["collective"]["grads"]]
     assert len(held) == len(set(held))
@@ -359,7 +358,7 @@ def test_ranks_together_compute_the_whole_batch_step(gloo_worlds, widths, world,
         ]
 
     names = list(gloo_worlds[world])
-    programs = [rewrite(rank_traced, build_passes(spec, {}), Placement(world, r, names[r], True)) for r in range(world)]
+    programs = [rewrite(rank_traced, passes_of(spec), Placement(world, r, names[r], True)) for r in range(world)]
 
     def rank_step(r: int) -> dict:
         shard = slice(r * per_rank, (r + 1) * per_rank)

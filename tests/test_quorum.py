@@ -43,7 +43,16 @@ from tests.hosts import torchrun as torchrun_on
 from tests.models import MLP
 from tests.quorum_jobs import lighthouse, torchrun_group
 from tests.quorum_worker import LOSS, PER_GROUP, SAMPLES, TWO_PARTICIPANT_STEPS, dataset, fresh
-from transpiler import ConfigurationError, DataPosition, FaultTolerance, transpile
+from transpiler import (
+    Accumulation,
+    ConfigurationError,
+    DataParallel,
+    DataPosition,
+    DiLoCo,
+    FaultTolerance,
+    StreamingDiLoCo,
+    transpile,
+)
 
 torchft = pytest.importorskip("torchft")
 GROUPS, DIE_AT, REFUSE_AT, JOIN_AFTER, DILOCO_DIE_AT = 3, 3, 6, 20, 5
@@ -650,15 +659,14 @@ def test_clear_errors_before_anything_runs(monkeypatch):
     with pytest.raises(
         ConfigurationError, match="fragment_sync_delay does not run under fault_tolerance yet.*in flight"
     ):
-        transpile(model, sgd, "streaming_diloco", LOSS, fault_tolerance=ft, fragments=2, fragment_sync_delay=1)
+        transpile(model, sgd, StreamingDiLoCo(fragments=2, fragment_sync_delay=1), LOSS, fault_tolerance=ft)
     with pytest.raises(ConfigurationError, match="exchange_dtype does not run under fault_tolerance yet"):
-        transpile(model, sgd, "streaming_diloco", LOSS, fault_tolerance=ft, fragments=2, exchange_dtype="int4")
+        transpile(model, sgd, StreamingDiLoCo(fragments=2, exchange_dtype="int4"), LOSS, fault_tolerance=ft)
     with pytest.raises(ConfigurationError, match="a replica is one replica group, of 1 rank.*replica_size=2 disagrees"):
-        transpile(model, sgd, "diloco", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"), replica_size=2)
-    with pytest.raises(ConfigurationError, match="accumulate_steps does not run under fault_tolerance"):
-        transpile(
-            model, sgd, "fused_allreduce", LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"), accumulate_steps=2
-        )
+        transpile(model, sgd, DiLoCo(replica_size=2), LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
+    with pytest.raises(ConfigurationError, match="accumulation does not run under fault_tolerance"):
+        config = DataParallel(accumulation=Accumulation(steps=2))
+        transpile(model, sgd, config, LOSS, fault_tolerance=FaultTolerance("http://h:1", "g0"))
     with pytest.raises(ConfigurationError, match="lighthouse's address"):
         transpile(model, sgd, "fused_allreduce", LOSS, fault_tolerance=FaultTolerance(replica_id="g0"))
     with pytest.raises(ConfigurationError, match="replica group's id"):
@@ -733,15 +741,17 @@ def test_a_group_of_several_ranks_reduces_in_the_group_then_across_the_groups():
     seed is times 1/2 and 1/participants. Under ``diloco`` the group is one replica (``replica_size`` = its size),
     with ZeRO inside and the syncs on axis ``across`` (``streaming_diloco``: each fragment's sync); a whole inner
     optimizer state per rank is refused, saying what to do."""
+    from tests.helpers import strategy_of
     from transpiler.graph.collectives import collective_sequence
-    from transpiler.strategies.quorum import quorum_strategy
+    from transpiler.strategies.mode_config import Surroundings
 
+    group = Surroundings(quorum_group=2, async_quorum=True)
     with pytest.raises(ConfigurationError, match="give replica_mode='zero1' or 'zero2'"):
-        quorum_strategy("diloco", {}, 2)
-    specs = quorum_strategy("diloco", {"replica_mode": "zero1", "sync_every": 4}, 2).specs()
+        strategy_of("diloco", group)
+    specs = strategy_of("diloco", group, replica_mode="zero1", sync_every=4).specs()
     assert "shard-optimizer{axis=replica" in specs["sync"] and "participants=true" in specs["sync"]
     assert "axis=across" in specs["sync"] and "broadcast-params" not in ",".join(specs.values())
-    zero = quorum_strategy("zero2", {}, 2)
+    zero = strategy_of("zero2", group)
     assert zero.layout.axes(2, 1) == {"across": (1,)} and zero.layout.groups(2) == []
     batch = (torch.randn(4, 20), torch.randint(0, 5, (4,)))
     inside = {"allreduce": "all_reduce", "fused_allreduce": "all_reduce_", "zero2": "all_to_all_single"}

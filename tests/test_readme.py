@@ -1,6 +1,7 @@
-"""The README says what is true (issue 62): its table of modes lists every mode, and each pipeline it writes out is
-one the mode builds with its defaults; it opens with the main job, then the quick tier, then the whole suite. A
-pipeline a pass or a mode changes without the README failing here. Static, under a second."""
+"""The README says what is true (issues 62, 73): its table of modes is the one ``transpiler modes --markdown`` makes
+from the config classes (every mode, its config, its options with their defaults, and the pipeline of each program
+variant its defaults build), and it opens with the main job, then the quick tier, then the whole suite. A mode, an
+option or a pass that changes without the README failing here. Static, under a second."""
 
 from __future__ import annotations
 
@@ -9,37 +10,18 @@ import re
 import pytest
 
 from tests.distributed import ROOT
-from transpiler.strategies.modes import modes
+from transpiler.strategies.modes import MODES
+from transpiler.strategies.modes_table import markdown_table
 
 pytestmark = pytest.mark.quick  # static, in the quick tier
 README = (ROOT / "README.md").read_text()
+BEGIN, END = "<!-- transpiler modes --markdown -->\n", "<!-- end of transpiler modes --markdown -->"
 
 
-def _mode_rows() -> dict[str, str]:
-    """The rows of the README's table of modes, by mode."""
-    table = README.split("### Modes and pipelines", 1)[1].split("\n\n", 2)[1]
-    rows = {}
-    for line in table.splitlines()[2:]:
-        cells = line.split(" | ")
-        rows[cells[0].strip("| `")] = line
-    return rows
-
-
-def test_the_table_of_modes_lists_every_mode_and_no_other():
-    assert set(_mode_rows()) == set(modes())
-
-
-@pytest.mark.parametrize("mode", sorted(modes()))
-def test_each_pipeline_the_table_writes_out_is_one_the_mode_builds(mode):
-    """A spec in the row (`broadcast-params,...`) with its placeholders (`{index=i}`, `{pca-path=...}`) taken as
-    any value. Rows that describe a mode by another's ("as `zero1` with ...") write none out."""
-    built = set(modes()[mode].strategy(**({"pca_path": "basis.pt"} if mode == "dim_reduce" else {})).specs().values())
-    written = [s for s in re.findall(r"`([^`]+)`", _mode_rows()[mode]) if s.startswith("broadcast-params,")]
-    for spec in written:
-        pattern = re.escape(spec).replace(r"=i", r"=\d+").replace(r"=\.\.\.", r"=[^,}]+")
-        # an option the default leaves out of the spec (index=0) may be written as a placeholder too
-        loose = pattern.replace(r"\{index=\d+\}", r"(\{index=\d+\})?")
-        assert any(re.fullmatch(loose, b) for b in built), f"{mode}: README has {spec}; it builds {sorted(built)}"
+def test_the_table_of_modes_is_the_one_the_configs_make():
+    table = README.split(BEGIN, 1)[1].split(END, 1)[0]
+    assert table == markdown_table(), "run `transpiler modes --markdown` and paste its table into the README"
+    assert [line.split(" | ")[0].strip("| `") for line in table.splitlines()[2:]] == list(MODES)
 
 
 def test_the_readme_opens_with_the_main_job_then_the_quick_tier_then_the_suite():

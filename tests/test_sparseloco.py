@@ -222,7 +222,7 @@ def test_the_verifier_refuses_an_error_buffer_that_leaves_its_rank():
 @pytest.mark.quick
 def test_modes_and_dump_show_the_sparse_exchange(capsys):
     assert cli_main(["modes"]) == 0
-    assert "diloco-outer-step{topk=128,bins=4,error-decay=0.95}," in capsys.readouterr().out
+    assert "diloco-outer-step{topk=128,quantization-bins=4,error-decay=0.95}," in capsys.readouterr().out
     assert cli_main(["dump", FACTORY, "--mode", "sparseloco", "-O", "topk=8", "--variant", "sync"]) == 0
     out = capsys.readouterr().out
     for shown in ("x_error_feedback_0_weight, 0.95", "sparse_tiles_to_rows", "transpiler.sparse_select",
@@ -251,9 +251,9 @@ def test_clear_errors(options, outer, match):
 @pytest.mark.quick
 def test_the_sparse_exchange_does_not_combine_with_streaming_options():
     with pytest.raises(ConfigurationError, match="does not combine with fragments"):
-        from transpiler.strategies.modes import build_strategy
+        from transpiler import PassPipeline
 
-        build_strategy("diloco-outer-step{topk=4,fragments=2}", {})
+        PassPipeline(spec="diloco-outer-step{topk=4,fragments=2}")
 
 
 @pytest.mark.bitwise

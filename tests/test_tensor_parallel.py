@@ -139,14 +139,14 @@ def test_what_does_not_run_beside_a_plan_is_refused_clearly(refusals):
     expected = {
         "adasum": ("ConfigurationError", "mode 'adasum' does not run beside a tensor-parallel plan"),
         "spec": ("ConfigurationError", "these do: fused_allreduce, zero1, zero2, zero3, diloco"),
-        "clipping": ("ConfigurationError", "max_grad_norm=1.0"),
+        "clipping": ("ConfigurationError", "clipping does not run beside a tensor-parallel plan"),
         "fault tolerance": ("ConfigurationError", "fault_tolerance="),
         "muon": ("ConfigurationError", "Muon does not run beside a tensor-parallel plan"),
         "lamb": ("UnsupportedOptimizerError", "linalg_vector_norm"),
         "no mesh": ("ConfigurationError", "mesh=mesh['dp']"),
         "2-D mesh": ("ConfigurationError", "with 2 dimensions"),
         "no plan": ("ConfigurationError", "no DTensor parameter"),
-        "world_size": ("ConfigurationError", "leave out world_size="),
+        "static world": ("ConfigurationError", "mesh must be a 1-D torch DeviceMesh, the dimension the mode spans"),
         "checkpoint": ("CheckpointError", "step.state_dict()"),
     }
     for case, (kind, words) in expected.items():

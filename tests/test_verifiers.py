@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import passes_of
 from transpiler.build import rewrite
 from transpiler.errors import VerificationError
 from transpiler.graph.bucket_layout import BUCKET_READY
@@ -17,7 +18,6 @@ from transpiler.graph.verify import (
     check_gradient_reductions,
 )
 from transpiler.runtime.process_group import Placement
-from transpiler.strategies.modes import build_passes
 from transpiler.trace.tracer import trace_step
 
 pytestmark = pytest.mark.quick  # the quick tier: static, 2 s
@@ -30,7 +30,7 @@ def _program(mode="allreduce", world=2, rank=0, widths=(3, 4, 2)):
     layers = [nn.Linear(a, b) for a, b in zip(widths, widths[1:])]
     model = nn.Sequential(*layers)
     traced = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), BATCH)[0].program
-    return traced, rewrite(traced, build_passes(mode, {}), Placement(world, rank, "world", False))
+    return traced, rewrite(traced, passes_of(mode), Placement(world, rank, "world", False))
 
 
 def test_unreduced_gradient_is_caught_at_the_end_only():
@@ -58,13 +58,13 @@ def test_ranks_that_disagree_are_caught_before_anything_runs():
 
 
 def _adasum_programs(world=4):
+    from tests.helpers import strategy_of
     from transpiler.runtime.process_group import subgroup_names
-    from transpiler.strategies.modes import build_strategy
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     traced = trace_step(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), BATCH)[0].program
-    strategy = build_strategy("adasum", {})
+    strategy = strategy_of("adasum")
     placement = Placement(world, 0, "world", False)
     groups = subgroup_names(placement, strategy.layout.groups(world))
     programs = []

@@ -1,9 +1,10 @@
-"""``transpile()``: the one entry point users call."""
+"""``transpile()``: the one entry point users call. It reads as the pipeline it runs: check what it was given,
+place this rank, build the mode's strategy for what the step runs in, and hand the step a builder that traces and
+rewrites on its first batch (or now, given ``example_inputs``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,17 +12,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from transpiler.graph.options import parse_options
-from transpiler.graph.program import StepProgram
 from transpiler.runtime import cuda_graph as cuda_graph_module
 from transpiler.runtime.distributed_step import DistributedStep
-from transpiler.runtime.process_group import as_timeout, mesh_placement, resolve_placement, subgroup_names
-from transpiler.runtime.quorum import FaultTolerance, InspectedQuorum, Quorum
-from transpiler.runtime.trajectory import TRAJECTORY_OPTIONS, TrajectoryWriter
-from transpiler.strategies.modes import build_strategy
-from transpiler.strategies.quorum import quorum_strategy
+from transpiler.runtime.execution import Execution
+from transpiler.runtime.fault_tolerance import FaultTolerance
+from transpiler.runtime.process_group import (
+    Placement,
+    StaticWorld,
+    mesh_placement,
+    resolve_placement,
+    subgroup_names,
+)
+from transpiler.runtime.quorum import InspectedQuorum, Quorum
+from transpiler.runtime.trajectory import TrajectoryWriter
+from transpiler.strategies.mode_config import ModeConfig, Surroundings
+from transpiler.strategies.modes import as_config
 from transpiler.strategies.strategy import Strategy
-from transpiler.strategies.tensor_parallel import check_tensor_parallel
 from transpiler.trace.environment import AutocastState
 from transpiler.trace.optimizers import as_optimizer
 from transpiler.trace.signature import StepTrace
@@ -30,155 +36,71 @@ from transpiler.trace.trace_cache import TraceCache
 from transpiler.trace.tracer import LossFn, trace_step
 
 from .build import StepBuilder
+from .deprecated import keywords_of_before
 from .errors import ConfigurationError
+
+Mesh = DeviceMesh | StaticWorld
 
 
 def transpile(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-    mode: str = "fused_allreduce",
+    config: ModeConfig | str = "fused_allreduce",
     loss_fn: LossFn = None,
     example_inputs: tuple | None = None,
     *,
-    world_size: int | None = None,
-    rank: int | None = None,
-    verify: bool = True,
-    on_pass: Callable[[str, StepProgram], None] | None = None,
-    timeout: timedelta | float | None = None,
-    max_cached_programs: int = 8,
-    compile: bool = False,
-    cuda_graph: bool = False,
-    keep_freed_memory: bool = True,
-    outer_optimizer: torch.optim.Optimizer | None = None,
+    mesh: Mesh | None = None,
     fault_tolerance: FaultTolerance | None = None,
+    execution: Execution | None = None,
     trace: StepTrace | TraceCache | None = None,
-    mesh: DeviceMesh | None = None,
-    **options: Any,
+    outer_optimizer: torch.optim.Optimizer | None = None,
+    **deprecated: Any,
 ) -> DistributedStep:
     """Trace one training step and rewrite it into this rank's distributed program.
 
-    ``mode`` is a mode name (``transpiler modes``) or a pipeline spec such as
-    ``"scale-loss-grad,fuse-allreduce{bucket-cap-mb=4}"``; ``options`` are the
-    mode's options (``bucket_cap_mb=...``). ``example_inputs`` is one batch as
-    ``step`` will get it, ``(*model_inputs, target)``; without it the step is
-    traced on its first call. ``world_size``/``rank`` build a rank's program
-    without a process group, for inspection; under torchrun leave them out.
-    ``timeout`` (seconds or a timedelta) bounds every collective of the step
-    and the startup handshake; by default the default group's timeout (torch's
-    default is 30 minutes). ``max_cached_programs`` bounds the programs kept
-    for different batch shapes and model modes. ``save_trajectory=DIR`` and
-    ``trajectory_every=m`` (any mode) make rank 0 save the flattened weights
-    every m updates, for ``transpiler pca`` (see ``transpiler/runtime/trajectory.py``). ``compile=True`` compiles
-    each rewritten program with ``torch.compile`` (Inductor) on its first call (``transpiler/runtime/compile.py``;
-    ``step.compile_seconds`` says how long that took). ``cuda_graph=True`` (NCCL, a model on the GPU, SGD,
-    Adam or AdamW) captures each program as a CUDA graph after two warm-up steps and replays it every step,
-    bitwise the uncaptured step (``transpiler/runtime/cuda_graph.py``); it composes with ``compile=True``.
-    ``optimizer`` may be a list of optimizers over disjoint parameters (Muon for the matrices, AdamW for the
-    rest): they are stepped as one (``trace/optimizers/chain.py``). On the CPU, ``keep_freed_memory=True`` has
-    glibc keep the memory a step frees for the next step, sized by what the step holds at once, as the CUDA caching
-    allocator does, instead of faulting it in again every step (process-wide; ``transpiler/runtime/host_memory.py``,
-    the choice is in ``step.program.decisions``).
-    ``outer_optimizer`` (``mode="diloco"`` only) is DiLoCo's outer optimizer, any ``torch.optim.Optimizer`` built
-    over the same parameters; by default ``SGD(lr=0.7, momentum=0.9, nesterov=True)``, the paper's
-    (docs/strategies/diloco.md).
-    ``fault_tolerance=FaultTolerance(lighthouse=..., replica_id=...)`` runs this torchrun job as one replica group
-    under a torchft quorum: a lost group costs the others one uncommitted step, not a restart, and a group that
-    comes back heals from a live peer (``transpiler/runtime/quorum.py``, docs/fault_tolerance.md). With
-    ``world_size``/``rank`` and no process group it builds, for inspection, the program a replica group of
-    ``world_size`` ranks runs under a quorum (torchft's group is the label ``quorum`` in its graphs).
-    ``trace`` (from :func:`trace_training_step`) is the step traced ahead: the first build copies it instead of
-    tracing, after checking that it was made for this model's structure and attributes, this optimizer's class
-    and hyper-parameters, this loss and this batch (a ``TraceMismatchError`` names the first difference). A
-    :class:`TraceCache` instead serves every build (a new batch shape, eval mode) from the traces it holds, and
-    keeps the ones it makes.
-    ``mesh`` is the 1-D device mesh the mode spans (``mesh["dp"]`` of a ``("dp", "tp")`` mesh), for a model under
-    torch's tensor-parallel plan (``parallelize_module(model, mesh["tp"], plan)``): the step is traced through
-    DTensor, each rank's program holds its shards of the parameters (the model and the optimizer hold them from
-    here on; calling the model still works), and the mode (``fused_allreduce``, ``zero1/2/3``, ``diloco``,
-    ``streaming_diloco``) runs across ``mesh`` (``trace/tensor_parallel.py``, docs/strategies/tensor_parallel.md).
+    ``config`` is the mode's config (``ZeRO(stage=3)``, ``DataParallel(bucket_cap_mb=4)``, ``DiLoCo(sync_every=
+    50)``...; ``transpiler modes`` lists them), or a mode's name for its defaults (``"zero3"``), or
+    ``PassPipeline(spec)`` for passes of your choosing. ``loss_fn(model(*batch[:-1]), batch[-1])`` is the loss;
+    without it the model's output is. ``example_inputs`` is one batch as ``step`` will get it; without it the step
+    is traced on its first call. ``optimizer`` may be a list of optimizers over disjoint parameters (Muon for the
+    matrices, AdamW for the rest), stepped as one (``trace/optimizers/chain.py``).
+
+    ``mesh``: the 1-D device mesh the mode spans (``mesh["dp"]`` of a ``("dp", "tp")`` mesh), for a model under
+    torch's tensor-parallel plan, traced through DTensor (each rank's programs, model and optimizer hold its shards
+    from here on: docs/strategies/tensor_parallel.md); or ``StaticWorld(size, rank)`` to build a rank's programs
+    without a process group, for inspection. ``fault_tolerance=FaultTolerance(...)`` runs this torchrun job as one
+    replica group under a torchft quorum (docs/fault_tolerance.md). ``execution=Execution(...)``: compiled or
+    captured, the timeout, the program cache, host memory, verification, weight trajectories. ``trace``: the step
+    traced ahead by :func:`trace_training_step` (checked to be this step's; a ``TraceMismatchError`` names the
+    first difference), or a :class:`TraceCache` that serves every build. ``outer_optimizer``: the outer optimizer
+    of ``DiLoCo`` and ``StreamingDiLoCo`` (the paper's Nesterov SGD at lr 0.7 by default), over the same parameters.
+
+    The keywords of before issue 73 (``mode=``, ``bucket_cap_mb=4``, ``compile=True``, ``world_size=``...) still
+    work, with a ``RenamedWarning`` that writes the call anew (docs/migrating.md).
     """
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    optimizer = as_optimizer(optimizer)
-    for flag, value in (("compile", compile), ("cuda_graph", cuda_graph), ("keep_freed_memory", keep_freed_memory)):
-        if not isinstance(value, bool):
-            raise ConfigurationError(f"{flag} must be True or False, got {value!r}.")
-    if trace is not None and not isinstance(trace, (StepTrace, TraceCache)):
-        raise ConfigurationError(
-            "trace must be what transpiler.trace_training_step() returns, or a transpiler.TraceCache; got "
-            f"{type(trace).__name__}."
-        )
-    if isinstance(max_cached_programs, bool) or not isinstance(max_cached_programs, int) or max_cached_programs < 1:
-        raise ConfigurationError(f"max_cached_programs must be an int >= 1, got {max_cached_programs!r}.")
-    saving = parse_options(
-        TRAJECTORY_OPTIONS, {k: options.pop(k) for k in list(options) if k in TRAJECTORY_OPTIONS}, "transpile()"
+    config, execution, mesh = keywords_of_before(config, execution, mesh, deprecated)
+    optimizer = checked_arguments(model, optimizer, fault_tolerance, trace)
+    config = as_config(config)
+    planned = mesh is not None and not isinstance(mesh, StaticWorld) or tensor_parallel_planned(model)
+    placement = place(mesh, execution, planned)
+    surroundings = Surroundings(
+        tensor_parallel=planned,
+        quorum_group=placement.world_size if fault_tolerance is not None else None,
+        async_quorum=fault_tolerance is not None and fault_tolerance.async_quorum,
+        cuda_graph=execution.cuda_graph,
     )
-    if "trajectory_every" in saving and not saving.get("save_trajectory"):
-        raise ConfigurationError("trajectory_every only applies with save_trajectory=DIR; give both or neither.")
-    planned = mesh is not None or has_dtensor_parameters(model) or tensor_parallel_of(model) is not None
-    if planned:
-        check_tensor_parallel(
-            mode, options, optimizer, fault_tolerance=fault_tolerance is not None, cuda_graph=cuda_graph
-        )
-        placement = mesh_placement(mesh, world_size, rank, timeout)
-    else:
-        placement = resolve_placement(world_size, rank, as_timeout(timeout))
-    quorum: Quorum | None = None
-    seats: Quorum | InspectedQuorum | None = None  # where the collectives across replica groups go
-    if fault_tolerance is not None:
-        if not isinstance(fault_tolerance, FaultTolerance):
-            raise ConfigurationError(
-                f"fault_tolerance must be a transpiler.FaultTolerance, got {type(fault_tolerance).__name__}."
-            )
-        strategy = quorum_strategy(mode, options, placement.world_size, overlap=fault_tolerance.async_quorum)
-        if world_size is not None and not (dist.is_available() and dist.is_initialized()):  # to be looked at
-            seats = InspectedQuorum()
-        else:
-            if example_inputs is None and any(p.shards_params for p in strategy.passes()):
-                raise ConfigurationError(
-                    f"under fault_tolerance, mode '{mode}' needs example_inputs= (one batch as the step will get "
-                    "it): a group that starts late or comes back heals each rank's slices of the parameters from a "
-                    "peer at its first quorum, before its first step, and a rank knows its slices once it is built."
-                )
-            seats = quorum = Quorum(fault_tolerance, placement, every_step=strategy.outer is None)
-        two_level = "across" in strategy.layout.axes(placement.world_size, placement.rank)
-        placement = seats.placement(placement, two_level)
-    else:
-        strategy = build_strategy(mode, options)
+    strategy = config.strategy(surroundings)
     strategy.check(optimizer)
-    outer = outer_for(strategy, outer_optimizer, optimizer, mode)
+    outer = outer_for(strategy, outer_optimizer, optimizer, config.mode)
+    quorum, seats, placement = seat(fault_tolerance, strategy, placement, mesh, example_inputs, config.mode)
     if planned:  # every check passed: the model and optimizers hold their shards from here on
         localize(model, [optimizer] + ([outer] if outer is not None else []))
-    if cuda_graph and outer is not None:
-        raise ConfigurationError(
-            f"cuda_graph=True is not built for mode '{mode}': its programs hand an exchange in flight from one to "
-            "the next, and the outer step's writes to the global weights are not checked under capture. Leave "
-            "cuda_graph off (compile=True works)."
-        )
-    if cuda_graph:
+    if execution.cuda_graph:
         cuda_graph_module.check_capturable_setup(model, optimizer, placement)
-    observers = []
-    if saving.get("save_trajectory") and placement.rank == 0:
-        observers.append(TrajectoryWriter(Path(saving["save_trajectory"]), saving.get("trajectory_every", 1)))
     plan = strategy.for_rank(placement.world_size, placement.rank)
     across = seats.across(plan.axes) if seats is not None else {}  # a group of several ranks: torchft's group
     subgroups = subgroup_names(placement, [g for g in plan.groups if g not in across]) | across
-    builder = StepBuilder(
-        model,
-        optimizer,
-        loss_fn,
-        outer,
-        strategy,
-        plan,
-        placement,
-        subgroups,
-        verify=verify,
-        on_pass=on_pass,
-        compile=compile,
-        cuda_graph=cuda_graph,
-        keep_freed_memory=keep_freed_memory,
-        reuse=trace,
-    )
+    builder = StepBuilder(model, optimizer, loss_fn, outer, strategy, plan, placement, subgroups, execution, trace)
     step = DistributedStep(
         model,
         optimizer,
@@ -187,8 +109,8 @@ def transpile(
         builder,
         plan.schedule,
         mode_specs=strategy.specs(),
-        max_cached_programs=max_cached_programs,
-        observers=observers,
+        max_cached_programs=execution.max_cached_programs,
+        observers=trajectory_writers(execution, placement),
         replicated=strategy.replicated,
         outer_optimizer=outer,
         replica_ranks=plan.replica_ranks,
@@ -198,6 +120,78 @@ def transpile(
     if example_inputs is not None:
         step.prepare(tuple(example_inputs))
     return step
+
+
+def checked_arguments(
+    model: object, optimizer: object, fault_tolerance: object, trace: object
+) -> torch.optim.Optimizer:
+    """The optimizer as one (a chain of several); an error for an argument of the wrong kind."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
+        raise ConfigurationError(
+            f"fault_tolerance must be a transpiler.FaultTolerance, got {type(fault_tolerance).__name__}."
+        )
+    if trace is not None and not isinstance(trace, (StepTrace, TraceCache)):
+        raise ConfigurationError(
+            "trace must be what transpiler.trace_training_step() returns, or a transpiler.TraceCache; got "
+            f"{type(trace).__name__}."
+        )
+    return as_optimizer(optimizer)
+
+
+def tensor_parallel_planned(model: torch.nn.Module) -> bool:
+    """Whether the model is under torch's tensor-parallel plan (its parameters DTensors, or localized already)."""
+    return has_dtensor_parameters(model) or tensor_parallel_of(model) is not None
+
+
+def place(mesh: Mesh | None, execution: Execution, planned: bool) -> Placement:
+    """This rank's place: across a device mesh's dimension (a tensor-parallel plan), a static world, or the
+    process group torch.distributed was given (a world of one without one)."""
+    if planned:
+        return mesh_placement(mesh, execution.timeout_delta)
+    if mesh is not None and not isinstance(mesh, StaticWorld):
+        raise ConfigurationError(
+            f"mesh must be a 1-D torch DeviceMesh (beside a tensor-parallel plan) or a StaticWorld; got "
+            f"{type(mesh).__name__}."
+        )
+    size, rank = (mesh.size, mesh.rank) if mesh is not None else (None, None)
+    return resolve_placement(size, rank, execution.timeout_delta)
+
+
+def seat(
+    fault_tolerance: FaultTolerance | None,
+    strategy: Strategy,
+    placement: Placement,
+    mesh: Mesh | None,
+    example_inputs: tuple | None,
+    mode: str,
+) -> tuple[Quorum | None, Quorum | InspectedQuorum | None, Placement]:
+    """Under a quorum: this replica group's seat in it (None for a program only built to be looked at), where the
+    collectives across groups go, and the placement the programs are built for."""
+    if fault_tolerance is None:
+        return None, None, placement
+    seats: Quorum | InspectedQuorum
+    quorum = None
+    if isinstance(mesh, StaticWorld) and not (dist.is_available() and dist.is_initialized()):  # to be looked at
+        seats = InspectedQuorum()
+    else:
+        if example_inputs is None and any(p.shards_params for p in strategy.passes()):
+            raise ConfigurationError(
+                f"under fault_tolerance, mode '{mode}' needs example_inputs= (one batch as the step will get it): a "
+                "group that starts late or comes back heals each rank's slices of the parameters from a peer at its "
+                "first quorum, before its first step, and a rank knows its slices once it is built."
+            )
+        seats = quorum = Quorum(fault_tolerance, placement, every_step=strategy.outer is None)
+    two_level = "across" in strategy.layout.axes(placement.world_size, placement.rank)
+    return quorum, seats, seats.placement(placement, two_level)
+
+
+def trajectory_writers(execution: Execution, placement: Placement) -> list[TrajectoryWriter]:
+    """Rank 0's weight-trajectory writer, where the execution settings ask for one."""
+    if not execution.save_trajectory or placement.rank != 0:
+        return []
+    return [TrajectoryWriter(Path(execution.save_trajectory), execution.trajectory_every)]
 
 
 def trace_training_step(

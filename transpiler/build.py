@@ -33,6 +33,7 @@ from transpiler.runtime import cost_probe, host_memory
 from transpiler.runtime import cuda_graph as cuda_graph_module
 from transpiler.runtime.compile import CompiledProgram
 from transpiler.runtime.cuda_graph import CapturedProgram
+from transpiler.runtime.execution import Execution
 from transpiler.runtime.handshake import Setup, describe_model, describe_optimizer
 from transpiler.runtime.process_group import Placement
 from transpiler.runtime.program_cache import Built, batch_key
@@ -64,11 +65,7 @@ class StepBuilder:
     plan: RankPlan
     placement: Placement
     subgroups: dict[tuple[int, ...], str]  # the strategy's process groups by their ranks
-    verify: bool = True
-    on_pass: Callable[[str, StepProgram], None] | None = None
-    compile: bool = False
-    cuda_graph: bool = False
-    keep_freed_memory: bool = True
+    execution: Execution = field(default_factory=Execution)
     # ``transpile(trace=...)``: a trace made ahead, for the first build; or a cache that serves every build
     reuse: StepTrace | TraceCache | None = None
     # learnt by earlier builds: a sharded mode's slices of this rank (None: no mode shards), the whole shape of
@@ -99,24 +96,24 @@ class StepBuilder:
                 traced,
                 passes,
                 self.placement,
-                verify=self.verify,
-                on_pass=self.on_pass,
+                verify=self.execution.verify,
+                on_pass=self.execution.on_pass,
                 subgroups=self.subgroups,
                 axes=self.plan.axes,
             )
             for variant, passes in self.plan.variants.items()
         }
-        if self.outer is not None and self.verify:
+        if self.outer is not None and self.execution.verify:
             every = self.plan.schedule.settings()["sync_every"]
             check_fragments(programs, updates_of(self.strategy.fresh_schedule(), 3 * every), every)
-        if self.keep_freed_memory and host_memory.runs_on_cpu(programs.values()):
+        if self.execution.keep_freed_memory and host_memory.runs_on_cpu(programs.values()):
             kept = host_memory.keep_freed_memory(programs.values())
             for program in programs.values():
                 program.decisions["keep-freed-memory"] = kept
         for program in programs.values() if self.shards is not None else ():
             self.shards.update(program.shards)
             self.whole.update((n, s) for b in program.param_buckets for n, s in zip(b.names, b.shapes))
-        runners = runners_for(programs, compile=self.compile, cuda_graph=self.cuda_graph)
+        runners = runners_for(programs, compile=self.execution.compile, cuda_graph=self.execution.cuda_graph)
         return Built(programs, state, plan, self._setup(batch, programs), runners, outer=outer_plan)
 
     def _cost_model(self, batch: tuple) -> CostModel | None:
@@ -156,7 +153,7 @@ class StepBuilder:
             communication={v: communication_plan(p.graph, alone) for v, p in programs.items()},
             groups=members,
             sources={name: digest for p in programs.values() for name, digest in p.sources.items()},
-            compiled=self.compile,
+            compiled=self.execution.compile,
             shards={name: span for p in programs.values() for name, span in p.shards.items()},
             shard_place=shard_place(next(iter(programs.values()))),
         )

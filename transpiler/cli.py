@@ -18,11 +18,16 @@ from transpiler.graph.pipeline import format_value
 from transpiler.graph.ports import IN_FLIGHT
 from transpiler.graph.program import StepProgram
 from transpiler.graph.render import to_dot, to_json, to_svg, unified_diff
-from transpiler.runtime.quorum import FaultTolerance
-from transpiler.strategies.modes import modes
+from transpiler.runtime.execution import Execution
+from transpiler.runtime.fault_tolerance import FaultTolerance
+from transpiler.runtime.process_group import StaticWorld
+from transpiler.strategies.data_parallel import NoSync
+from transpiler.strategies.mode_config import ModeConfig
+from transpiler.strategies.modes import PassPipeline, as_config, config_from_dict, load_config, mode_config
+from transpiler.strategies.modes_table import listing, markdown_table
 
 from .api import transpile
-from .errors import FactoryError, TranspilerError
+from .errors import ConfigurationError, FactoryError, TranspilerError
 
 
 def load_factory(spec: str) -> tuple:
@@ -127,40 +132,58 @@ def _schedule_table(step, calls: int, mode: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def config_of(args: argparse.Namespace) -> ModeConfig:
+    """The config ``dump`` builds: ``--config FILE`` or ``--pipeline SPEC`` or ``--mode NAME``, with ``-O`` on
+    top (a config's fields by name; a feature's dotted, ``-O accumulation.steps=4``)."""
+    options = key_values(args.option)
+    if args.before:
+        return NoSync()
+    if args.config is not None:
+        loaded = load_config(args.config)
+        return config_from_dict({**loaded.to_dict(), **options}) if options else loaded
+    if args.pipeline is not None:
+        if options:
+            raise ConfigurationError("-O sets a mode's options; put a pipeline's pass options in its spec.")
+        return PassPipeline(spec=args.pipeline)
+    if options:
+        return mode_config(args.mode, **options)
+    return as_config(args.mode)  # a spec given to --mode: deprecated, with its warning
+
+
 def cmd_dump(args: argparse.Namespace) -> int:
     if args.diff and args.format != "code":
         raise FactoryError(f"--diff prints a unified diff of the code; it cannot be drawn as {args.format}.")
+    if sum(x is not None for x in (args.config, args.pipeline)) + hasattr(args, "mode") > 1:
+        raise FactoryError("give one of --mode, --config and --pipeline.")
+    args.mode = getattr(args, "mode", "fused_allreduce")
+    config = config_of(args)
     model, optimizer, loss_fn, batch = load_factory(args.factory)
 
     def show(label: str, program: StepProgram) -> None:
         print(f"# ---- after {label} ----\n{program.graph_module.code}", file=sys.stderr)
 
-    mode, options = ("none", {}) if args.before else (args.mode, key_values(args.option))
     # the program a replica group of --world-size ranks runs under a quorum: no torchft needed to look at it
-    quorum = {"fault_tolerance": FaultTolerance()} if args.fault_tolerance and not args.before else {}
+    quorum = FaultTolerance() if args.fault_tolerance and not args.before else None
     step = transpile(
         model,
         optimizer,
-        mode=mode,  # --before: the traced graph, in any format
-        loss_fn=loss_fn,
-        example_inputs=tuple(batch),
-        world_size=args.world_size,
-        rank=args.rank,
-        verify=not args.no_verify,
-        on_pass=show if args.print_between_passes else None,
-        **quorum,
-        **options,
+        config,
+        loss_fn,
+        tuple(batch),
+        mesh=StaticWorld(size=args.world_size, rank=args.rank),
+        fault_tolerance=quorum,
+        execution=Execution(verify=not args.no_verify, on_pass=show if args.print_between_passes else None),
     )
     variants = step.programs
     variant = args.variant or (next(reversed(variants)) if "step" not in variants else "step")
     if variant not in variants:
-        raise FactoryError(f"mode '{args.mode}' has variants {', '.join(variants)}; --variant {variant} is not one.")
+        raise FactoryError(f"mode '{config.mode}' has variants {', '.join(variants)}; --variant {variant} is not one.")
     if len(variants) > 1:
         print(f"# variant '{variant}' of {', '.join(variants)} (choose with --variant)", file=sys.stderr)
     for name, choice in variants[variant].decisions.items():  # what a pass chose for this model
         print(f"# {name}: {choice}", file=sys.stderr)
     if args.schedule:
-        text = _schedule_table(step, args.schedule, args.mode)
+        text = _schedule_table(step, args.schedule, config.mode)
     elif args.op_counts:
         text = _op_counts_table(variants[variant])
     else:
@@ -183,15 +206,7 @@ def cmd_passes(args: argparse.Namespace) -> int:
 
 
 def cmd_modes(args: argparse.Namespace) -> int:
-    table = modes()
-    width = max(map(len, table))
-    for name, mode in table.items():
-        opts = ", ".join(f"{k}={format_value(spec.default)}" for k, spec in mode.options.items())
-        print(f"{name:{width}s}  {mode.summary}" + (f"  [{opts}]" if opts else ""))
-        for variant, passes in mode.strategy().variants.items():
-            spec = ",".join(p.spec() for p in passes) or "(no passes)"
-            label = "" if variant == "step" else f"{variant}: "
-            print(f"{'':{width}s}    = {label}{spec}")
+    sys.stdout.write(markdown_table() if args.markdown else listing())
     return 0
 
 
@@ -227,7 +242,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     dump.add_argument("factory", metavar="FILE.py:FACTORY", help="returns (model, optimizer, loss_fn, example_batch)")
-    dump.add_argument("--mode", default="fused_allreduce", help="mode name ('transpiler modes') or pipeline spec")
+    which_config = dump.add_argument_group("the mode (one of these)")
+    which_config.add_argument(
+        "--mode",
+        default=argparse.SUPPRESS,
+        help="a mode's name ('transpiler modes'), with its defaults and -O (default: fused_allreduce)",
+    )
+    which_config.add_argument(
+        "--config", metavar="FILE.json", help="a config as JSON (ModeConfig.to_json()), -O on top"
+    )
+    which_config.add_argument("--pipeline", metavar="SPEC", help="passes of your choosing ('transpiler passes')")
     dump.add_argument("--world-size", type=int, default=2, help="number of ranks to build the program for")
     dump.add_argument("--rank", type=int, default=0, help="which rank's program to show")
     dump.add_argument(
@@ -256,7 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of the graph: the ops it dispatches per step (work, views, copies) after tracing and each pass",
     )
-    dump.add_argument("-O", "--option", action="append", default=[], metavar="KEY=VALUE", help="mode option")
+    dump.add_argument(
+        "-O",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a field of the mode's config (-O bucket_cap_mb=4), a feature's dotted (-O accumulation.steps=4)",
+    )
     dump.add_argument(
         "--fault-tolerance",
         action="store_true",
@@ -277,7 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     pca.add_argument("-o", "--output", default="pca.pt", help="where to write the basis")
     pca.set_defaults(func=cmd_pca)
     sub.add_parser("passes", help="list the passes").set_defaults(func=cmd_passes)
-    sub.add_parser("modes", help="list the modes").set_defaults(func=cmd_modes)
+    modes = sub.add_parser("modes", help="list the modes: their configs, options and pipelines")
+    modes.add_argument("--markdown", action="store_true", help="as the README's table")
+    modes.set_defaults(func=cmd_modes)
     return parser
 
 

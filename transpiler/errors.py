@@ -66,3 +66,8 @@ class BatchMismatchError(ConfigurationError):
 
 class RetraceWarning(UserWarning):
     """The step keeps being traced again (new batch shapes or model modes); each trace costs seconds."""
+
+
+class RenamedWarning(DeprecationWarning):
+    """A name that changed (an option, a keyword of ``transpile()``, a spec's option) was used: it still works,
+    and the warning names what to write instead (docs/migrating.md)."""

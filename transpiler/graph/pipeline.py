@@ -26,6 +26,7 @@ from transpiler.errors import ConfigurationError, PipelineSpecError, TranspilerE
 
 from .options import field_options, option, parse_options
 from .program import StepProgram
+from .renames import current_option
 
 
 class Fact(str, enum.Enum):
@@ -133,7 +134,7 @@ def parse_spec(spec: str, registry: dict[str, type[Pass]]) -> list[Pass]:
             if "=" not in item:
                 raise PipelineSpecError(f"option '{item}' of pass '{name}' needs the form key=value.")
             key, value = (s.strip() for s in item.split("=", 1))
-            raw[key] = value
+            raw[current_option(name, key.replace("-", "_")).replace("_", "-")] = value
         cls = registry[name]
         specs = {f.replace("_", "-"): spec for f, spec in field_options(cls).items()}
         try:

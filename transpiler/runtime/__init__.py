@@ -5,6 +5,6 @@ resumes from; replica groups under a torchft quorum."""
 from .checkpointer import Checkpointer
 from .data_position import DataPosition
 from .distributed_step import DistributedStep
-from .quorum import FaultTolerance
+from .fault_tolerance import FaultTolerance
 
 __all__ = ["Checkpointer", "DataPosition", "DistributedStep", "FaultTolerance"]

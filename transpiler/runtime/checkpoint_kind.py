@@ -8,11 +8,13 @@ or every rank in step.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transpiler.errors import CheckpointError
+from transpiler.errors import CheckpointError, RenamedWarning
+from transpiler.graph.renames import current_spec
 
 from .step_state import StepState
 
@@ -75,6 +77,7 @@ class CheckpointKind:
             )
         if not resharding:
             mine = self.setup()
+            saved = {**saved, "mode": current_specs(saved.get("mode"))}
             return [f"{k}: checkpoint {v!r}, this step {mine.get(k)!r}" for k, v in saved.items() if mine.get(k) != v]
         layout = REPLICAS if self.outer_optimizer is not None else None
         if saved.get("layout") == layout == REPLICAS and saved.get("outer optimizer") != self.outer_optimizer:
@@ -95,3 +98,19 @@ class CheckpointKind:
                 "inner optimizer with torch.distributed.checkpoint before transpile() (docs/checkpoints.md)."
             )
         return []
+
+
+def current_specs(mode: Any) -> Any:
+    """A snapshot's recorded pipelines (variant -> spec) with options renamed since it was written by their new
+    names, and a warning saying so; anything else as it is."""
+    if not isinstance(mode, dict):
+        return mode
+    current = {variant: current_spec(spec) if isinstance(spec, str) else spec for variant, spec in mode.items()}
+    if current != mode:
+        warnings.warn(
+            "the checkpoint names pass options by names they had before issue 73 (compress, chunk, exchange...); "
+            "it is read with their new names. Save it again to write those.",
+            RenamedWarning,
+            stacklevel=4,
+        )
+    return current

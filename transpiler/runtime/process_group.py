@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, _register_process_group
 
 from transpiler.errors import ConfigurationError
+from transpiler.graph.config import Config, own
 
 LOCAL_GROUP = "transpiler-local"
 STATIC_GROUP = "world"  # named in graphs built with world_size>1 and no process group (CLI, static checks)
@@ -28,6 +29,20 @@ _local_group: ProcessGroup | None = None  # the registry keeps only a weak refer
 
 
 TORCH_DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for gloo (and NCCL without blocking wait)
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class StaticWorld(Config):
+    """``transpile(..., mesh=StaticWorld(size=4, rank=1))``: build rank ``rank``'s programs of a world of ``size``
+    without a process group, to look at them (``transpiler dump``, a test's static checks); such a step cannot
+    run. Under torchrun leave it out: the process group gives the world."""
+
+    size: int = own(kind=int, minimum=1, help="ranks in the world")
+    rank: int = own(0, minimum=0, help="the rank whose programs are built")
+
+    def check(self) -> None:
+        if self.rank >= self.size:
+            raise ConfigurationError(f"rank {self.rank} is outside the world of size {self.size}.")
 
 
 @dataclass(frozen=True)
@@ -137,7 +152,7 @@ def resolve_placement(world_size: int | None, rank: int | None, timeout: timedel
     return Placement(world_size, rank or 0, STATIC_GROUP, False, local_timeout)
 
 
-def mesh_placement(mesh: object, world_size: int | None, rank: int | None, timeout: object) -> Placement:
+def mesh_placement(mesh: object, timeout: timedelta | None) -> Placement:
     """The placement of a mode across one dimension of a device mesh (``transpile(mesh=mesh["dp"])``, beside a
     tensor-parallel plan on the other): its size, this rank's place in it, its group and that group's timeout."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -152,10 +167,10 @@ def mesh_placement(mesh: object, world_size: int | None, rank: int | None, timeo
             f"mesh must be a 1-D torch DeviceMesh, the dimension the mode spans (mesh['dp']); got "
             f"{type(mesh).__name__}{f' with {mesh.ndim} dimensions' if isinstance(mesh, DeviceMesh) else ''}."
         )
-    if world_size is not None or rank is not None or timeout is not None:
+    if timeout is not None:
         raise ConfigurationError(
-            "with mesh=, leave out world_size=, rank= and timeout=: the mesh gives the ranks, and its groups take "
-            "the timeout given to torch.distributed.init_process_group()."
+            "with a device mesh, leave Execution.timeout out: the mesh's groups take the timeout given to "
+            "torch.distributed.init_process_group()."
         )
     group = mesh.get_group()
     size = mesh.size()

@@ -1,6 +1,6 @@
 """Weight trajectories: the snapshots a PCA basis is built from (the first half of DimReduce, issue 8).
 
-``transpile(..., save_trajectory=DIR, trajectory_every=m)`` makes rank 0 save
+``transpile(..., execution=Execution(save_trajectory=DIR, trajectory_every=m))`` makes rank 0 save
 the trainable parameters every ``m`` optimizer updates (accumulation
 micro-steps do not count) as ``DIR/step_<t>.pt``: ``{"step": t, "weights":
 flat float32 vector, "names": [...], "shapes": [...]}``, in the layout of
@@ -15,13 +15,7 @@ from pathlib import Path
 import torch
 
 from transpiler.graph.basis import flat_weights, layout
-from transpiler.graph.options import OptionSpec
 from transpiler.strategies.schedules import ACCUMULATE
-
-TRAJECTORY_OPTIONS = {
-    "save_trajectory": OptionSpec(str, "", help="rank 0 saves the flattened weights into this directory"),
-    "trajectory_every": OptionSpec(int, 1, minimum=1, help="every this many optimizer updates"),
-}
 
 
 @dataclass

@@ -98,3 +98,19 @@ STREAMING_OUTER_SGD = OptimizerIn(
     "step count per param group; {name} does. Use torch.optim.SGD (the paper's outer optimizer is SGD with "
     "Nesterov momentum), or mode 'diloco'.",
 )
+
+
+@dataclass(frozen=True)
+class WholeTensorRefused:
+    """Beside a tensor-parallel plan each rank updates its shards of the parameters on their own: the optimizer
+    must not need whole tensors (an optimizer of the user's own is checked op by op once traced)."""
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> None:
+        members = getattr(optimizer, "members", [optimizer])
+        whole = [type(m).__name__ for m in members if type(m).__name__ in WHOLE_TENSOR]
+        if whole:
+            raise ConfigurationError(
+                f"{whole[0]} does not run beside a tensor-parallel plan: {WHOLE_TENSOR[whole[0]]}, and each rank "
+                "updates its shards of the parameters on their own. Use an element-wise optimizer (SGD, Adam, "
+                "AdamW...)."
+            )

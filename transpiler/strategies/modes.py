@@ -1,256 +1,157 @@
-"""Modes: named pass pipelines with their options, and how a mode name or a pipeline spec becomes a Strategy.
+"""The modes by name (``transpiler modes``): which config each name is, and how a name with its options, a dict or
+a JSON file becomes a config. An explicit pipeline of passes is :class:`PassPipeline`, not a mode.
 
-The recipes live by family (``data_parallel.py``, ``local_updates.py``, ``diloco.py``), the shared option tables
-in ``options.py``, the checks in ``checks.py``; this module names them. The table is made on first use
-(:func:`modes`), since its options are the passes' own and a pass loads when it is first named.
+The options of a mode are its config's fields, by the same names everywhere: Python (``ZeRO(stage=3,
+bucket_cap_mb=4)``), ``mode_config("zero3", bucket_cap_mb=4)``, the CLI (``-O bucket_cap_mb=4``, a feature's
+field as ``-O accumulation.steps=4``) and JSON (``{"mode": "zero3", "bucket_cap_mb": 4}``). The names of
+before issue 73 (``accumulate_steps=4``, ``compression_topk=...``) still work, each with a
+:class:`~transpiler.errors.RenamedWarning` naming its new spelling (``legacy.py``).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+import dataclasses
+import json
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from passes.registry import PASSES
-from transpiler.errors import ConfigurationError
-from transpiler.graph.options import OptionSpec, parse_options
-from transpiler.graph.pipeline import Pass, parse_spec
+from transpiler.errors import ConfigurationError, RenamedWarning
+from transpiler.graph.pipeline import parse_spec
 
-from . import data_parallel, diloco, local_updates, options
-from .composition import check_combination, compose
-from .options import ACCUMULATION, REPLICA_SIZE, pass_option
-from .strategy import Recipe, Strategy
-
-
-@dataclass(frozen=True)
-class Mode:
-    name: str
-    summary: str
-    build: Callable[..., Recipe]
-    options: dict[str, OptionSpec]
-
-    def strategy(self, **given: Any) -> Strategy:
-        """The strategy for these options, each parsed strictly (``ConfigurationError`` names a bad one).
-
-        Defaults come from the option specs, the one place they are written.
-        The mode's own options go to its recipe; the wrapping ones
-        (accumulation, loss scaling, clipping, freeze) to :func:`compose`.
-        """
-        unknown = sorted(set(given) - set(self.options))
-        if unknown:
-            raise ConfigurationError(self._unknown(unknown))
-        parsed = parse_options(self.options, given, f"mode '{self.name}'")
-        values = {name: spec.default for name, spec in self.options.items()} | parsed
-        check_combination(self.name, parsed, values)
-        wrappers = options.wrapper_options()
-        own = {k: v for k, v in values.items() if k not in wrappers}
-        return compose(self.build(**own), {k: v for k, v in values.items() if k in wrappers})
-
-    def _unknown(self, names: list[str]) -> str:
-        where = []
-        for name in names:
-            modes_ = [m.name for m in modes().values() if name in m.options]
-            where.append(f"'{name}' works with {', '.join(modes_)}" if modes_ else f"'{name}' is no option of any mode")
-        known = ", ".join(self.options) or "none"
-        return (
-            f"mode '{self.name}' takes no option(s) {names} ({'; '.join(where)}; see docs/strategies/composition.md). "
-            f"Its options: {known}."
-        )
+from .config import own
+from .data_parallel import AdaSum, AllGather, DataParallel, DeMo, DimReduce, NoSync, ZeRO
+from .diloco import DiLoCo, SparseLoCo, StreamingDiLoCo
+from .legacy import nested, renamed_options
+from .local_updates import LocalSGD, PartialSync
+from .mode_config import ModeConfig, ModeName
+from .strategy import Recipe
 
 
-def _diloco_options() -> dict[str, OptionSpec]:
-    return {
-        "sync_every": OptionSpec(int, 100, minimum=1, help="inner steps per outer round (H)"),
-        **REPLICA_SIZE,
-        **options.offload(),
-        **options.buckets(),
-        **ACCUMULATION,
-        **options.clipping(),
-    }
+@dataclass(frozen=True, kw_only=True, repr=False)
+class PassPipeline(ModeConfig):
+    """An explicit pipeline of passes as a text spec (``"scale-loss-grad,fuse-allreduce{bucket-cap-mb=4}"``;
+    ``transpiler passes`` lists them): exactly these passes, no startup broadcast, no feature woven in."""
+
+    spec: str = own(kind=str, help="passes by name, each with its options in braces, separated by commas")
+
+    def check(self) -> None:
+        parse_spec(self.spec, PASSES)  # a PipelineSpecError names the bad part now
+
+    @property
+    def mode(self) -> str:
+        return self.spec
+
+    def recipe(self) -> Recipe:
+        return Recipe({"step": parse_spec(self.spec, PASSES)})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pipeline": self.spec}
 
 
-def _streaming_options() -> dict[str, OptionSpec]:
-    return {
-        "sync_every": OptionSpec(int, 100, minimum=1, help="inner steps between two syncs of a fragment (H)"),
-        "fragments": OptionSpec(int, 4, minimum=1, help="fragments of whole modules, balanced by size (P)"),
-        "fragment_sync_delay": OptionSpec(
-            int, 0, minimum=0, help="inner steps between starting a fragment's exchange and applying it (τ)"
-        ),
-        "fragment_update_alpha": OptionSpec(
-            float, 0.0, minimum=0, maximum=1, help="keep alpha * local + (1 - alpha) * global at a sync"
-        ),
-        "exchange_dtype": pass_option("diloco-outer-step", "exchange"),
-        **REPLICA_SIZE,
-        **options.offload(),
-        **ACCUMULATION,
-        **options.clipping(),
-    }
+# every mode's config, in the order ``transpiler modes`` lists their names
+CONFIGS: tuple[type[ModeConfig], ...] = (
+    NoSync,
+    DataParallel,
+    LocalSGD,
+    DiLoCo,
+    StreamingDiLoCo,
+    SparseLoCo,
+    DeMo,
+    AdaSum,
+    AllGather,
+    DimReduce,
+    ZeRO,
+    PartialSync,
+)
+MODES: dict[str, tuple[type[ModeConfig], ModeName]] = {
+    entry.name: (cls, entry) for cls in CONFIGS for entry in cls.names
+}
 
 
-def _sparseloco_options() -> dict[str, OptionSpec]:
-    return {
-        "sync_every": OptionSpec(int, 15, minimum=1, help="inner steps per outer round (H)"),
-        "outer_lr": OptionSpec(
-            float, 1.0, minimum=0, help="α: e = β·e + α·Δ, and θ_global − α × the mean of what the replicas sent"
-        ),
-        "error_decay": pass_option("diloco-outer-step", "error_decay", default=0.95),
-        "chunk_size": pass_option("diloco-outer-step", "chunk"),
-        "topk": pass_option("diloco-outer-step", "topk", default=128, minimum=1),
-        "quantization_bins": pass_option("diloco-outer-step", "bins", default=4),
-        "quantization_range": pass_option("diloco-outer-step", "sigmas"),
-        **REPLICA_SIZE,
-        **options.offload(),
-        **ACCUMULATION,
-        **options.clipping(),
-    }
+def mode_config(mode: str, /, **options: Any) -> ModeConfig:
+    """The config of mode ``mode`` (a name of ``transpiler modes``) with ``options``: its fields by name, a
+    feature's as a config, a dict or dotted (``**{"accumulation.steps": 4}``), values typed or as text."""
+    config, renamed = config_and_renames(mode, options)
+    if renamed:
+        warnings.warn(f"{'; '.join(renamed)}: write {config!r}.", RenamedWarning, stacklevel=2)
+    return config
 
 
-def _demo_options() -> dict[str, OptionSpec]:
-    return {
-        "compression_decay": pass_option("demo-exchange", "decay"),
-        "compression_chunk": pass_option("demo-exchange", "chunk"),
-        "compression_topk": pass_option("demo-exchange", "topk"),
-        "quantization_bins": pass_option("demo-exchange", "bins"),
-        "quantization_range": pass_option("demo-exchange", "sigmas"),
-        "sign": pass_option("demo-exchange", "sign"),
-        "weight_decay": pass_option("demo-exchange", "weight_decay"),
-        **options.buckets(),
-        **ACCUMULATION,
-        **options.clipping(),
-    }
-
-
-@functools.cache
-def modes() -> dict[str, Mode]:
-    """Every mode by name, in the order ``transpiler modes`` lists them."""
-    wrappers, buckets = options.wrapper_options(), options.buckets()
-    wrapped = {**ACCUMULATION, **options.loss_scaling(), **options.clipping()}  # what sharded modes compose with
-    table = (
-        Mode("none", "no passes: the traced single-process step as it is", lambda: Recipe({"step": []}), {}),
-        Mode(
-            "allreduce",
-            "Paddle GradAllReduce: scale the loss grad, one all-reduce per gradient",
-            data_parallel.allreduce,
-            wrappers,
-        ),
-        Mode(
-            "fused_allreduce",
-            "like allreduce, with gradients coalesced into dtype/size buckets (DDP-style caps)",
-            data_parallel.fused,
-            {**options.fused_buckets(), **options.compress(), **options.sparsify(), **wrappers},
-        ),
-        Mode(
-            "local_sgd",
-            "Paddle LocalSGD: local steps, parameters averaged through snapshot deltas every k_steps",
-            local_updates.local_sgd,
-            {"k_steps": OptionSpec(int, 1, minimum=1, help="synchronise every k steps"), **options.local_sgd()},
-        ),
-        Mode(
-            "adaptive_local_sgd",
-            "LocalSGD whose k follows Paddle's rule sqrt(lr_0*loss/(lr*loss_0)*init_k), clipped to [1, 16]",
-            local_updates.adaptive_local_sgd,
-            {"init_k_steps": OptionSpec(int, 1, minimum=1, help="k at the start, then adapted"), **options.local_sgd()},
-        ),
-        Mode(
-            "diloco",
-            "DiLoCo: H local steps of the inner optimizer, then an outer optimizer on the averaged pseudo-gradients",
-            diloco.diloco,
-            _diloco_options(),
-        ),
-        Mode(
-            "streaming_diloco",
-            "Streaming DiLoCo: fragments sync in turn, each exchange overlapping inner steps, low-precision wire",
-            diloco.streaming_diloco,
-            _streaming_options(),
-        ),
-        Mode(
-            "sparseloco",
-            "SparseLoCo: DiLoCo rounds sending the top-k of each tile of an error buffer, quantised; outer SGD",
-            diloco.sparseloco,
-            _sparseloco_options(),
-        ),
-        Mode(
-            "demo",
-            "DeMo: each rank's momentum kept local, its top-k DCT coefficients per tile all-gathered, sign step",
-            data_parallel.demo,
-            _demo_options(),
-        ),
-        Mode(
-            "adasum",
-            "AdaSum of gradients (recursive halving, point-to-point exchanges), then the optimizer",
-            data_parallel.adasum("grads"),
-            {**options.local_size(), **ACCUMULATION, **options.loss_scaling()},
-        ),
-        Mode(
-            "adasum_delta",
-            "local optimizer step, then AdaSum of the weight deltas (MindSpore AdaSumByDeltaWeight)",
-            data_parallel.adasum("deltas"),
-            options.local_size(),
-        ),
-        Mode(
-            "allgather",
-            "Paddle MultiThread all-gather: gather every rank's gradients, apply the optimizer once per gradient",
-            data_parallel.allgather,
-            buckets,
-        ),
-        Mode(
-            "dim_reduce",
-            "MindSpore Boost DimReduce: averaged gradients, BFGS step in a PCA subspace with line search",
-            data_parallel.dim_reduce,
-            {**options.own_options("dim-reduce"), **buckets},
-        ),
-        Mode(
-            "zero1",
-            "ZeRO-1: reduce-scatter gradient buckets, update this rank's shard of the optimizer state, all-gather",
-            data_parallel.zero(1),
-            {**buckets, **wrapped},
-        ),
-        Mode(
-            "zero2",
-            "ZeRO-2: as zero1, and a gradient bucket lives only until it is reduce-scattered",
-            data_parallel.zero(2),
-            {**buckets, **wrapped},
-        ),
-        Mode(
-            "zero3",
-            "ZeRO-3 (fully sharded): as zero2, and parameters are held as shards, all-gathered where used",
-            data_parallel.zero(3),
-            {**options.zero3_buckets(), **wrapped, **options.own_options("shard-params")},
-        ),
-        Mode(
-            "partial_sync",
-            "SINGA partial update: local updates every step, one partition of the parameters averaged per step",
-            local_updates.partial_sync,
-            {"partitions": pass_option("partial-average", "partitions"), **buckets},
-        ),
-    )
-    return {m.name: m for m in table}
-
-
-def build_passes(mode: str, given: dict[str, Any]) -> list[Pass]:
-    """Passes for a single-variant mode name with its options, or for an explicit pipeline spec."""
-    variants = build_strategy(mode, given).variants
-    if list(variants) != ["step"]:
-        raise ConfigurationError(f"mode '{mode}' has several program variants ({', '.join(variants)}).")
-    return variants["step"]
-
-
-def build_strategy(mode: str, given: dict[str, Any]) -> Strategy:
-    """The strategy for a mode name with its options, or for an explicit pipeline spec."""
+def config_and_renames(mode: str, options: Mapping[str, Any]) -> tuple[ModeConfig, list[str]]:
+    """:func:`mode_config`'s config, and each old option name it was given, said as old -> new (no warning)."""
     if not isinstance(mode, str):
-        raise ConfigurationError(f"mode must be a mode name or a pipeline spec (a str), got {type(mode).__name__}.")
-    table = modes()
-    if mode in table:
-        return table[mode].strategy(**given)
-    if given:
+        raise ConfigurationError(f"a mode is named by a str ('transpiler modes'); got {type(mode).__name__}.")
+    if mode not in MODES:
+        hint = " (an explicit pipeline of passes is PassPipeline(spec))" if any(c in mode for c in ",{") else ""
+        raise ConfigurationError(f"unknown mode '{mode}'{hint}. Modes: {', '.join(MODES)}.")
+    cls, _ = MODES[mode]
+    fields, renamed = renamed_options(mode, dict(options))
+    data = nested(fields)
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)} - {"mode"})
+    if unknown:
+        raise ConfigurationError(_unknown(mode, cls, unknown))
+    return cls.from_dict({"mode": mode, **data}), renamed
+
+
+def config_from_dict(data: Mapping[str, Any]) -> ModeConfig:
+    """The config a dict describes: ``{"mode": NAME, field: value, ...}`` (:meth:`ModeConfig.to_dict`), or
+    ``{"pipeline": SPEC}``."""
+    if not isinstance(data, Mapping):
+        raise ConfigurationError(f"a config is read from a mapping; got {type(data).__name__}.")
+    if "pipeline" in data:
+        if set(data) != {"pipeline"}:
+            raise ConfigurationError(f"a pipeline config holds only 'pipeline'; got {sorted(data)}.")
+        return PassPipeline(spec=data["pipeline"])
+    if "mode" not in data:
         raise ConfigurationError(
-            f"options {sorted(given)} only apply to named modes; put pass options in the spec, "
-            "e.g. 'fuse-allreduce{bucket-cap-mb=4}'."
+            f'a config names its mode: {{"mode": NAME, ...}} with NAME one of {", ".join(MODES)}; or '
+            f'{{"pipeline": SPEC}}. Got the keys {sorted(data)}.'
         )
-    if not any(c in mode for c in ",{") and mode not in PASSES:
-        raise ConfigurationError(
-            f"unknown mode '{mode}'. Modes: {', '.join(table)}; or give a pipeline spec of passes "
-            f"({', '.join(PASSES)}), e.g. 'scale-loss-grad,allreduce-grads'."
+    mode = data["mode"]
+    return mode_config(mode, **{k: v for k, v in data.items() if k != "mode"})
+
+
+def load_config(path: str | Path) -> ModeConfig:
+    """The config in the JSON file ``path`` (as :meth:`ModeConfig.to_json` writes it)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read the config file {path}: {exc.strerror}.") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigurationError(f"the config file {path} is not JSON: {exc}.") from None
+    return config_from_dict(data)
+
+
+def as_config(value: ModeConfig | str) -> ModeConfig:
+    """What ``transpile()`` takes as its config: a config, or a mode's name (its defaults)."""
+    if isinstance(value, ModeConfig):
+        return value
+    if isinstance(value, str) and value not in MODES and (any(c in value for c in ",{") or value in PASSES):
+        warnings.warn(
+            f"a pipeline spec as the mode is deprecated: write PassPipeline(spec={value!r}).",
+            RenamedWarning,
+            stacklevel=3,
         )
-    return Strategy({"step": parse_spec(mode, PASSES)})
+        return PassPipeline(spec=value)
+    if isinstance(value, str):
+        return mode_config(value)
+    raise ConfigurationError(
+        f"the config is a mode's config (ZeRO(stage=3), DataParallel()...) or a mode's name; got "
+        f"{type(value).__name__}."
+    )
+
+
+def _unknown(mode: str, cls: type, names: list[str]) -> str:
+    where = []
+    for name in names:
+        takers = [m for m, (c, _) in MODES.items() if name in {f.name for f in dataclasses.fields(c)}]
+        where.append(f"'{name}' works with {', '.join(takers)}" if takers else f"'{name}' is no field of any mode")
+    known = ", ".join(f.name for f in dataclasses.fields(cls)) or "none"
+    return (
+        f"mode '{mode}' takes no option(s) {names} ({'; '.join(where)}; see docs/strategies/composition.md). "
+        f"Its config {cls.__name__} has: {known}."
+    )

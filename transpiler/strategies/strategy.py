@@ -6,14 +6,16 @@ rank needs of it, computed once (:meth:`Strategy.for_rank`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+import passes
 from transpiler.graph.pipeline import Pass, check_order
-from transpiler.graph.rank_layouts import Layout, OneDimension
+from transpiler.graph.rank_layouts import AcrossGroups, Layout, OneDimension
 
 from .schedules import EveryStep, Schedule
 
@@ -75,8 +77,8 @@ class Strategy:
     outer_sgd: OuterSGD = OuterSGD()  # the outer optimizer when none is given
 
     def __post_init__(self) -> None:
-        for passes in self.variants.values():
-            check_order(passes)
+        for pipeline in self.variants.values():
+            check_order(pipeline)
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         for check in self.checks:
@@ -95,8 +97,33 @@ class Strategy:
         return {variant: ",".join(p.spec() for p in passes) for variant, passes in self.variants.items()}
 
     def passes(self) -> Iterator[Pass]:
-        for passes in self.variants.values():
-            yield from passes
+        for pipeline in self.variants.values():
+            yield from pipeline
+
+    def under_quorum(self, *, vote: bool, wait: bool, two_level: bool) -> Strategy:
+        """This strategy for one replica group under a torchft quorum (``transpile(fault_tolerance=...)``).
+
+        ``scale-loss-grad`` (and DiLoCo's ``diloco-outer-step``) divide by the step's input ``participants``, not
+        the world size: a quorum's size changes from step to step, and the graph must not be traced again for it.
+        ``broadcast-params`` goes: torchft makes every group start from the first one's state (``init_sync``) and
+        heals a late group from a peer, each rank from the rank of its place in a peer group, so some ranks of a
+        group may heal and others not, and a broadcast inside the group would be run by some of its ranks only (the
+        ranks must start alike: a seeded model, as under torchft). ``flatten-update`` and ``reinplace-optimizer``
+        go, so that the update writes new tensors and a step the quorum does not commit leaves the old ones
+        untouched; the update stays multi-tensor (``foreach-update``). With ``vote`` the step ends with
+        ``overlap-quorum``, the commit vote cast once its last collective is waited for (``wait``: and the wait at
+        its first collective across groups for a quorum taken while it ran); DiLoCo's syncs take their quorum
+        before the step and vote after it. With ``two_level`` (HSDP's layout: a group of several ranks) each
+        reducing pass reduces in the group, then sums each bucket or shard across the groups (axis ``across``)."""
+
+        def rewritten(pipeline: list[Pass]) -> list[Pass]:
+            kept = [_counting(p) for p in pipeline if p.name not in DROPPED_UNDER_QUORUM]
+            kept = [_across(p) for p in kept] if two_level else kept
+            return [*kept, passes.OverlapQuorum(wait=wait)] if vote else kept
+
+        variants = {variant: rewritten(pipeline) for variant, pipeline in self.variants.items()}
+        layout = AcrossGroups(self.layout) if two_level else self.layout
+        return dataclasses.replace(self, variants=variants, layout=layout)
 
     def for_rank(self, world: int, rank: int) -> RankPlan:
         """What ``rank`` of a world of ``world`` needs: its variants, every process group in creation order, every
@@ -126,3 +153,22 @@ class RankPlan:
     def replica_ranks(self) -> tuple[int, ...]:
         """The ranks of this rank's replica (DiLoCo's 2-D layout), or this rank alone."""
         return self.axes[self.rank].get("replica", (self.rank,))
+
+
+# the passes a step under a quorum leaves out: a broadcast that not every rank of a group would run, and the
+# in-place update, so that an uncommitted step leaves the old values untouched (Strategy.under_quorum)
+DROPPED_UNDER_QUORUM = frozenset({"broadcast-params", "flatten-update", "reinplace-optimizer"})
+
+
+def _across(p: Pass) -> Pass:
+    """The gradients' reduction in the group, with each reduced bucket or shard then summed across the groups."""
+    return dataclasses.replace(p, across=True) if p.reduces_gradients and hasattr(p, "across") else p
+
+
+def _counting(p: Pass) -> Pass:
+    """A pass that divides by the world size, dividing by the step's participant count instead."""
+    if p.name == "scale-loss-grad" and p.axis == "world":  # a group's own mean (axis replica) keeps its 1/size
+        return passes.ScaleLossGrad(participants=True)
+    if p.name == "diloco-outer-step":
+        return dataclasses.replace(p, participants=True)
+    return p
