@@ -6,15 +6,12 @@ torchrun --nproc-per-node 2 bench/adasum_ab.py      # prints one line per worklo
 from __future__ import annotations
 
 import statistics
-import sys
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.limit import WORKLOADS, Step, interleaved  # noqa: E402
+from bench.limit import WORKLOADS, Step, interleaved
 
 
 def main() -> None:

@@ -8,15 +8,12 @@ Same steps and interleaving as bench/limit.py, on the MLP (batch 64) and the 8-b
 from __future__ import annotations
 
 import statistics
-import sys
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.limit import FUSED, WORKLOADS, Step, interleaved  # noqa: E402
+from bench.limit import FUSED, WORKLOADS, Step, interleaved
 
 CAPS = (25, 8, 4, 2, 1)
 SWEPT = ("MLP 1024-2048-1024-10, batch 64", "transformer 8 blocks d=128, 16x32 tokens")

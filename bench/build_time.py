@@ -1,7 +1,7 @@
 """What a step costs before it trains: the first call of a transpiled step (trace, passes, the startup handshake,
 rank 0's broadcast, one step) against a later step, per mode, on the narrow GPT in a live world.
 
-Every rank pays this at startup and again after each elastic restart. ``python bench/build_time.py --world 4``
+Every rank pays this at startup and again after each elastic restart. ``python -m bench.build_time --world 4``
 runs it under torchrun (gloo, one thread per rank) and prints, per mode, the slowest rank's first call and its
 median later step, in seconds.
 """
@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.models import NarrowGPT, narrow_batch  # noqa: E402
-from bench.two_ranks import entry, finish_rank, two_rank_results  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from bench.models import NarrowGPT, narrow_batch
+from bench.two_ranks import entry, finish_rank, two_rank_results
+from transpiler import transpile
 
 MODES = ("fused_allreduce", "zero2", "zero3", "diloco")
 LATER = 5  # later steps timed per mode

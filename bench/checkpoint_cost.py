@@ -1,7 +1,7 @@
 """What a checkpoint costs against a plain step: seconds to save and to resume, and bytes on disk, for the digits
 example's MLP and a 10M-parameter GPT, at W=2 over gloo with AdamW (docs/fault_tolerance.md).
 
-    python bench/checkpoint_cost.py
+    python -m bench.checkpoint_cost
 
 Each rank times steps, then ``Checkpointer.save()`` (every rank writes its part with torch.distributed.checkpoint,
 rank 0 the data position, one rename), then ``resume()`` into a fresh step. Medians over the repeats, the
@@ -23,12 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.models import NarrowGPT
+from bench.two_ranks import two_rank_results, write_section
+from transpiler import Checkpointer, DataPosition, transpile
 
-from bench.models import NarrowGPT  # noqa: E402
-from bench.two_ranks import two_rank_results, write_section  # noqa: E402
-from transpiler import Checkpointer, DataPosition, transpile  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DOC = ROOT / "docs" / "fault_tolerance.md"
 BEGIN, END = "<!-- checkpoint_cost:begin -->", "<!-- checkpoint_cost:end -->"
@@ -133,7 +132,7 @@ def main() -> None:
     ranks = two_rank_results(__file__, lambda out, tmp: [out, tmp], port=29589)
     cpu = platform.processor() or platform.machine()
     body = (
-        f"`python bench/checkpoint_cost.py` (W=2 over gloo, one thread per rank, AdamW, torch {torch.__version__}, "
+        f"`python -m bench.checkpoint_cost` (W=2 over gloo, one thread per rank, AdamW, torch {torch.__version__}, "
         f"{os.cpu_count()} cores, {cpu}, local disk; medians of {STEPS} steps and {SAVES} saves and resumes, the "
         "slower rank):\n\n" + table(ranks) + "\n"
     )

@@ -7,7 +7,7 @@ eager's fresh tensor. Offset 0 and multiples of 64 bytes are what the bucket buf
 AMD EPYC, MKL differs at every offset that is not a multiple of 16 bytes. ``.ci/run`` forces the settings
 that reproduce this, so a wider CI machine checks the narrower one's bits too.
 
-    python bench/cpu_kernels.py            # every setting, one subprocess each
+    python -m bench.cpu_kernels            # every setting, one subprocess each
 """
 
 from __future__ import annotations

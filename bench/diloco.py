@@ -3,7 +3,7 @@ same number of tokens: DDP, ``local_sgd`` with k=H, ``diloco`` with H = 10, 15, 
 with a 4-bit exchange, ``sparseloco`` (H = 15, 30 and 50, 64 or 128 of each 64 × 64 tile, 2-bit values) and
 ``demo`` (32 or 64 DCT coefficients of each 64 × 64 tile) (docs/strategies/diloco.md, sparseloco.md, demo.md).
 
-    python bench/diloco.py [--warmup-steps 600] [--schedule cosine|constant] [--steps 600] [--world 4] [--seed 0]
+    python -m bench.diloco [--warmup-steps 600] [--schedule cosine|constant] [--steps 600] [--world 4] [--seed 0]
                            [--model narrow|wide] [--runs LABEL ...]
 
 The corpus is ``pydoc_data.topics`` (the text of ``help()``, about 465k characters, shipped with CPython): no
@@ -46,13 +46,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.models import NarrowGPT
+from bench.two_ranks import write_section
+from transpiler import transpile
+from transpiler.graph.edit import node_bytes
 
-from bench.models import NarrowGPT  # noqa: E402
-from bench.two_ranks import write_section  # noqa: E402
-from transpiler import transpile  # noqa: E402
-from transpiler.graph.edit import node_bytes  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DOC = ROOT / "docs" / "strategies" / "diloco.md"
 BEGIN, END = "<!-- diloco:begin -->", "<!-- diloco:end -->"  # diloco-cold / diloco-warm in the page

@@ -1,6 +1,6 @@
 """Does Streaming DiLoCo's exchange overlap the inner steps? A profile of one fragment's sync at W=2 over gloo.
 
-    python bench/diloco_overlap.py [--delays 0 1 2] [--trace DIR]
+    python -m bench.diloco_overlap [--delays 0 1 2] [--trace DIR]
 
 For each delay τ, ``streaming_diloco`` (P=2, H=8, float32 exchange) trains a GPT of 1.8M parameters on random
 tokens, and torch.profiler records rank 0 from the step that starts fragment 0's exchange (``sync0``) to the step
@@ -20,19 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.models import NarrowGPT
+from bench.two_ranks import two_rank_results, write_section
+from transpiler import transpile
 
-from bench.models import NarrowGPT  # noqa: E402
-from bench.two_ranks import two_rank_results, write_section  # noqa: E402
-from transpiler import transpile  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DOC = ROOT / "docs" / "strategies" / "diloco.md"
 BEGIN, END = "<!-- diloco-overlap:begin -->", "<!-- diloco-overlap:end -->"
@@ -107,7 +105,7 @@ def table(results: list[dict]) -> str:
     lines = [
         f"W=2 over gloo on {platform.machine()}, streaming_diloco P={FRAGMENTS}, H={SYNC_EVERY}, float32 exchange of "
         f"{results[0]['exchange_bytes'] / 2**20:.1f} MiB (fragment 0), rank 0, one profile per τ "
-        "(`python bench/diloco_overlap.py`):",
+        "(`python -m bench.diloco_overlap`):",
         "",
         "| τ | steps profiled | exchange on gloo's thread (from the sync step's start) | of it inside later steps "
         "| wait in the applying step | step times |",

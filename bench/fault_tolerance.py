@@ -16,7 +16,7 @@ steps that count, from the one the fault falls in to 20 s after it, less the med
 way when the worker died may still commit), the steps redone or not committed, and the restarts of workers
 that were not killed (worker processes seen, less the first and the killed).
 
-``python bench/fault_tolerance.py`` (about 12 minutes) writes the table into ``docs/fault_tolerance.md``;
+``python -m bench.fault_tolerance`` (about 12 minutes) writes the table into ``docs/fault_tolerance.md``;
 ``--duration 180 --kill-every 45`` is issue 65's setting. Besides the two paths it runs the same job with no quorum
 and no checkpoints (the step a quorum is measured against), and the quorum taken beside the step
 (``--async-quorum``) and every ``QUORUM_EVERY`` steps (``--quorum-every``).
@@ -35,10 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.two_ranks import write_section  # noqa: E402
-from tests.distributed import free_port  # noqa: E402
+from bench.harness.launch import free_port
+from bench.two_ranks import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_digits.py"
@@ -301,7 +299,7 @@ def main() -> None:
     body = table(results, args)
     print(body)
     if not args.no_doc:
-        command = "python bench/fault_tolerance.py"
+        command = "python -m bench.fault_tolerance"
         write_section(DOC, BEGIN, END, f"`{command}` (this machine, 2 cores):\n\n{body}")
 
 

@@ -1,6 +1,6 @@
 """Ops one step dispatches when the update cannot be flat: a bfloat16 GPT with AdamW, one process.
 
-    python bench/foreach_ops.py     # seconds; prints a Markdown table (docs/performance.md quotes it)
+    python -m bench.foreach_ops     # seconds; prints a Markdown table (docs/performance.md quotes it)
 
 bfloat16 ``add(..., alpha=)`` rounds differently on a flat buffer (docs/bitwise.md), so ``flatten-update``
 leaves these parameters per parameter and ``foreach-update`` runs their update as ``_foreach_*`` ops. The
@@ -13,18 +13,17 @@ number of parameters. Nothing here is a test, and no time is measured.
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from bench.models import NarrowGPT, narrow_batch
+from bench.op_count import count_ops
+from passes.foreach_update import ForeachUpdate
+from transpiler import transpile
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.models import NarrowGPT, narrow_batch  # noqa: E402
-from bench.op_count import count_ops  # noqa: E402
-from passes.foreach_update import ForeachUpdate  # noqa: E402
-from transpiler import transpile  # noqa: E402
 
 LOSS = nn.CrossEntropyLoss()
 
@@ -72,7 +71,7 @@ def main() -> None:
                 step()
             counter = count_ops(step)
             rows[label].append((counter.work, counter.views))
-    print(f"bfloat16 narrow GPT, AdamW, batch 4, torch {torch.__version__} (`python bench/foreach_ops.py`):\n")
+    print(f"bfloat16 narrow GPT, AdamW, batch 4, torch {torch.__version__} (`python -m bench.foreach_ops`):\n")
     print("| variant | work ops, 4 blocks | views | work ops, 12 blocks | views |")
     print("|---|---:|---:|---:|---:|")
     for label, counts in rows.items():

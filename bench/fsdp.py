@@ -1,9 +1,9 @@
 """ZeRO-3 against FSDP2, the wrapper a user would pick instead, against DDP and against the serial limit, in one run
 per world size.
 
-    python bench/fsdp.py                # worlds of 2 and 4 over gloo; writes docs/strategies/zero.md's section
-    python bench/fsdp.py --worlds 2     # one world size
-    PYTHONPATH=$PWD python3 bench/fsdp.py --device cuda --out fsdp_gpu.md   # one GPU, a world of one over NCCL
+    python -m bench.fsdp                # worlds of 2 and 4 over gloo; writes docs/strategies/zero.md's section
+    python -m bench.fsdp --worlds 2     # one world size
+    PYTHONPATH=$PWD python3 -m bench.fsdp --device cuda --out fsdp_gpu.md   # one GPU, a world of one over NCCL
 
 FSDP2 is applied as torchtitan applies it: ``fully_shard`` on every block, then on the root, with foreach AdamW,
 once with ``reshard_after_forward=True`` (its default) and once with ``False``. ``zero3`` runs with its defaults
@@ -36,7 +36,6 @@ import gc
 import os
 import platform
 import statistics
-import sys
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -46,15 +45,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.host_ops import ROUNDS, STEPS, interleaved_ms  # noqa: E402
-from bench.models import NarrowGPT, NarrowResNet, narrow_batch  # noqa: E402
-from bench.op_count import count_ops  # noqa: E402
-from bench.two_ranks import entry, finish_rank, two_rank_results, write_section  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from bench.host_ops import ROUNDS, STEPS, interleaved_ms
+from bench.models import NarrowGPT, NarrowResNet, narrow_batch
+from bench.op_count import count_ops
+from bench.two_ranks import entry, finish_rank, two_rank_results, write_section
+from transpiler import transpile
 
-COMMAND = "python bench/fsdp.py"
+ROOT = Path(__file__).resolve().parent.parent
+
+COMMAND = "python -m bench.fsdp"
 PER_RANK = 4
 MODELS: dict[str, tuple[str, str, Callable[[], nn.Module]]] = {  # key -> (title, batch kind, model)
     "narrow": ("narrow GPT (12 blocks, d=16)", "gpt", lambda: NarrowGPT()),

@@ -18,8 +18,8 @@ other rank's "Connection reset by peer") counts as crashed. Under gdb with glibc
 (``LD_PRELOAD=libc_malloc_debug.so.0 MALLOC_CHECK_=3``) the invalid free is in ``ProcessGroupGloo::runLoop``
 while gloo's TCP thread edits its pending-receive table.
 
-    python bench/gloo_all_gather.py                 # 4 runs of 1,000 steps per pattern, about 6 minutes
-    python bench/gloo_all_gather.py --runs 2 --steps 200
+    python -m bench.gloo_all_gather                 # 4 runs of 1,000 steps per pattern, about 6 minutes
+    python -m bench.gloo_all_gather --runs 2 --steps 200
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Step time on one GPU: eager, DDP, the transpiled step, captured, compiled, in a world of one (issue 17).
 
-    PYTHONPATH=$PWD python3 bench/gpu.py [--models mlp,resnet50,gpt2] [--compile] [--out docs/gpu_bench.md]
+    PYTHONPATH=$PWD python3 -m bench.gpu [--models mlp,resnet50,gpt2] [--compile] [--out docs/gpu_bench.md]
 
 One process, a world of one over NCCL (gloo on a machine without CUDA, for a dry run at small sizes). bf16
 autocast around the forward and the loss for eager and DDP, and around the whole step for ours, as users
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -25,8 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from transpiler import transpile  # noqa: E402
+from transpiler import transpile
 
 ROUNDS, STEPS, WARMUP, PROFILED = 5, 5, 3, 3
 

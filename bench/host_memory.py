@@ -1,6 +1,6 @@
 """What ``keep_freed_memory`` costs and saves on the CPU: page faults, step time and the process's peak RSS.
 
-    python bench/host_memory.py      # one torchrun world of 2 per mode and setting, about 3 minutes
+    python -m bench.host_memory      # one torchrun world of 2 per mode and setting, about 3 minutes
 
 Each world runs one mode on the 5M-parameter MLP of bench/models.py with AdamW, ``WARMUP`` untimed steps and
 ``STEPS`` timed ones, with ``keep_freed_memory`` True (the default: glibc keeps what a step frees,
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bench.models import start_rank
+from transpiler import transpile
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.models import start_rank  # noqa: E402
-from transpiler import transpile  # noqa: E402
 
 MODEL, PER_RANK, WARMUP, STEPS = "mlp_5m", 32, 5, 30
 MODES = ("fused_allreduce", "zero1", "zero2", "zero3")
@@ -76,7 +76,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     cpu = platform.processor() or platform.machine()
     print(
-        f"\n{chr(10).join(rows)}\n\nMeasured with `python bench/host_memory.py` on {cpu}, {os.cpu_count()} cores, "
+        f"\n{chr(10).join(rows)}\n\nMeasured with `python -m bench.host_memory` on {cpu}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}: {MODEL}, AdamW, {PER_RANK} samples per rank, W=2 over gloo, {STEPS} timed "
         f"steps after {WARMUP}. The last mode's decision: {said}"
     )

@@ -1,6 +1,6 @@
 """Ops a step dispatches, and its time, on narrow models where the host's dispatching is the step's cost.
 
-    python bench/host_ops.py        # one torchrun world of 2 over gloo, about 3 minutes; writes docs/performance.md
+    python -m bench.host_ops        # one torchrun world of 2 over gloo, about 3 minutes; writes docs/performance.md
 
 Two narrow models (``bench/models.py``: a 12-block GPT of width 16 and a 16-block ResNet-style CNN with
 BatchNorm and 8 channels) train with AdamW in every variant: DDP with ``foreach=True`` (the multi-tensor update
@@ -19,7 +19,6 @@ import copy
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -29,12 +28,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bench.models import NARROW, narrow_batch
+from bench.op_count import count_ops
+from bench.two_ranks import entry, finish_rank, two_rank_results, write_section
+from transpiler import transpile
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.models import NARROW, narrow_batch  # noqa: E402
-from bench.op_count import count_ops  # noqa: E402
-from bench.two_ranks import entry, finish_rank, two_rank_results, write_section  # noqa: E402
-from transpiler import transpile  # noqa: E402
 
 PER_RANK = {"gpt": 4, "cnn": 8}
 TITLE = {"gpt": "12-block GPT, d=16", "cnn": "16-block ResNet-style CNN with BatchNorm, 8 channels"}
@@ -143,7 +142,7 @@ def main() -> None:
     ranks = two_rank_results(__file__, lambda out, _: [out], port=29587)
     cpu = platform.processor() or platform.machine()
     body = (
-        f"`python bench/host_ops.py` (W=2 over gloo, one thread per rank, torch {torch.__version__}, "
+        f"`python -m bench.host_ops` (W=2 over gloo, one thread per rank, torch {torch.__version__}, "
         f"{os.cpu_count()} cores, {cpu}; step ms: median over {ROUNDS} rounds of {STEPS} steps, the slower rank):\n\n"
         + table(ranks)
     )

@@ -1,6 +1,6 @@
 """How close is the fused step to the physical limit? DDP, fused_allreduce and the serial limit in one run.
 
-    python bench/limit.py           # 2 processes over gloo; writes docs/serial_limit.md
+    python -m bench.limit           # 2 processes over gloo; writes docs/serial_limit.md
 
 The serial limit of a workload is this rank's step with no communication at all (mode ``none``: the
 same traced forward, backward and update) plus one flat all-reduce of all its gradient bytes, each
@@ -28,13 +28,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.models import TinyTransformer  # noqa: E402
-from bench.two_ranks import two_rank_results  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from bench.models import TinyTransformer
+from bench.two_ranks import two_rank_results
+from transpiler import transpile
 
-COMMAND = "python bench/limit.py"
+ROOT = Path(__file__).resolve().parent.parent
+
+COMMAND = "python -m bench.limit"
 WARMUP, STEPS, ROUNDS = 3, 10, 6
 PROFILED_STEPS = 10
 PROFILED = (

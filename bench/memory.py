@@ -1,7 +1,7 @@
 """Bytes per rank and step time: DDP, ``fused_allreduce``, ``zero1``, ``zero2`` and ``zero3``, at 2 and 4 processes.
 
-    python bench/memory.py            # launches torchrun at W=2 and W=4 over gloo, writes docs/memory.md
-    python bench/memory.py --return-freed-memory   # the same with keep_freed_memory=False (its own table)
+    python -m bench.memory            # launches torchrun at W=2 and W=4 over gloo, writes docs/memory.md
+    python -m bench.memory --return-freed-memory   # the same with keep_freed_memory=False (its own table)
 
 Each rank builds every variant from the same weights (AdamW, the 5M-parameter MLP of bench/models.py), runs the
 variants interleaved round by round, and reports the median step time over rounds and the bytes it holds
@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bench.models import batch_for, build
+from transpiler import transpile
+from transpiler.graph.memory import peak_transient_bytes
+from transpiler.runtime.memory_report import StorageCounter
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.models import batch_for, build  # noqa: E402
-from transpiler import transpile  # noqa: E402
-from transpiler.graph.memory import peak_transient_bytes  # noqa: E402
-from transpiler.runtime.memory_report import StorageCounter  # noqa: E402
 
 MODEL, PER_RANK, WARMUP, STEPS, ROUNDS = "mlp_5m", 32, 2, 5, 9
 # label -> (mode, options); zero3's default units are a layer each here (bucket_cap_mb=cost: the MLP's layers of
@@ -54,7 +54,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "zero3, no reshard": ("zero3", {"reshard_after_forward": False}),
     "zero3, 25 MB buckets": ("zero3", {"bucket_cap_mb": 25}),
 }
-COMMAND = "python bench/memory.py"
+COMMAND = "python -m bench.memory"
 RETURN_FREED = "--return-freed-memory"
 # where each configuration's table starts in docs/memory.md; each runs to the next marker or the end
 MARKERS = {False: "<!-- table -->", True: "<!-- table: glibc returns freed memory -->"}

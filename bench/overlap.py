@@ -14,20 +14,17 @@ larger than the compiled-code step's; the split between overlapping and blocking
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.limit import WORKLOADS  # noqa: E402
-from transpiler import transpile  # noqa: E402
-from transpiler.graph.collectives import is_collective, is_wait  # noqa: E402
-from transpiler.runtime import feed  # noqa: E402
+from bench.limit import WORKLOADS
+from transpiler import transpile
+from transpiler.graph.collectives import is_collective, is_wait
+from transpiler.runtime import feed
 
 CAPS = {"default caps (25 MiB, first 1 MiB)": {}, "1 MiB caps": {"bucket_cap_mb": 1.0}}
 RUNS = 8

@@ -1,6 +1,6 @@
 """Where a mode's step time goes on the CPU: torch.profiler's self time per op on rank 0, modes side by side.
 
-    python bench/profile_modes.py zero1 zero2      # launches torchrun at W=2 over gloo, prints one table per mode
+    python -m bench.profile_modes zero1 zero2      # launches torchrun at W=2 over gloo, prints one table per mode
 
 Each rank builds every mode from the same weights (AdamW; plain SGD for ``demo``, which steps with it; the
 5M-parameter MLP of bench/models.py), warms it
@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bench.models import start_rank
+from bench.two_ranks import run_two_ranks
+from transpiler import transpile
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.models import start_rank  # noqa: E402
-from bench.two_ranks import run_two_ranks  # noqa: E402
-from transpiler import transpile  # noqa: E402
 
 MODEL, PER_RANK, WARMUP, STEPS = "mlp_5m", 32, 3, 5
 

@@ -1,6 +1,6 @@
 """Run every benchmark on this machine and write docs/benchmarks.md.
 
-    python bench/run.py            # 2 processes over gloo, then the pass-time sweep
+    python -m bench.run            # 2 processes over gloo, then the pass-time sweep
 
 Nothing here is a test: it measures and reports, including where a goal is missed.
 """
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench import pass_time  # noqa: E402
-from bench.step_time import ROUNDS, STEPS, WARMUP  # noqa: E402
+from bench import pass_time
+from bench.step_time import ROUNDS, STEPS, WARMUP
 
-COMMAND = "python bench/run.py"
+ROOT = Path(__file__).resolve().parent.parent
+
+COMMAND = "python -m bench.run"
 COUNTERPARTS = {  # a transpiled variant and the DDP configuration that does the same thing
     "fused accumulate_steps=4": "ddp no_sync k=4",
     "fused compress=fp16": "ddp fp16 hook",
@@ -52,7 +52,7 @@ def render(steps: dict, passes: list[dict]) -> str:
     lines = [
         "# Benchmarks",
         "",
-        "See also [serial_limit.md](serial_limit.md) (`python bench/limit.py`): the fused step against DDP and the "
+        "See also [serial_limit.md](serial_limit.md) (`python -m bench.limit`): the fused step against DDP and the "
         "serial limit on four workloads, where its time goes, and `compile=True` against "
         '`torch.compile(DDP(model))`, persistent bucket buffers and `bucket_cap_mb="auto"`; '
         "[performance.md](performance.md) reads it against issue 9's goals, met and missed.",

@@ -1,6 +1,6 @@
 """Measure what the safety checks cost and how fast bad runs fail; write docs/safety.md.
 
-    python bench/safety_report.py
+    python -m bench.safety_report
 
 Launches the worlds of tests/safety_worker.py (2 gloo processes each): ranks
 started with different settings, then a stalled, a diverging and a dead rank
@@ -12,7 +12,6 @@ every call) on a small MLP and a tiny GPT-2. Nothing here is a test.
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,13 +19,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from tests.distributed import launch  # noqa: E402
-from tests.models import MLP, make_batch  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from bench.harness.launch import launch
+from bench.tiny_models import MLP, make_batch
+from transpiler import transpile
 
-COMMAND = "python bench/safety_report.py"
+ROOT = Path(__file__).resolve().parent.parent
+
+COMMAND = "python -m bench.safety_report"
 WORKER = ROOT / "tests" / "safety_worker.py"
 
 
@@ -71,7 +70,7 @@ def median_us(fn, n: int = 2000) -> float:
 
 
 def check_cost_rows() -> list[str]:
-    from tests.safety_worker import tiny_gpt2
+    from bench.tiny_models import tiny_gpt2
     from transpiler.runtime.program_cache import structure_key
 
     rows = []

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import statistics
 import sys
 import time
@@ -22,9 +21,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.models import batch_for, build  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from bench.models import batch_for, build
+from transpiler import transpile
 
 PER_RANK = {"mlp_5m": 64, "transformer": 32}
 WARMUP, STEPS, ROUNDS = 4, 12, 8

@@ -1,8 +1,8 @@
 """Write the graph each Boost/SINGA strategy produces for a tiny model to docs/strategies/graphs/.
 
-    python bench/strategy_graphs.py
+    python -m bench.strategy_graphs
 
-Each file is ``transpiler dump tests/models.py:tiny_factory --mode MODE -O ... --variant V --diff`` at
+Each file is ``transpiler dump bench/tiny_models.py:tiny_factory --mode MODE -O ... --variant V --diff`` at
 world size 2: the traced step against the rewritten one, as the strategy pages quote it. DimReduce uses
 ``plain_sgd_factory`` (its plain SGD) and a random 3-row basis for that model (``BASIS``), so that world
 size 2 pads one row.
@@ -13,17 +13,16 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from bench.tiny_models import plain_sgd_factory
+from transpiler.cli import main
+from transpiler.graph.basis import layout
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from tests.models import plain_sgd_factory  # noqa: E402
-from transpiler.cli import main  # noqa: E402
-from transpiler.graph.basis import layout  # noqa: E402
 
 BASIS = "{basis}"  # replaced by a basis file written for the run
 
@@ -42,7 +41,7 @@ GRAPHS = {
 
 
 def factory(mode: str) -> str:
-    return "tests/models.py:" + ("plain_sgd_factory" if mode == "dim_reduce" else "tiny_factory")
+    return "bench/tiny_models.py:" + ("plain_sgd_factory" if mode == "dim_reduce" else "tiny_factory")
 
 
 def write_basis(folder: Path) -> Path:

@@ -2,10 +2,10 @@
 parallel) on a ("dp", "tp") mesh of 2 × 2 gloo ranks, the traced step in each mode against the eager runs a user
 would pick instead, in one run.
 
-    python bench/tensor_parallel.py                 # timing table, and a 300-step training run of diloco
-    python bench/tensor_parallel.py --train 0       # timing only
-    python bench/tensor_parallel.py --no-timing --warm 600 --train 300   # DiLoCo from a warmed-up model
-    python bench/tensor_parallel.py --compile       # and fused_allreduce with compile=True (Inductor)
+    python -m bench.tensor_parallel                 # timing table, and a 300-step training run of diloco
+    python -m bench.tensor_parallel --train 0       # timing only
+    python -m bench.tensor_parallel --no-timing --warm 600 --train 300   # DiLoCo from a warmed-up model
+    python -m bench.tensor_parallel --compile       # and fused_allreduce with compile=True (Inductor)
 
 Variants: eager TP with each shard's gradient averaged over ``dp`` (one flat all-reduce per step, as DDP would
 bucket it: DDP itself refuses DTensor parameters), eager TP with FSDP2 on ``mesh["dp"]`` (every block, then the
@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -42,15 +41,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.host_ops import interleaved_ms  # noqa: E402
-from bench.models import TinyLlama, llama_tp_plan  # noqa: E402
-from bench.op_count import count_ops  # noqa: E402
-from bench.two_ranks import entry, finish_rank, two_rank_results, write_section  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from bench.host_ops import interleaved_ms
+from bench.models import TinyLlama, llama_tp_plan
+from bench.op_count import count_ops
+from bench.two_ranks import entry, finish_rank, two_rank_results, write_section
+from transpiler import transpile
 
-COMMAND = "python bench/tensor_parallel.py"
+ROOT = Path(__file__).resolve().parent.parent
+
+COMMAND = "python -m bench.tensor_parallel"
 DOC = ROOT / "docs" / "strategies" / "tensor_parallel.md"
 BEGIN, END = "<!-- bench/tensor_parallel.py begin -->", "<!-- bench/tensor_parallel.py end -->"
 PER_RANK, SEQ, H = 8, 32, 50

@@ -1,11 +1,11 @@
 """Time, not bytes: the low-communication modes over shaped links, against DDP, DDP's PowerSGD and fp16 hooks and
 torchft's own DiLoCo, to the same target loss (docs/strategies/low_communication.md).
 
-    python bench/wan.py [--rates 1000 100 20] [--budget 70] [--ddp-steps 180] [--ddp-budget 240]
+    python -m bench.wan [--rates 1000 100 20] [--budget 70] [--ddp-steps 180] [--ddp-budget 240]
                         [--warmup-steps 600] [--hosts 4] [--variants LABEL ...] [--out DIR] [--no-doc] [--report]
 
 Needs root (network namespaces, ``tc``) and ``pip install -e ".[bench]"`` (torchft, matplotlib). ``--hosts`` hosts
-of one rank each (``tests/hosts.py``), every host's link limited to each ``--rates`` rate in Mbit/s both ways
+of one rank each (``bench/harness/hosts.py``), every host's link limited to each ``--rates`` rate in Mbit/s both ways
 (``tbf``; no latency is added: this kernel has no ``netem``).
 All ranks start from one warm start: the GPT of ``bench/diloco.py`` (1.8M parameters) trained by DDP for
 ``--warmup-steps`` steps on unshaped links, kept in ``--out`` for the next invocation. The inner lr is constant
@@ -33,13 +33,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.harness.hosts import Hosts, namespaces_unavailable, wait_all
+from bench.two_ranks import write_section
+from bench.wan_report import figures, tables
+from bench.wan_worker import VARIANTS
 
-from bench.two_ranks import write_section  # noqa: E402
-from bench.wan_report import figures, tables  # noqa: E402
-from bench.wan_worker import VARIANTS  # noqa: E402
-from tests.hosts import Hosts, namespaces_unavailable, wait_all  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DOC = ROOT / "docs" / "strategies" / "low_communication.md"
 BEGIN, END = "<!-- wan:begin -->", "<!-- wan:end -->"

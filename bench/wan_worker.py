@@ -16,7 +16,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -25,10 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.diloco import (  # noqa: E402
+from bench.diloco import (
     DEMO,
     DEMO_LR,
     GLOBAL_WEIGHTS,
@@ -42,7 +38,9 @@ from bench.diloco import (  # noqa: E402
     warmed_up,
     windows,
 )
-from transpiler import transpile  # noqa: E402
+from transpiler import transpile
+
+ROOT = Path(__file__).resolve().parent.parent
 
 EVERY = 15  # steps between kept weights (and stop votes): DiLoCo H=15's sync, where its model is θ_global
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # the DiLoCo paper's outer SGD, ours by default

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,13 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.host_ops import ROUNDS, STEPS, interleaved_ms  # noqa: E402
-from bench.models import NarrowGPT, NarrowResNet, narrow_batch  # noqa: E402
-from bench.op_count import count_ops  # noqa: E402
-from bench.two_ranks import entry, finish_rank, two_rank_results, write_section  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from bench.host_ops import ROUNDS, STEPS, interleaved_ms
+from bench.models import NarrowGPT, NarrowResNet, narrow_batch
+from bench.op_count import count_ops
+from bench.two_ranks import entry, finish_rank, two_rank_results, write_section
+from transpiler import transpile
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "strategies" / "zero.md"
 BEGIN, END = "<!-- zero3-update -->", "<!-- /zero3-update -->"

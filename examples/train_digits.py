@@ -39,10 +39,20 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from transpiler import Checkpointer, DataPosition, FaultTolerance, NoQuorumError, transpile  # noqa: E402
-from transpiler.graph.options import key_values  # noqa: E402
-from transpiler.strategies.modes import modes  # noqa: E402
+from transpiler import (
+    Checkpointer,
+    DataPosition,
+    Execution,
+    FaultTolerance,
+    ModeConfig,
+    NoQuorumError,
+    config_from_dict,
+    load_config,
+    mode_config,
+    transpile,
+)
+from transpiler.graph.options import key_values
+from transpiler.strategies.modes import MODES
 
 DEFAULT_LR = {  # learning rates that train this MLP on digits in 30 epochs
     "adam": 3e-3,
@@ -62,7 +72,10 @@ DEFAULT_LR = {  # learning rates that train this MLP on digits in 30 epochs
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", default="fused_allreduce", help=f"one of {', '.join(modes())} or a pipeline spec")
+    parser.add_argument("--mode", default="fused_allreduce", help=f"one of {', '.join(MODES)}, with -O")
+    parser.add_argument(
+        "--config", metavar="FILE.json", help="the mode's config as JSON (config.to_json()), -O on top; not --mode"
+    )
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--global-batch", type=int, default=128, help="samples per step over all ranks")
     parser.add_argument(
@@ -126,17 +139,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="mode option, e.g. -O k_steps=4 (local_sgd), -O sync_every=10 (diloco), -O accumulate_steps=4, "
-        "-O loss_scale=dynamic, "
-        "-O max_grad_norm=1, -O compress=fp16, -O sparsify=0.05, -O freeze_groups=3 (with --optimizer sgd), "
-        "-O save_trajectory=DIR (any mode), -O pca_path=FILE (dim_reduce)",
+        help="a field of the mode's config, e.g. -O k_steps=4 (local_sgd), -O sync_every=10 (diloco), "
+        "-O pca_path=FILE (dim_reduce); a feature's dotted: -O accumulation.steps=4, -O loss_scaling.dynamic=true, "
+        "-O clipping.max_norm=1, -O compression.wire_dtype=fp16, -O sparsification.ratio=0.05, "
+        "-O freeze.groups=3 (with --optimizer sgd)",
     )
+    parser.add_argument(
+        "--save-trajectory", metavar="DIR", help="rank 0 saves the flattened weights here (transpiler pca)"
+    )
+    parser.add_argument("--trajectory-every", type=int, default=1, help="with --save-trajectory: every N updates")
     args = parser.parse_args(argv)
+    args.config = config_of(args, parser)
     if args.cuda_graph and args.device != "cuda":
         parser.error("--cuda-graph captures the step on a GPU: add --device cuda")
     if args.fault_tolerance and args.checkpoint_dir:
         parser.error("--fault-tolerance heals a returning group from a live peer; drop --checkpoint-dir")
     return args
+
+
+def config_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModeConfig:
+    """The mode's config: ``--config FILE`` or ``--mode NAME``, with ``-O`` on top."""
+    options = key_values(args.option)
+    if "save_trajectory" in options:  # before issue 73 an -O; now an execution setting
+        print("-O save_trajectory=DIR is now --save-trajectory DIR", file=sys.stderr)
+        args.save_trajectory = options.pop("save_trajectory")
+    if "trajectory_every" in options:
+        print("-O trajectory_every=N is now --trajectory-every N", file=sys.stderr)
+        args.trajectory_every = int(options.pop("trajectory_every"))
+    if args.config is None:
+        return mode_config(args.mode, **options)
+    if args.mode != parser.get_default("mode"):
+        parser.error("give --mode or --config, not both")
+    loaded = load_config(args.config)
+    return config_from_dict({**loaded.to_dict(), **options}) if options else loaded
 
 
 def load_data(seed: int):
@@ -184,33 +219,37 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = make_optimizer(model, args)
     loss_fn = torch.nn.CrossEntropyLoss()
     # the same shuffle on every rank; under diloco each replica group reads the data in an order of its own
-    own_order = args.fault_tolerance and args.mode == "diloco"
+    own_order = args.fault_tolerance and args.config.mode == "diloco"
     seed = args.seed + (zlib.crc32(os.environ.get("REPLICA_GROUP_ID", "").encode()) if own_order else 0)
     position = DataPosition(len(x_train), args.global_batch, seed=seed)
+    execution = Execution(
+        compile=args.compile,
+        cuda_graph=args.cuda_graph,
+        save_trajectory=args.save_trajectory,
+        trajectory_every=args.trajectory_every,
+    )
+    quorum = FaultTolerance(
+        min_replicas=args.min_replicas,
+        quorum_timeout=args.quorum_timeout,
+        async_quorum=args.async_quorum,
+        quorum_every=args.quorum_every,
+    )
+    batch = (x_train[:per_rank], y_train[:per_rank])
     step = transpile(
         model,
         optimizer,
-        mode=args.mode,
-        loss_fn=loss_fn,
-        example_inputs=(x_train[:per_rank], y_train[:per_rank]),
-        compile=args.compile,
-        cuda_graph=args.cuda_graph,
-        fault_tolerance=FaultTolerance(
-            min_replicas=args.min_replicas,
-            quorum_timeout=args.quorum_timeout,
-            async_quorum=args.async_quorum,
-            quorum_every=args.quorum_every,
-        )
-        if args.fault_tolerance
-        else None,
-        **key_values(args.option),
+        args.config,
+        loss_fn,
+        batch,
+        fault_tolerance=quorum if args.fault_tolerance else None,
+        execution=execution,
     )
     if rank == 0:
         counts = {
             variant: sum(1 for n in program.graph.nodes if "collective" in n.meta or "p2p" in n.meta)
             for variant, program in step.programs.items()
         }
-        print(f"mode={args.mode} world={world} per-rank batch={per_rank} communication ops per variant: {counts}")
+        print(f"{args.config!r} world={world} per-rank batch={per_rank} communication ops per variant: {counts}")
     checkpointer = None
     if args.checkpoint_dir:
         checkpointer = Checkpointer(step, args.checkpoint_dir, every=args.save_every, keep=args.keep, position=position)
@@ -320,7 +359,7 @@ class SampleLog:
 def make_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
     """Adam by default, any torch.optim optimizer by name; DimReduce takes plain SGD with lr 1, as MindSpore
     Boost swaps in."""
-    dim_reduce = args.mode == "dim_reduce"
+    dim_reduce = args.config.mode == "dim_reduce"
     name = args.optimizer or ("sgd" if dim_reduce else "adam")
     lr = args.lr or (1.0 if dim_reduce else DEFAULT_LR[name])
     if name == "sgd":

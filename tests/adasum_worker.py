@@ -21,9 +21,9 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness.launch import run_rank  # noqa: E402
+from bench.tiny_models import MLP, make_batch  # noqa: E402
 from passes.adasum import adasum_vector  # noqa: E402
-from tests.distributed import run_rank  # noqa: E402
-from tests.models import MLP, make_batch  # noqa: E402
 from transpiler import transpile  # noqa: E402
 from transpiler.graph.ports import Port
 from transpiler.graph.program import StepProgram  # noqa: E402

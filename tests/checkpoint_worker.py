@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.distributed import run_rank  # noqa: E402
+from bench.harness.launch import run_rank  # noqa: E402
 from tests.zero_worker import CAPS, OPTIMIZERS, PER_RANK, batches, build_model, largest, state_slices  # noqa: E402
 from transpiler import transpile  # noqa: E402
 

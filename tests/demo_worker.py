@@ -19,10 +19,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness.launch import run_rank  # noqa: E402
+from bench.tiny_models import MLP  # noqa: E402
 from tests import authors_sparse  # noqa: E402
 from tests.diloco_worker import LOSS, data, params_of  # noqa: E402
-from tests.distributed import run_rank  # noqa: E402
-from tests.models import MLP  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 STEPS = 8

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.distributed import run_rank  # noqa: E402
-from tests.models import MLP, make_batch  # noqa: E402
+from bench.harness.launch import run_rank  # noqa: E402
+from bench.tiny_models import MLP, make_batch  # noqa: E402
 from transpiler import TraceCache, TranspilerError, transpile  # noqa: E402
 
 PER_RANK = 8

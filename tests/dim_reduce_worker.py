@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness.launch import run_rank  # noqa: E402
 from tests import dim_reduce_problem as problem  # noqa: E402
-from tests.distributed import run_rank  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 

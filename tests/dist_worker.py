@@ -1,4 +1,4 @@
-"""One rank of the multi-process parity runs (launched by tests/distributed.py).
+"""One rank of the multi-process parity runs (launched by bench/harness/launch.py).
 
 For each scenario (model, optimizer, mode) it trains STEPS steps three ways
 from the same initial weights and the same global batches: the transpiled step
@@ -19,8 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.distributed import run_rank  # noqa: E402
-from tests.models import make_batch, make_model, make_optimizer  # noqa: E402
+from bench.harness.launch import run_rank  # noqa: E402
+from bench.tiny_models import make_batch, make_model, make_optimizer  # noqa: E402
 from transpiler import TraceCache, transpile  # noqa: E402
 
 STEPS = 5

@@ -7,7 +7,7 @@ import contextlib
 import importlib.util
 import io
 
-from tests.distributed import ROOT
+from bench.harness.launch import ROOT
 
 
 def train(rank: int, world: int, *argv: str) -> dict:

@@ -8,7 +8,7 @@ import weakref
 import numpy as np
 import torch
 
-from tests.models import MLP, make_batch
+from bench.tiny_models import MLP, make_batch
 from transpiler import PassPipeline, mode_config, transpile
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.ports import Port

@@ -11,8 +11,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.distributed import run_rank  # noqa: E402
-from tests.models import MLP, make_batch  # noqa: E402
+from bench.harness.launch import run_rank  # noqa: E402
+from bench.tiny_models import MLP, make_batch  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 PER_RANK, STEPS = 4, 5

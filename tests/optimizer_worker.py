@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.distributed import run_rank  # noqa: E402
-from tests.models import MLP, Lion, make_batch, muon_and_adamw  # noqa: E402
+from bench.harness.launch import run_rank  # noqa: E402
+from bench.tiny_models import MLP, Lion, make_batch, muon_and_adamw  # noqa: E402
 from transpiler import TraceCache, transpile  # noqa: E402
 
 STEPS, PER_RANK = 4, 8

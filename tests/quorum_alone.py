@@ -10,15 +10,22 @@ import sys
 import torch
 from torch import nn
 
-from tests.distributed import ROOT, free_port
-from tests.models import make_batch, make_model
+from bench.harness.launch import ROOT, free_port
+from bench.tiny_models import make_batch, make_model
 from transpiler import FaultTolerance, transpile
 
 
 def lighthouse(port: int) -> subprocess.Popen:
-    """torchft's lighthouse in an interpreter of its own (``tests/lighthouse.py``), not a fork: a test that kills it
-    finds it gone at once."""
-    command = [sys.executable, str(ROOT / "tests" / "lighthouse.py"), "--min_replicas", "1", "--bind", f"[::]:{port}"]
+    """torchft's lighthouse in an interpreter of its own (``bench/harness/lighthouse.py``), not a fork: a test that
+    kills it finds it gone at once."""
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "harness" / "lighthouse.py"),
+        "--min_replicas",
+        "1",
+        "--bind",
+        f"[::]:{port}",
+    ]
     command += ["--join_timeout_ms", "200", "--heartbeat_timeout_ms", "1000"]
     return subprocess.Popen(command, env=dict(os.environ, RUST_LOG="warn"))
 

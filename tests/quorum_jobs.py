@@ -1,5 +1,5 @@
 """Replica groups under a torchft quorum as real jobs on loopback: torchft's lighthouse and one torchrun job per
-group, their workers forked from the suite's server (``tests/zygote.py``). ``tests/test_quorum.py`` runs its
+group, their workers forked from the suite's server (``bench/harness/zygote.py``). ``tests/test_quorum.py`` runs its
 worker in them, ``tests/test_quorum_example.py`` the example of the docs."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests import zygote
-from tests.distributed import free_port
+from bench.harness import zygote
+from bench.harness.launch import free_port
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from tests.models import MLP
+from bench.tiny_models import MLP
 from transpiler import DataPosition, FaultTolerance, transpile
 
 SAMPLES, PER_GROUP = 96, 4  # a step of 3 groups takes 12 samples: 8 steps an epoch

@@ -24,8 +24,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.distributed import run_rank  # noqa: E402
-from tests.models import MLP, make_batch, make_model  # noqa: E402
+from bench.harness.launch import run_rank  # noqa: E402
+from bench.tiny_models import MLP, make_batch, make_model, tiny_gpt2, tiny_llama  # noqa: E402
 from transpiler import Checkpointer, TranspilerError, transpile  # noqa: E402
 from transpiler.runtime.process_group import live_group  # noqa: E402
 
@@ -108,39 +108,6 @@ def parity(name: str, rank: int, world: int, steps: int = 4, switch_modes: bool 
 
 
 MODEL_NAMES = ("lstm", "gru", "checkpoint", "maxnorm", "dropout_bn")
-
-
-class HFLoss(nn.Module):
-    """A Hugging Face causal LM whose forward returns its own loss (labels = inputs)."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, labels=input_ids).loss
-
-
-def tiny_gpt2() -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=2)
-    return HFLoss(GPT2LMHeadModel(config))
-
-
-def tiny_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-    )
-    return HFLoss(LlamaForCausalLM(config))
 
 
 HF = {"gpt2": tiny_gpt2, "llama": tiny_llama}

@@ -20,6 +20,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness.launch import run_rank  # noqa: E402
+from bench.tiny_models import MLP  # noqa: E402
 from tests import authors_sparse  # noqa: E402
 from tests.diloco_worker import (  # noqa: E402
     LOSS,
@@ -31,8 +33,6 @@ from tests.diloco_worker import (  # noqa: E402
     params_of,
     side_by_side,
 )
-from tests.distributed import run_rank  # noqa: E402
-from tests.models import MLP  # noqa: E402
 from transpiler import transpile  # noqa: E402
 
 ROUNDS = 4

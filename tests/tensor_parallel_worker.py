@@ -25,10 +25,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.harness.launch import run_rank  # noqa: E402
 from bench.models import TinyLlama, llama_tp_plan  # noqa: E402
 from passes.diloco_outer_step import fragments_of  # noqa: E402
-from tests.distributed import run_rank  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from transpiler import mode_config, transpile  # noqa: E402
 
 STEPS = 10
 H = 3  # DiLoCo's inner steps per round
@@ -74,11 +74,19 @@ def local(p: torch.Tensor) -> torch.Tensor:
 def traced(base, mesh, sp: bool, data, mode: str, **options) -> dict:
     model = planned(base, mesh, sp)
     dpr = mesh["dp"].get_local_rank()
-    step = transpile(model, adamw(model.parameters()), mode, loss_fn, data[0][dpr], mesh=mesh["dp"], **options)
+    config = mode_config(mode, **options)
+    step = transpile(model, adamw(model.parameters()), config, loss_fn, data[0][dpr], mesh=mesh["dp"])
+    outputs = []
+    if mode == "zero3":  # the model runs eagerly on its whole shards inside step.gathered(), before a step too
+        with step.gathered() as whole, torch.no_grad():
+            outputs.append(local(whole(data[0][dpr][0])))
     losses = [float(step(*batch[dpr])) for batch in data]
-    with step.gathered():
+    with step.gathered() as whole:
         params = {n: local(p) for n, p in model.named_parameters()}
-    record = {"losses": losses, "params": params}
+        if mode == "zero3":
+            with torch.no_grad():
+                outputs.append(local(whole(data[0][dpr][0])))
+    record = {"losses": losses, "params": params, "outputs": outputs}
     if step.outer_optimizer is not None:
         record["global"] = {n: t.clone() for n, t in step.global_parameters().items()}
     if mode == "streaming_diloco":  # the parameters of each fragment, in order
@@ -105,7 +113,9 @@ def eager_averaged(base, mesh, sp: bool, data) -> dict:
     model = planned(base, mesh, sp)
     optimizer = adamw(model.parameters())
     dpr = mesh["dp"].get_local_rank()
-    losses = []
+    losses, outputs = [], []
+    with torch.no_grad():
+        outputs.append(local(model(data[0][dpr][0])))
     for batch in data:
         optimizer.zero_grad()
         loss = loss_fn(model(batch[dpr][0]), batch[dpr][1])
@@ -113,7 +123,9 @@ def eager_averaged(base, mesh, sp: bool, data) -> dict:
         average_over_dp(model, mesh)
         optimizer.step()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: local(p) for n, p in model.named_parameters()}}
+    with torch.no_grad():
+        outputs.append(local(model(data[0][dpr][0])))
+    return {"losses": losses, "params": {n: local(p) for n, p in model.named_parameters()}, "outputs": outputs}
 
 
 def eager_fsdp2(base, mesh, sp: bool, data) -> dict:
@@ -314,7 +326,7 @@ def hugging_face(rank: int, world: int, dp: str) -> dict:
 def refusals(rank: int, world: int) -> dict:
     """What does not run beside a plan, each as the error a user gets (its type and message), and what works
     between steps: calling the model eagerly, and the collectives each program runs per mesh dimension."""
-    from tests.models import Lamb
+    from bench.tiny_models import Lamb
     from transpiler import AdaSum, Clipping, DataParallel, FaultTolerance, PassPipeline, StaticWorld
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from bench.tiny_models import make_batch, make_model
 from tests.helpers import assert_same_training_state, eager_step
-from tests.models import make_batch, make_model
 from transpiler import transpile
 
 pytestmark = pytest.mark.bitwise  # claims eager's bits: run again under narrower kernels in .ci/run

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from bench.tiny_models import MLP, make_batch
 from tests.helpers import assert_same_training_state
-from tests.models import MLP, make_batch
 from transpiler import ConfigurationError, transpile
 from transpiler.strategies.schedules import continuous_freeze_cycle
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.models import MLP, make_batch
+from bench.tiny_models import MLP, make_batch
 from transpiler import Checkpointer, CheckpointError, ConfigurationError, DataPosition, transpile
 
 pytestmark = pytest.mark.quick  # the quick tier: the data position and the Checkpointer in one process, 3 s

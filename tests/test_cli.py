@@ -10,7 +10,7 @@ import pytest
 
 from transpiler.cli import main
 
-FACTORY = "tests/models.py:tiny_factory"
+FACTORY = "bench/tiny_models.py:tiny_factory"
 
 
 @pytest.mark.quick
@@ -159,7 +159,7 @@ def test_factory_files_that_used_to_end_in_a_traceback_or_silence(tmp_path, caps
     dc.write_text(
         "from __future__ import annotations\nimport dataclasses\nimport sys\n"
         f"sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})\n"
-        "from tests.models import tiny_factory\n\n@dataclasses.dataclass\nclass Config:\n    width: int = 8\n\n"
+        "from bench.tiny_models import tiny_factory\n\n@dataclasses.dataclass\nclass Config:\n    width: int = 8\n\n"
         "def make():\n    Config()\n    return tiny_factory()\n"
     )
     assert main(["dump", f"{dc}:make"]) == 0

@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from tests.distributed import ROOT
-from tests.models import MLP, make_batch
+from bench.harness.launch import ROOT
+from bench.tiny_models import MLP, make_batch
 from transpiler import ConfigurationError, transpile
 from transpiler.graph.collectives import C10D
 from transpiler.runtime.compile import CompiledProgram, functional_copy

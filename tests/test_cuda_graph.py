@@ -17,8 +17,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from bench.tiny_models import make_batch, make_model
 from tests.helpers import capture_by_calling, state_addresses
-from tests.models import make_batch, make_model
 from transpiler import ConfigurationError, transpile
 from transpiler.runtime import cuda_graph as cg
 

@@ -13,13 +13,13 @@ import pytest
 import scipy.fft
 import torch
 
+from bench.tiny_models import MLP, make_batch
 from passes.sparse_pseudo_exchange import Sparsity, part_bytes
 from passes.sparse_tiles import Tiling, dct_bases
 from tests.authors_sparse import fft_dct
 from tests.demo_worker import DEMO, STEPS
 from tests.diloco_worker import LOSS
 from tests.helpers import COMPOSED, resumed_matches, trained
-from tests.models import MLP, make_batch
 from tests.test_diloco_w1 import FACTORY
 from tests.worlds import run_in_world
 from transpiler import CheckpointError, ConfigurationError, VerificationError, transpile

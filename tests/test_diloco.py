@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.tiny_models import MLP
 from tests.diloco_worker import MLP_FRAGMENTS, ROUNDS, H
 from tests.helpers import quantised_sum
-from tests.models import MLP
 from tests.worlds import run_in_world
 
 pytestmark = pytest.mark.bitwise  # .ci/run repeats these under ATen's narrowest kernels

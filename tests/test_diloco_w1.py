@@ -16,8 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+from bench.tiny_models import MLP, TiedLM, make_batch
 from passes.partitions import module_fragments
-from tests.models import MLP, TiedLM, make_batch
 from transpiler import ConfigurationError, VerificationError, transpile
 from transpiler.cli import main as cli_main
 from transpiler.graph.verify import check_fragments, check_outer_reads_averaged, check_shards

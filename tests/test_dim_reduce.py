@@ -25,9 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from bench.tiny_models import plain_sgd_factory
 from tests import dim_reduce_problem as problem
 from tests.helpers import strategy_of
-from tests.models import plain_sgd_factory
 from tests.worlds import run_in_world
 from transpiler import ConfigurationError, transpile
 from transpiler.build import rewrite
@@ -262,7 +262,7 @@ def test_dump_shows_the_projection_the_gather_and_the_trial_forwards(tmp_path, c
     n = sum(math.prod(s) for s in shapes)
     path = tmp_path / "basis.pt"
     torch.save({"pca_mat": torch.randn(4, n), "names": names, "shapes": shapes}, path)
-    factory = "tests/models.py:plain_sgd_factory"
+    factory = "bench/tiny_models.py:plain_sgd_factory"
     assert main(["dump", factory, "--mode", "dim_reduce", "-O", f"pca_path={path}", "--world-size", "3"]) == 0
     code = capsys.readouterr().out
     assert "dim_reduce_basis" in code and "aten.mm.default(dim_reduce_basis" in code  # the projection

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from tests.models import make_batch, make_model
+from bench.tiny_models import make_batch, make_model
 from transpiler import transpile
 from transpiler.graph.basis import layout
 

@@ -1,5 +1,5 @@
 """Elastic restarts end to end: the digits example under torchrun's elastic agent (``--nnodes 1:2``,
-``--max-restarts``, the c10d rendezvous) on two hosts of two processes (network namespaces, tests/hosts.py),
+``--max-restarts``, the c10d rendezvous) on two hosts of two processes (network namespaces, bench/harness/hosts.py),
 checkpointing every 10 steps. A rank or a host is lost mid-epoch; torchrun restarts the world, and the example
 resumes from the newest checkpoint (transpiler.Checkpointer) at whatever world size the restart has.
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import ROOT
-from tests.hosts import Hosts, namespaces_unavailable, torchrun, wait_all
+from bench.harness.hosts import Hosts, namespaces_unavailable, torchrun, wait_all
+from bench.harness.launch import ROOT
 from tests.worlds import run_in_world
 from transpiler import DataPosition
 

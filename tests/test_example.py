@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import ROOT, launch
+from bench.harness.launch import ROOT, launch
 from tests.worlds import run_in_world
 
 SCRIPT = ROOT / "examples" / "train_digits.py"

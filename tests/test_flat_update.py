@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from bench.tiny_models import Lamb, Lion, TiedLM, make_batch
 from passes.flatten_update import FlattenUpdate
 from tests.helpers import assert_same_training_state, eager_step
-from tests.models import Lamb, Lion, TiedLM, make_batch
 from transpiler import transpile
 from transpiler.errors import ConfigurationError, UnsupportedOptimizerError
 from transpiler.graph.ports import Port

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.tiny_models import Lamb, Lion
 from passes.foreach_update import ForeachUpdate
 from tests.helpers import assert_same_training_state, eager_step
-from tests.models import Lamb, Lion
 from transpiler import transpile
 
 LOSS = nn.CrossEntropyLoss()

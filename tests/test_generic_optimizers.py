@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.models import Lion, muon_and_adamw
+from bench.tiny_models import Lion, muon_and_adamw
 from transpiler import ConfigurationError, UnsupportedOptimizerError, transpile
 
 pytestmark = pytest.mark.bitwise  # claims eager's or DDP's bits: run again under narrower kernels in .ci/run

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models import tiny_factory
+from bench.tiny_models import tiny_factory
 from transpiler import transpile
 
 pytestmark = pytest.mark.quick  # the quick tier: static, a second in all

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.distributed import free_port
+from bench.harness.launch import free_port
+from bench.tiny_models import make_batch, make_model
 from tests.helpers import eager_step, state_addresses
-from tests.models import make_batch, make_model
 from transpiler import transpile
 
 pytestmark = [

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tests.models import MLP, make_batch
+from bench.tiny_models import MLP, make_batch
 from transpiler import transpile
 from transpiler.errors import ConfigurationError
 from transpiler.graph.memory import largest_allocation_bytes, peak_transient_bytes
@@ -109,7 +109,7 @@ def test_a_freed_tensor_faults_no_pages_in_again_once_a_step_is_built():
     code = textwrap.dedent(
         """
         import resource, torch
-        from tests.models import MLP, make_batch
+        from bench.tiny_models import MLP, make_batch
         from transpiler import transpile
 
         def faults(times=16):

@@ -1,4 +1,4 @@
-"""Several hosts (network namespaces joined by veth pairs, tests/hosts.py), each running its own torchrun with
+"""Several hosts (network namespaces joined by veth pairs, bench/harness/hosts.py), each running its own torchrun with
 the c10d rendezvous, against the same job on one host.
 
 2 hosts × 2 processes give bitwise the parameters of 1 host × 4 on loopback for ``fused_allreduce``, ``zero2``
@@ -13,8 +13,8 @@ import re
 import pytest
 import torch
 
-from tests.distributed import ROOT
-from tests.hosts import Hosts, namespaces_unavailable, torchrun, wait_all
+from bench.harness.hosts import Hosts, namespaces_unavailable, torchrun, wait_all
+from bench.harness.launch import ROOT
 from tests.worlds import run_in_world
 
 REASON = namespaces_unavailable()

@@ -36,11 +36,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests import zygote
-from tests.distributed import ROOT, free_port
-from tests.hosts import Hosts, namespaces_unavailable, wait_all
-from tests.hosts import torchrun as torchrun_on
-from tests.models import MLP
+from bench.harness import zygote
+from bench.harness.hosts import Hosts, namespaces_unavailable, wait_all
+from bench.harness.hosts import torchrun as torchrun_on
+from bench.harness.launch import ROOT, free_port
+from bench.tiny_models import MLP
 from tests.quorum_jobs import lighthouse, torchrun_group
 from tests.quorum_worker import LOSS, PER_GROUP, SAMPLES, TWO_PARTICIPANT_STEPS, dataset, fresh
 from transpiler import (
@@ -826,7 +826,7 @@ def test_transpiler_dump_shows_the_program_a_quorum_runs(capsys):
     across groups on torchft's group, labelled ``quorum``; a mode not built for a quorum is a clear error."""
     from transpiler.cli import main
 
-    factory = "tests/models.py:tiny_factory"
+    factory = "bench/tiny_models.py:tiny_factory"
     assert main(["dump", factory, "--mode", "fused_allreduce", "--fault-tolerance"]) == 0
     code = capsys.readouterr().out
     assert "x_participants" in code and "reciprocal" in code

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import ROOT
+from bench.harness.launch import ROOT
 from tests.quorum_jobs import lighthouse, torchrun_group
 
 pytest.importorskip("torchft")

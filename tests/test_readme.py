@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.distributed import ROOT
+from bench.harness.launch import ROOT
 from transpiler.strategies.modes import MODES
 from transpiler.strategies.modes_table import markdown_table
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
+from bench.tiny_models import Checkpointed, make_batch, make_model
 from tests.helpers import assert_same_training_state, eager_step, eager_twin
-from tests.models import Checkpointed, make_batch, make_model
 from transpiler import UnsupportedModelError, transpile
 
 pytestmark = pytest.mark.bitwise  # claims eager's or DDP's bits: run again under narrower kernels in .ci/run

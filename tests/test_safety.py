@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from bench.tiny_models import MLP, DropoutBN, make_batch
 from tests.helpers import assert_same_training_state, eager_step, eager_twin
-from tests.models import MLP, DropoutBN, make_batch
 from transpiler import CheckpointError, ConfigurationError, UnsupportedOptimizerError, transpile
 from transpiler.cli import main as cli_main
 from transpiler.errors import RetraceWarning
@@ -143,7 +143,7 @@ def test_option_text_parses_as_its_type():
 
 
 def test_cli_options_are_typed_the_same_way(capsys):
-    assert cli_main(["dump", "tests/models.py:tiny_factory", "--mode", "local_sgd", "-O", "k_steps=2.7"]) == 2
+    assert cli_main(["dump", "bench/tiny_models.py:tiny_factory", "--mode", "local_sgd", "-O", "k_steps=2.7"]) == 2
     assert "k_steps' of mode 'local_sgd' wants an int >= 1; got '2.7'" in capsys.readouterr().err
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import ROOT, launch
+from bench.harness.launch import ROOT, launch
 from tests.worlds import run_in_world
 
 WORKER = ROOT / "tests" / "safety_worker.py"

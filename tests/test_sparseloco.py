@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.tiny_models import MLP, make_batch
 from passes.sparse_pseudo_exchange import (
     Sparsity,
     decode_mean,
@@ -29,7 +30,6 @@ from passes.sparse_tiles import Tiling, from_rows, tile_side, to_rows
 from tests import authors_sparse
 from tests.diloco_worker import LOSS, H
 from tests.helpers import COMPOSED, resumed_matches, trained
-from tests.models import MLP, make_batch
 from tests.sparseloco_worker import DENSE, ROUNDS, SPARSE, AuthorsSparseLoCo
 from tests.test_diloco_w1 import FACTORY
 from tests.worlds import run_in_world

@@ -62,6 +62,19 @@ def test_every_mode_equals_eager_tp_with_its_gradients_averaged_over_dp(parity, 
 
 
 @pytest.mark.parametrize("layout", ["plain", "sp"])
+def test_zero3_model_runs_eagerly_inside_gathered_as_eager_tp(parity, layout):
+    """Inside ``with step.gathered() as model:`` the model runs on its whole shards (before the first step too),
+    and its output is eager TP's bit for bit: the slice guard looks at each shard, not at the DTensor the plan's
+    pre-hook wraps it in (issue 73 found it comparing the DTensor's global shape)."""
+    world, ranks = parity
+    for rank, record in enumerate(ranks):
+        ours, eager = record[layout]["zero3"]["outputs"], record[layout]["eager averaged"]["outputs"]
+        assert len(ours) == len(eager) == 2
+        for when, a, b in zip(("before the first step", "after the last"), ours, eager):
+            assert torch.equal(a, b), f"rank {rank}, {when}: differs by {(a - b).abs().max().item()}"
+
+
+@pytest.mark.parametrize("layout", ["plain", "sp"])
 def test_zero_equals_eager_tp_with_fsdp2(parity, layout):
     world, ranks = parity
     for rank, record in enumerate(ranks):

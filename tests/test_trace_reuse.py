@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from bench.tiny_models import DropoutBN, make_batch
 from tests.helpers import eager_step, eager_twin
-from tests.models import DropoutBN, make_batch
 from transpiler import (
     ConfigurationError,
     StepTrace,

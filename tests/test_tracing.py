@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from bench.tiny_models import MLP, SmallCNN, TiedLM, make_batch
 from tests.helpers import assert_same_training_state, eager_step, eager_twin
-from tests.models import MLP, SmallCNN, TiedLM, make_batch
 from transpiler import transpile
 
 pytestmark = pytest.mark.bitwise  # claims eager's or DDP's bits: run again under narrower kernels in .ci/run

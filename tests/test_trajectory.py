@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.models import MLP, make_batch
+from bench.tiny_models import MLP, make_batch
 from transpiler import ConfigurationError, transpile
 from transpiler.cli import main
 from transpiler.graph.basis import flat_weights, layout, load_basis

@@ -1,4 +1,4 @@
-"""Shaped links (``Host.shape`` in tests/hosts.py) and a short run of ``bench/wan.py`` over them.
+"""Shaped links (``Host.shape`` in bench/harness/hosts.py) and a short run of ``bench/wan.py`` over them.
 
 - A socket between two hosts sees the rate a link is given, each way, within 20% (TCP/IP headers take about 4.5%
   of it on veth's 1500-byte frames); unshaped, the same link carries gigabits.
@@ -18,8 +18,8 @@ import json
 
 import pytest
 
+from bench.harness.hosts import Hosts, measure_mbit, namespaces_unavailable
 from bench.wan import launch
-from tests.hosts import Hosts, measure_mbit, namespaces_unavailable
 
 REASON = namespaces_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")

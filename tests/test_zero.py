@@ -143,7 +143,7 @@ def test_dcp_checkpoint_reads_into_a_plain_model(dcp_worlds, writer):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from tests.models import TiedLM
+    from bench.tiny_models import TiedLM
 
     writers = dcp_worlds[writer]
     model = TiedLM()

@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.tiny_models import MLP, Lamb, TiedLM, make_batch
 from passes.shard_optimizer import owned, unit_threshold
 from tests.helpers import eager_step
-from tests.models import MLP, Lamb, TiedLM, make_batch
 from tests.test_boost_properties import assert_all_gathers_run_alone
 from transpiler import TraceCache, transpile
 from transpiler.build import StepBuilder

@@ -1,7 +1,7 @@
-"""The suite's rank server (tests/zygote.py): a rank forked from it is what ``python script.py`` would start, as
+"""The suite's rank server (bench/harness/zygote.py): a rank forked from it is what ``python script.py`` would start, as
 far as the rank can tell: its environment, arguments, folder, kernels, threads, output, input and exit code. The
-same for torchrun's workers forked by ``tests/fork_server.py``, whose signals and exit codes pass through the
-client torchrun starts (``tests/forked.py``)."""
+same for torchrun's workers forked by ``bench/harness/fork_server.py``, whose signals and exit codes pass through the
+client torchrun starts (``bench/harness/forked.py``)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import zygote
-from tests.distributed import ROOT, rank_env
+from bench.harness import zygote
+from bench.harness.launch import ROOT, rank_env
 
 PROBE = textwrap.dedent(
     """
@@ -27,7 +27,6 @@ PROBE = textwrap.dedent(
         "argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ), "name": __name__,
         "capability": torch.backends.cpu.get_cpu_capability(), "threads": threading.active_count(),
         "native_threads": len(os.listdir("/proc/self/task")), "stdin": line,
-        "folder_on_path": os.path.dirname(os.path.abspath(__file__)) in sys.path,
     }
     print(json.dumps(seen))
     print("to stderr", file=sys.stderr)
@@ -85,7 +84,7 @@ WORKER_PROBE = textwrap.dedent(
         "argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ), "name": __name__,
         "capability": torch.backends.cpu.get_cpu_capability(), "threads": threading.active_count(),
         "native_threads": len(os.listdir("/proc/self/task")), "session_leader": os.getsid(0) == os.getpid(),
-        "folder_on_path": os.path.dirname(os.path.abspath(__file__)) in sys.path, "host": socket.gethostname(),
+        "host": socket.gethostname(),
         "net": os.stat("/proc/self/ns/net").st_ino, "hosts": open("/etc/hosts").read(),
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -128,7 +127,7 @@ def _alike(seen: dict) -> dict:
 
 
 def test_a_torchrun_worker_forked_from_the_server_is_what_torchrun_would_start(tmp_path):
-    """torchrun's workers through ``tests/forked.py`` see what torchrun's own workers see (environment,
+    """torchrun's workers through ``bench/harness/forked.py`` see what torchrun's own workers see (environment,
     arguments, folder, kernels under ``ATEN_CPU_CAPABILITY=default``, one thread, a session of their own), their
     output reaches torchrun's, torchrun's SIGTERM reaches them, and torchrun reads their exit codes as its own."""
     fresh_code, fresh_out, fresh, fresh_told = _torchrun_probe(tmp_path / "fresh", forked=False)
@@ -147,9 +146,9 @@ def test_a_torchrun_worker_forked_from_the_server_is_what_torchrun_would_start(t
 
 
 def test_a_forked_worker_runs_in_its_hosts_namespaces(tmp_path):
-    """Under ``ip netns exec`` on a named host (tests/hosts.py) the forked worker sees the host's network, host
+    """Under ``ip netns exec`` on a named host (bench/harness/hosts.py) the forked worker sees the host's network, host
     name and ``/etc/hosts``, as the interpreter started there does."""
-    from tests.hosts import Hosts, namespaces_unavailable
+    from bench.harness.hosts import Hosts, namespaces_unavailable
 
     if why := namespaces_unavailable():
         pytest.skip(why)

@@ -1,6 +1,6 @@
 """Worlds of ranks kept for the whole test session, each running one worker's body after another.
 
-Starting a world costs every rank a process (a fork of the suite's rank server, ``tests/zygote.py``, which has
+Starting a world costs every rank a process (a fork of the suite's rank server, ``bench/harness/zygote.py``, which has
 imported torch and the package already), the libraries only some checks use, and a process group, paid again by
 every file that needs a world. So a world of W ranks (gloo on loopback, 60 s timeout, one thread, as
 ``distributed.run_rank``) starts the first time a test asks for it and then serves every test that needs W ranks,
@@ -37,8 +37,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, TextIO
 
-from tests import zygote
-from tests.distributed import ending, free_port, rank_env
+from bench.harness import zygote
+from bench.harness.launch import ending, free_port, rank_env
 
 SETTLE = 2.0  # seconds a failed job's ranks get to leave before their exit codes are read
 NATIVE_CRASHES = {signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}

@@ -21,9 +21,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.distributed import run_rank  # noqa: E402
+from bench.harness.launch import run_rank  # noqa: E402
+from bench.tiny_models import HFLoss, Lamb, Lion, make_batch, make_model  # noqa: E402
 from tests.helpers import capture_by_calling  # noqa: E402
-from tests.models import Lamb, Lion, make_batch, make_model  # noqa: E402
 from transpiler import TraceCache, transpile  # noqa: E402
 
 STEPS = 5
@@ -38,17 +38,6 @@ OPTIMIZERS = {
     "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-3, weight_decay=0.01),  # the generic path, mu products
     "lion": lambda ps: Lion(ps, lr=1e-3, weight_decay=0.1),  # a user's optimizer: sign of a momentum mix
 }
-
-
-class HFLoss(torch.nn.Module):
-    """A Hugging Face causal LM whose forward returns its own loss (labels = inputs)."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids, labels=input_ids).loss
 
 
 def build_model(name: str) -> torch.nn.Module:

@@ -234,6 +234,26 @@ def build_parser() -> argparse.ArgumentParser:
         "No processes are launched: 'dump' builds one rank's program for a world size statically.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    add_dump(sub)
+    pca = sub.add_parser(
+        "pca",
+        help="principal directions of a saved weight trajectory (DimReduce's basis)",
+        description="Centre the snapshots that Execution(save_trajectory=DIR) wrote and save the top "
+        "principal directions, with the parameter layout they were built for.",
+    )
+    pca.add_argument("trajectory", metavar="TRAJECTORY_DIR")
+    pca.add_argument("--components", "-k", type=int, required=True, help="number of principal directions")
+    pca.add_argument("-o", "--output", default="pca.pt", help="where to write the basis")
+    pca.set_defaults(func=cmd_pca)
+    sub.add_parser("passes", help="list the passes").set_defaults(func=cmd_passes)
+    modes = sub.add_parser("modes", help="list the modes: their configs, options and pipelines")
+    modes.add_argument("--markdown", action="store_true", help="as the README's table")
+    modes.set_defaults(func=cmd_modes)
+    return parser
+
+
+def add_dump(sub: argparse._SubParsersAction) -> None:
+    """The ``dump`` command and its options."""
     dump = sub.add_parser(
         "dump",
         help="build one rank's program and print it",
@@ -248,9 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="a mode's name ('transpiler modes'), with its defaults and -O (default: fused_allreduce)",
     )
-    which_config.add_argument(
-        "--config", metavar="FILE.json", help="a config as JSON (ModeConfig.to_json()), -O on top"
-    )
+    which_config.add_argument("--config", metavar="FILE.json", help="a config as JSON (config.to_json()), -O on top")
     which_config.add_argument("--pipeline", metavar="SPEC", help="passes of your choosing ('transpiler passes')")
     dump.add_argument("--world-size", type=int, default=2, help="number of ranks to build the program for")
     dump.add_argument("--rank", type=int, default=0, help="which rank's program to show")
@@ -297,21 +315,6 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--no-verify", action="store_true", help="skip the verifiers between passes")
     dump.add_argument("-o", "--output", help="write here instead of stdout")
     dump.set_defaults(func=cmd_dump)
-    pca = sub.add_parser(
-        "pca",
-        help="principal directions of a saved weight trajectory (DimReduce's basis)",
-        description="Centre the snapshots that transpile(..., save_trajectory=DIR) wrote and save the top "
-        "principal directions, with the parameter layout they were built for.",
-    )
-    pca.add_argument("trajectory", metavar="TRAJECTORY_DIR")
-    pca.add_argument("--components", "-k", type=int, required=True, help="number of principal directions")
-    pca.add_argument("-o", "--output", default="pca.pt", help="where to write the basis")
-    pca.set_defaults(func=cmd_pca)
-    sub.add_parser("passes", help="list the passes").set_defaults(func=cmd_passes)
-    modes = sub.add_parser("modes", help="list the modes: their configs, options and pipelines")
-    modes.add_argument("--markdown", action="store_true", help="as the README's table")
-    modes.set_defaults(func=cmd_modes)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 lscpu | grep -E "Model name|Flags" | cut -c1-400 > $OUT/cpu.txt
 python3 -c "import torch; print(torch.__version__, torch.backends.cpu.get_cpu_capability())" >> $OUT/cpu.txt
 cat $OUT/cpu.txt | cut -c1-200
-PYTHONPATH=$PWD:/tmp/site python3 bench/cpu_kernels.py 2>&1 | tee $OUT/kernels.txt
+PYTHONPATH=$PWD:/tmp/site python3 -m bench.cpu_kernels 2>&1 | tee $OUT/kernels.txt
 FAILING="tests/test_tracing.py::test_every_mode_is_bitwise_eager_at_world_size_one tests/test_boost_w1.py::test_clipping_equals_clip_grad_norm_ tests/test_boost_w1.py::test_world_size_one_is_the_eager_step tests/test_real_models_w1.py::test_bitwise_eager tests/test_safety.py"
 for setting in "" "MKL_ENABLE_INSTRUCTIONS=AVX2" "ATEN_CPU_CAPABILITY=avx2" "ONEDNN_MAX_CPU_ISA=AVX2"; do
   echo "== old code, setting: ${setting:-as found}"

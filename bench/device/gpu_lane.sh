@@ -18,7 +18,7 @@ if [[ $sections == *lane* ]]; then
 fi
 if [[ $sections == *fsdp* ]]; then
   echo "== zero3 against FSDP2, one GPU"
-  timeout 200 python3 bench/fsdp.py --device cuda --out $OUT/fsdp_gpu.md >$OUT/fsdp.log 2>&1
+  timeout 200 python3 -m bench.fsdp --device cuda --out $OUT/fsdp_gpu.md >$OUT/fsdp.log 2>&1
   grep -v Warning $OUT/fsdp.log | grep -v "^  " | tail -50
 fi
 if [[ $sections == *example* ]]; then
@@ -27,7 +27,7 @@ if [[ $sections == *example* ]]; then
 fi
 if [[ $sections == *bench* ]]; then
   echo "== bench"
-  timeout 300 python3 bench/gpu.py --models mlp,resnet50,gpt2 --out $OUT/gpu_bench.md >$OUT/bench.log 2>&1
+  timeout 300 python3 -m bench.gpu --models mlp,resnet50,gpt2 --out $OUT/gpu_bench.md >$OUT/bench.log 2>&1
   tail -25 $OUT/bench.log
 fi
 if [[ $sections == *cpu* ]]; then

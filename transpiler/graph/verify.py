@@ -1,4 +1,4 @@
-"""Invariants checked between passes (see ARCHITECTURE.md), and across ranks.
+"""Invariants checked between passes, and across ranks (the README lists them after its table of passes).
 
 Each verifier takes the program and whether the pipeline has finished, and
 raises :class:`VerificationError` with a message that names the node at fault.

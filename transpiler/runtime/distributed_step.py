@@ -27,7 +27,6 @@ from transpiler.strategies.schedules import EveryStep, Schedule
 from transpiler.trace.environment import AutocastState, running_environment
 
 from . import dcp_checkpoint, feed, global_weights, lending, snapshots
-from .checkpoint_kind import CheckpointKind
 from .data_position import DataPosition
 from .failures import run_named
 from .memory_report import LastRun, MemoryReport, memory_report
@@ -271,10 +270,6 @@ class DistributedStep:
         return memory_report(self._state, self._last_run)
 
     # ----------------------------------------------------------- checkpoints
-    def checkpoint_setup(self) -> dict[str, Any]:
-        """What a checkpoint must share with the step it is loaded into."""
-        return CheckpointKind.of(self._state).setup()
-
     def state_dict(self) -> dict:
         """A snapshot (deep copy) of model, optimizer and transpiler state, for :meth:`load_state_dict`.
 

@@ -72,21 +72,6 @@ def live_group(placement: Placement) -> ProcessGroup | None:
     return dist.distributed_c10d._resolve_process_group(placement.group_name)
 
 
-def as_timeout(value: timedelta | float | int | None) -> timedelta | None:
-    """``timeout=`` as a timedelta: seconds (a positive number) or a timedelta."""
-    if value is None:
-        return None
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        raise ConfigurationError(f"timeout must be seconds (a number) or a datetime.timedelta, got {value!r}.")
-    if not seconds > 0 or seconds == float("inf"):
-        raise ConfigurationError(f"timeout must be positive and finite, got {value!r}.")
-    return timedelta(seconds=seconds)
-
-
 def require_live(placement: Placement) -> None:
     """Before anything runs a program's collectives: an error for a step built without a process group, and the
     private one-rank group registered where the step uses it."""

@@ -18,6 +18,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from transpiler.errors import ConfigurationError
 from transpiler.graph.collectives import C10D, WAIT
@@ -92,7 +93,8 @@ class SlicedForwardGuard:
     """A forward pre-hook: running the model while its parameters are slices fails with what to do instead.
 
     It looks at one parameter whose slice differs in shape from the whole (under tracing the module holds
-    whole stand-ins, so the hook stays silent)."""
+    whole stand-ins, so the hook stays silent). Beside a tensor-parallel plan the whole is this rank's shard, and
+    the plan's root pre-hook (which runs first) has wrapped it in a DTensor: the guard looks at the local shard."""
 
     def __init__(self, model: torch.nn.Module, buckets: list[ParamBucket], shards: Shards):
         self.where: tuple[torch.nn.Module, str, tuple[int, ...]] | None = None
@@ -108,7 +110,8 @@ class SlicedForwardGuard:
         if self.where is None:
             return
         owner, leaf, shape = self.where
-        if tuple(getattr(owner, leaf).shape) != shape:
+        held = getattr(owner, leaf)
+        if tuple((held.to_local() if isinstance(held, DTensor) else held).shape) != shape:
             raise ConfigurationError(
                 "under zero3 the model's parameters hold this rank's slices between steps, so the model cannot run "
                 "on its own. Evaluate or save it inside `with step.gathered(): ...` (every rank enters it: it "

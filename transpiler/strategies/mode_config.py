@@ -82,6 +82,7 @@ class ModeConfig(PassKnobs):
                 f"mode '{self.mode}' ({type(self).__name__}({written})) takes no {', '.join(changed)}: {entry.why}. "
                 f"Drop {'them' if len(changed) > 1 else 'it'}."
             )
+        self.recipe()  # the passes check what they take together (SparseLoCo's topk <= chunk_size², DeMo's bins)
 
     def recipe(self) -> Recipe:
         """The mode's own passes, schedule and layout, before the wrapping features."""

@@ -28,7 +28,7 @@ from .environment import AUTOCAST_OFF, AutocastState
 from .functional import trace_functional, twin_updates
 from .optimizers import GenericPlan, OptimizerPlan
 from .signature import StepSignature, StepTrace, step_signature
-from .step_inputs import LossFn, ModelState, step_inputs
+from .step_inputs import LossFn, ModelState, StepInputs, step_inputs
 from .tensor_parallel import as_local, check_update, tensor_parallel_of
 
 
@@ -52,14 +52,8 @@ def trace_step(
     tracing again (a :class:`TraceMismatchError` names the first difference); or traces by signature, of which
     the one with this step's signature, if any, is copied. The trace returned is the caller's to change."""
     inputs = step_inputs(model, optimizer, loss_fn, batch, shards, whole_shapes)
-    state, plan, wholes, opt_states = inputs.state, inputs.plan, inputs.params, inputs.opt_states
-    generic = isinstance(plan, GenericPlan)
-    counts = [len(s) for s in opt_states]
-    n_p, n_f, n_b = len(state.params), len(state.frozen), len(state.buffers)
-    n_model_out: list[int] = []
-    grad_present: list[bool] = []
-    slots = [slot.name for slot in plan.scalar_slots()]
-    signature = step_signature(model, plan, loss_fn, wholes, opt_states, batch, autocast)
+    state, plan = inputs.state, inputs.plan
+    signature = step_signature(model, plan, loss_fn, inputs.params, inputs.opt_states, batch, autocast)
     known = reuse if isinstance(reuse, StepTrace) or reuse is None else reuse.get(signature)
     if known is not None:
         difference = signature.first_difference(known.signature)
@@ -70,48 +64,68 @@ def trace_step(
             )
         plan.adopt(known.learnt)
         return StepTrace(known.program.clone(), signature, known.learnt), state, plan
-    # the twins' slots live where the parameters are (a captured program reads them there); the generic
-    # path's lrs become floats after tracing
-    scalar_device = state.params[0].device if plan.scalars_as_tensors and state.params else torch.device("cpu")
-    phase = Phase()  # which part of the step a failure came from
+    step_fn = StepFunction(model, loss_fn, autocast, inputs)
+    functional = _traced(step_fn, inputs, batch)
+    ports = (
+        [Port("param", n) for n in state.names]
+        + [Port("frozen", n) for n in state.frozen_names]
+        + [Port("buffer", n) for n in state.buffer_names]
+        + [Port("state", f"{state.names[i]}.{k}") for i in range(len(state.names)) for k in plan.state_keys(i)]
+        + [Port("batch", f"batch{i}") for i in range(len(batch))]
+        + [Port("scalar", slot) for slot in step_fn.slots]
+    )
+    used = [n for n, ok in zip(state.names, step_fn.grad_present) if ok]
+    program = _finish(functional, ports, plan, step_fn.model_outputs, used)
+    _tag_tensor_parallel(program, model)
+    if step_fn.generic:
+        how = (
+            "its capturable (tensor) form, since its default path branches on a value of its state"
+            if plan.tensor_path
+            else "its default path, Python scalars traced symbolically"
+        )
+        program.decisions["optimizer"] = f"{type(optimizer).__name__}.step() traced in {how}"
+    return StepTrace(program, signature, plan.learnt()), state, plan
 
-    def step_fn(*flat: torch.Tensor):
+
+class StepFunction:
+    """The step as one function of flat tensors (``make_fx`` traces it): parameters, frozen parameters, buffers,
+    optimizer state, the batch and the optimizer's scalars in, the loss, the model's outputs, the gradients, the new
+    parameters, state and buffers out. A call records what only tracing tells: which parameters got a gradient, and
+    how many tensors the model returned; ``phase`` says which part of the step was running when tracing failed."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: LossFn, autocast: AutocastState, inputs: StepInputs) -> None:
+        self.model, self.loss_fn, self.autocast = model, loss_fn, autocast
+        self.state, self.plan = inputs.state, inputs.plan
+        self.generic = isinstance(self.plan, GenericPlan)
+        self.counts = [len(s) for s in inputs.opt_states]
+        self.slots = [slot.name for slot in self.plan.scalar_slots()]
+        self.phase = Phase()
+        self.grad_present: list[bool] = []
+        self.model_outputs = 0
+
+    def __call__(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        state, n_p, n_f, n_b = self.state, len(self.state.params), len(self.state.frozen), len(self.state.buffers)
         params, rest = list(flat[:n_p]), flat[n_p:]
         frozen, buffers, rest = rest[:n_f], rest[n_f : n_f + n_b], rest[n_f + n_b :]
         states, pos = [], 0
-        for c in counts:
+        for c in self.counts:
             states.append(list(rest[pos : pos + c]))
             pos += c
-        data, scalars = rest[pos : len(rest) - len(slots)], rest[len(rest) - len(slots) :]
+        data, scalars = rest[pos : len(rest) - len(self.slots)], rest[len(rest) - len(self.slots) :]
         tensors = dict(zip(state.names, params))
         tensors.update(zip(state.frozen_names, frozen))
         tensors.update(zip(state.buffer_names, buffers))
-        inputs = tuple(data[:-1]) if loss_fn is not None else tuple(data)
-        # The backward runs inside the re-parametrisation too: activation checkpointing recomputes the forward
-        # there and must see the traced parameters, not the module's real ones.
-        with _reparametrize_module(model, tensors, tie_weights=True, strict=False):
-            with autocast.applied():
-                phase.current = "forward"
-                out = model(*inputs)
-                phase.current = "loss"
-                loss = loss_fn(out, data[-1]) if loss_fn is not None else out
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-                raise UnsupportedModelError(
-                    "the loss must be a floating-point tensor with one element; "
-                    f"got {type(loss).__name__} {getattr(loss, 'shape', '')}. Reduce it (mean or sum) in loss_fn."
-                )
-            seed = torch.ones_like(loss)
-            phase.current = "backward"
-            grads = _distinct(torch.autograd.grad(loss, params, seed, allow_unused=True))
-        grad_present[:] = [g is not None for g in grads]
-        phase.current = "update"
-        if generic:
-            new_params, updated = plan.step_all(params, grads, states, list(scalars))
+        out, loss, grads = self._forward_backward(tensors, params, data)
+        self.grad_present[:] = [g is not None for g in grads]
+        self.phase.current = "update"
+        if self.generic:
+            new_params, updated = self.plan.step_all(params, grads, states, list(scalars))
         else:
-            new_params, updated = twin_updates(plan, params, grads, states, dict(zip(slots, scalars)))
+            new_params, updated = twin_updates(self.plan, params, grads, states, dict(zip(self.slots, scalars)))
         new_states = [t for s in updated for t in s]
-        out_leaves = [as_local(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)] if loss_fn else []
-        n_model_out[:] = [len(out_leaves)]
+        leaves = pytree.tree_leaves(out) if self.loss_fn is not None else []
+        out_leaves = [as_local(t) for t in leaves if isinstance(t, torch.Tensor)]
+        self.model_outputs = len(out_leaves)
         return (
             as_local(loss.detach()),
             *out_leaves,
@@ -121,59 +135,76 @@ def trace_step(
             *buffers,
         )
 
+    def _forward_backward(self, tensors: dict, params: list, data: tuple) -> tuple[object, torch.Tensor, list]:
+        """The model's output, the loss and the gradients. The backward runs inside the re-parametrisation too:
+        activation checkpointing recomputes the forward there and must see the traced parameters, not the
+        module's real ones."""
+        inputs = tuple(data[:-1]) if self.loss_fn is not None else tuple(data)
+        with _reparametrize_module(self.model, tensors, tie_weights=True, strict=False):
+            with self.autocast.applied():
+                self.phase.current = "forward"
+                out = self.model(*inputs)
+                self.phase.current = "loss"
+                loss = self.loss_fn(out, data[-1]) if self.loss_fn is not None else out
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+                raise UnsupportedModelError(
+                    "the loss must be a floating-point tensor with one element; "
+                    f"got {type(loss).__name__} {getattr(loss, 'shape', '')}. Reduce it (mean or sum) in loss_fn."
+                )
+            seed = torch.ones_like(loss)
+            self.phase.current = "backward"
+            grads = _distinct(torch.autograd.grad(loss, params, seed, allow_unused=True))
+        return out, loss, grads
+
+
+def _traced(step_fn: StepFunction, inputs: StepInputs, batch: tuple) -> fx.GraphModule:
+    """``step_fn`` traced functional on the step's flat inputs (the real buffers left as they were); a failure
+    explained by the part of the step it came from."""
+    state, plan = inputs.state, inputs.plan
+    # the twins' slots live where the parameters are (a captured program reads them there); the generic
+    # path's lrs become floats after tracing
+    scalar_device = state.params[0].device if plan.scalars_as_tensors and state.params else torch.device("cpu")
     flat_inputs = [
-        *[p.detach().requires_grad_(True) for p in wholes],
+        *[p.detach().requires_grad_(True) for p in inputs.params],
         *[p.detach() for p in state.frozen],
         *state.buffers,
-        *[t for s in opt_states for t in s],
+        *[t for s in inputs.opt_states for t in s],
         *batch,
         *[torch.tensor(v, dtype=torch.float64, device=scalar_device) for v in plan.scalar_values()],
     ]
     snapshot = [t.clone() for t in state.buffers]  # tracing must not touch real buffers
-
     try:
         with quiet_fake_tensor_failures():
-            functional = trace_functional(step_fn, flat_inputs, plan, symbolic_scalars=generic)
+            functional = trace_functional(step_fn, flat_inputs, plan, symbolic_scalars=step_fn.generic)
         check_matmul_dtypes(functional.graph)
+        return functional
     except (UnsupportedModelError, UnsupportedOptimizerError):
         raise
     except Exception as exc:  # torch raises many kinds while tracing; name the cause plainly
-        probed = dict(zip(state.names, [w.detach() for w in wholes]))
+        probed = dict(zip(state.names, [w.detach() for w in inputs.params]))
         probed.update(zip(state.frozen_names, state.frozen))
         probed.update(zip(state.buffer_names, [b.clone() for b in snapshot]))
-        raise explain(exc, phase.current, model, loss_fn, batch, probed, autocast)  # noqa: B904 - its cause is set
+        raise explain(exc, step_fn.phase.current, step_fn.model, step_fn.loss_fn, batch, probed, step_fn.autocast)  # noqa: B904 - its cause is set
     finally:
         with torch.no_grad():
             for b, s in zip(state.buffers, snapshot):
                 b.copy_(s)
-    ports = (
-        [Port("param", n) for n in state.names]
-        + [Port("frozen", n) for n in state.frozen_names]
-        + [Port("buffer", n) for n in state.buffer_names]
-        + [Port("state", f"{state.names[i]}.{k}") for i in range(n_p) for k in plan.state_keys(i)]
-        + [Port("batch", f"batch{i}") for i in range(len(batch))]
-        + [Port("scalar", name) for name in slots]
-    )
-    used = [n for n, ok in zip(state.names, grad_present) if ok]
-    program = _finish(functional, ports, plan, n_model_out[0], used)
+
+
+def _tag_tensor_parallel(program: StepProgram, model: torch.nn.Module) -> None:
+    """Under a tensor-parallel plan: every collective of the trace is the plan's, on the 'tp' group, and the
+    update is checked to work on each rank's shards alone."""
     tensor_parallel = tensor_parallel_of(model)
-    if tensor_parallel is not None:
-        check_update(program.graph)
-        for node in program.graph.nodes:  # every collective of the trace is the plan's, on the 'tp' group
-            if is_collective(node):
-                node.meta["mesh_dim"] = "tp"
-        program.decisions["tensor-parallel"] = (
-            f"traced through DTensor: {len(tensor_parallel.specs)} parameters are DTensors on 'tp' "
-            f"({tensor_parallel.size} ranks); this rank's program holds its shards"
-        )
-    if generic:
-        how = (
-            "its capturable (tensor) form, since its default path branches on a value of its state"
-            if plan.tensor_path
-            else "its default path, Python scalars traced symbolically"
-        )
-        program.decisions["optimizer"] = f"{type(optimizer).__name__}.step() traced in {how}"
-    return StepTrace(program, signature, plan.learnt()), state, plan
+    if tensor_parallel is None:
+        return
+    check_update(program.graph)
+    for node in program.graph.nodes:
+        if is_collective(node):
+            node.meta["mesh_dim"] = "tp"
+    program.decisions["tensor-parallel"] = (
+        f"traced through DTensor: {len(tensor_parallel.specs)} parameters are DTensors on 'tp' "
+        f"({tensor_parallel.size} ranks); this rank's program holds its shards"
+    )
 
 
 def _distinct(grads: tuple) -> list:

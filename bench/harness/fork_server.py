@@ -1,11 +1,11 @@
-"""A server that forks torchrun's workers (and torchft's lighthouse, ``tests/lighthouse.py``) from the suite's
-imported interpreter (``tests/zygote.py``).
+"""A server that forks torchrun's workers (and torchft's lighthouse, ``bench/harness/lighthouse.py``) from the suite's
+imported interpreter (``bench/harness/zygote.py``).
 
 torchrun starts every worker as a new interpreter, which spends 5 to 6 s of CPU importing torch and the package
 before its first line of work; the fault-tolerance and multi-host tests start about a hundred. Their torchrun runs
-``tests/forked.py SCRIPT ARGS`` instead, a stdlib-only client that sends this server its arguments, environment,
+``bench/harness/forked.py SCRIPT ARGS`` instead, a stdlib-only client that sends this server its arguments, environment,
 folder, standard streams and namespaces. The server forks a worker that becomes ``python -u SCRIPT ARGS``
-in them (in the client's network, host name and mount namespaces: a host of ``tests/hosts.py``), tells the
+in them (in the client's network, host name and mount namespaces: a host of ``bench/harness/hosts.py``), tells the
 client its pid (the client forwards torchrun's signals to it), and when the worker ends sends
 the client its wait status, which the client then ends with. A client that dies (torchrun's SIGKILL) takes its
 worker with it. The server has no thread, so each fork is as clean as the server itself.
@@ -25,8 +25,8 @@ import sys
 import threading
 import traceback
 
-from tests import zygote
-from tests.forked import HEADER, NAMESPACES, PID, STATUS, exactly
+from bench.harness import zygote
+from bench.harness.forked import HEADER, NAMESPACES, PID, STATUS, exactly
 
 STDIN, STDOUT, STDERR = range(3)  # the client's descriptors: these, then its namespaces
 

@@ -2,17 +2,18 @@
 
 A rank started as ``python script.py`` spends 5 to 10 s of CPU importing torch, its tracing stack, this package and
 the libraries the checks use before its first line of work (docs/design.md, "The test suite and its time"). Each
-pytest process here starts one multiprocessing *forkserver*, which imports them once (``tests.zygote_preload``),
+pytest process here starts one multiprocessing *forkserver*, which imports them once (``bench.harness.zygote_preload``),
 and every rank is a fork of it: with its own environment, arguments, working directory, log and (for a world's
-rank) stdin, running its script as ``__main__`` as the interpreter would, and leaving without interpreter
-finalisation, as ``distributed.run_rank`` does.
+rank) stdin, running its script as ``__main__`` as the interpreter would (but for the script's own folder, which
+is not searched first for imports: every script here imports by package, ``tests.x`` or ``bench.x``), and leaving
+without interpreter finalisation, as ``launch.run_rank`` does.
 
 The server imports and nothing else: no tensor op, no thread (OpenBLAS's pool is kept to the main thread by
 ``OMP_NUM_THREADS=1``, which every rank has anyway), so a fork of it is as clean as a fresh interpreter. What a
 fresh interpreter reads from the environment at import time (ATen's ``ATEN_CPU_CAPABILITY``, the thread count)
 is the same here: the server starts with the suite's environment, and ranks set their thread count themselves.
-torchrun's workers and torchft's lighthouse come here too, through a client (``tests/forked.py``) and a server
-forked from this one (``tests/fork_server.py``; :func:`torchrun_worker`, :func:`lighthouse_command`); torchrun's
+torchrun's workers and torchft's lighthouse come here too, through a client (``bench/harness/forked.py``) and a server
+forked from this one (``bench/harness/fork_server.py``; :func:`torchrun_worker`, :func:`lighthouse_command`); torchrun's
 agents start their own interpreters (forked, one restarted world in three failed: docs/design.md).
 """
 
@@ -31,14 +32,14 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from tests.distributed import ROOT
+from bench.harness.launch import ROOT
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 
 
 def _ensure_server() -> None:
     """Start this process's server once, with one OpenMP/OpenBLAS thread (it must have no thread but its own)."""
-    multiprocessing.forkserver.set_forkserver_preload(["tests.zygote_preload"])
+    multiprocessing.forkserver.set_forkserver_preload(["bench.harness.zygote_preload"])
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
@@ -64,26 +65,29 @@ def start(argv: list[str], env: dict[str, str], log: Path, *, stdin_fd: int | No
 
 def forked_command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """A command that runs as ``python -u *argv`` (a script, or ``-m module``) would, in a fork of this process's
-    server (``tests/fork_server.py``, started on first use) instead of a new interpreter; and the environment it
+    server (``bench/harness/fork_server.py``, started on first use) instead of a new interpreter; and the environment it
     needs for that."""
-    return [sys.executable, "-u", str(ROOT / "tests" / "forked.py"), *argv], {"FORK_SERVER": _worker_server()}
+    return [sys.executable, "-u", str(ROOT / "bench" / "harness" / "forked.py"), *argv], {
+        "FORK_SERVER": _worker_server()
+    }
 
 
 def torchrun_worker(script: Path | str) -> tuple[list[str], dict[str, str]]:
     """What a torchrun command names instead of ``script`` so that its workers are forks of this process's server
-    (``tests/fork_server.py``, started on first use), and the environment torchrun must pass on for it."""
-    return [str(ROOT / "tests" / "forked.py"), str(script)], {"FORK_SERVER": _worker_server()}
+    (``bench/harness/fork_server.py``, started on first use), and the environment torchrun must pass on for it."""
+    return [str(ROOT / "bench" / "harness" / "forked.py"), str(script)], {"FORK_SERVER": _worker_server()}
 
 
 def lighthouse_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
-    """torchft's lighthouse (its ``torchft_lighthouse`` command, ``tests/lighthouse.py``) with ``args``, forked."""
-    return forked_command([str(ROOT / "tests" / "lighthouse.py"), *args])
+    """torchft's lighthouse (its ``torchft_lighthouse`` command, ``bench/harness/lighthouse.py``) with ``args``,
+    forked."""
+    return forked_command([str(ROOT / "bench" / "harness" / "lighthouse.py"), *args])
 
 
 @functools.cache
 def _worker_server() -> str:
     """Start this process's torchrun-worker server, a fork of the rank server; its address."""
-    from tests import fork_server
+    from bench.harness import fork_server
 
     _ensure_server()
     address = str(Path(tempfile.mkdtemp(prefix="forks-")) / "server")
@@ -122,11 +126,7 @@ def become(argv: list[str], env: dict[str, str], cwd: str, *, stdout: int, stder
     if stdin is not None:
         os.dup2(stdin, 0)
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the rank's stdin for its whole life
-    if cwd not in sys.path:  # PYTHONPATH, as ``distributed.rank_env`` sets it
-        sys.path.insert(0, cwd)
     sys.argv = [argv[1], *argv[2:]] if argv[0] == "-m" else list(argv)
-    if argv[0] != "-m":
-        sys.path.insert(0, str(Path(argv[0]).resolve().parent))  # the script's folder, as the interpreter puts it
 
 
 def run_as_main(argv: list[str]) -> None:

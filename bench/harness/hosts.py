@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests import zygote
+from bench.harness import zygote
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 SUBNET = "10.231.0"  # inside the namespaces only
 QUEUE_MS = 50  # tbf's latency: the most a packet waits in a shaped link's queue before it is dropped
 

@@ -1,6 +1,6 @@
-"""What the rank server of ``tests/zygote.py`` imports once, for every rank it forks: torch with its distributed,
-tracing and compiling stacks, this package, the libraries the checks build models from, and the example's (the
-digits, its progress bar). Imports only: no tensor op, no thread."""
+"""What the rank server of ``bench/harness/zygote.py`` imports once, for every rank it forks: torch with its
+distributed, tracing and compiling stacks, this package, the libraries the checks build models from, and the example's
+(the digits, its progress bar). Imports only: no tensor op, no thread."""
 
 import rich.progress  # noqa: F401
 import sklearn.datasets  # noqa: F401
@@ -12,7 +12,6 @@ import torch.fx.experimental.proxy_tensor  # noqa: F401
 import transformers.models.gpt2.modeling_gpt2  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel  # noqa: F401
 
-import tests.distributed  # noqa: F401
-import tests.helpers  # noqa: F401
-import tests.models  # noqa: F401
+import bench.harness.launch  # noqa: F401
+import bench.tiny_models  # noqa: F401
 import transpiler  # noqa: F401

@@ -204,3 +204,36 @@ def muon_and_adamw(params) -> torch.optim.Optimizer:
     params = list(params)
     matrices, rest = [p for p in params if p.ndim == 2], [p for p in params if p.ndim != 2]
     return OptimizerChain([torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=0.01)])
+
+
+class HFLoss(nn.Module):
+    """A Hugging Face causal LM whose forward returns its own loss (labels = inputs)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, labels=input_ids).loss
+
+
+def tiny_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    return HFLoss(GPT2LMHeadModel(config))
+
+
+def tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
+    return HFLoss(LlamaForCausalLM(config))

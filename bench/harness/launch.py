@@ -14,7 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def run_rank(body: Callable[..., Any], *, destroy_group: bool = True) -> None:
@@ -75,9 +75,9 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def launch(script: Path, world: int, args: list[str], *, timeout: float) -> list[subprocess.CompletedProcess]:
-    """Start ``world`` ranks of ``script`` (forks of the suite's rank server, ``tests/zygote.py``); kill them all
-    and fail if any hangs past ``timeout``."""
-    from tests import zygote
+    """Start ``world`` ranks of ``script`` (forks of the suite's rank server, ``bench/harness/zygote.py``); kill them
+    all and fail if any hangs past ``timeout``."""
+    from bench.harness import zygote
 
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="launch-") as folder:

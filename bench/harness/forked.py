@@ -1,5 +1,5 @@
-"""A process forked by the suite's server (``tests/fork_server.py``): ``python -u tests/forked.py SCRIPT ARGS`` (or
-``-m MODULE ARGS``) runs ``SCRIPT ARGS`` as ``python -u`` would, in a fork of an interpreter that has
+"""A process forked by the suite's server (``bench/harness/fork_server.py``): ``python -u bench/harness/forked.py
+SCRIPT ARGS`` (or ``-m MODULE ARGS``) runs ``SCRIPT ARGS`` as ``python -u`` would, in a fork of an interpreter that has
 imported torch and the package already. torchrun names it for its workers; the quorum tests start the lighthouse
 with it.
 
@@ -20,7 +20,7 @@ import sys
 
 HEADER = struct.Struct("!Q")  # the request's length; the client's descriptors travel with it
 PID, STATUS = struct.Struct("!q"), struct.Struct("!i")  # what the server answers: the worker's pid, then its status
-NAMESPACES = ("net", "uts", "mnt")  # a host's (tests/hosts.py): its network, its host name, its /etc/hosts
+NAMESPACES = ("net", "uts", "mnt")  # a host's (bench/harness/hosts.py): its network, its host name, its /etc/hosts
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
