@@ -29,7 +29,7 @@ def measure(mode: str, rank: int) -> dict[str, float]:
     """The first call of a fresh step and the median of the next :data:`LATER`, on this rank."""
     torch.manual_seed(0)
     model = NarrowGPT()
-    step = transpile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mode=mode, loss_fn=nn.CrossEntropyLoss())
+    step = transpile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mode, loss_fn=nn.CrossEntropyLoss())
     batch = narrow_batch("gpt", 4, torch.Generator().manual_seed(rank))
     dist.barrier()
     start = time.perf_counter()

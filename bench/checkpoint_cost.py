@@ -56,7 +56,7 @@ MODELS = {"digits MLP": digits_mlp, "GPT, 10M parameters": gpt_10m}  # the GPT i
 def build(name: str, mode: str):
     torch.manual_seed(0)
     model = MODELS[name]()
-    step = transpile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mode=mode, loss_fn=nn.CrossEntropyLoss())
+    step = transpile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), mode, loss_fn=nn.CrossEntropyLoss())
     return model, step
 
 

@@ -48,7 +48,7 @@ from torch import nn
 
 from bench.models import NarrowGPT
 from bench.two_ranks import write_section
-from transpiler import transpile
+from transpiler import Clipping, mode_config, transpile
 from transpiler.graph.edit import node_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +58,7 @@ BEGIN, END = "<!-- diloco:begin -->", "<!-- diloco:end -->"  # diloco-cold / dil
 SEQ, PER_RANK, EVAL_BATCHES = 64, 8, 16
 LR, FLOOR = 1e-3, 0.1  # the inner AdamW's lr, and where the cosine schedule ends (a share of LR)
 DEMO_LR = 1e-3  # DeMo's SGD on sign steps: each element moves by the lr, as AdamW's steps roughly do
+CLIP = Clipping(max_norm=1.0)  # the authors' DiLoCo loop clips each inner step's gradients to norm 1
 STREAMING = {"sync_every": 50, "fragments": 4, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
 RUNS = {  # label -> (mode, options)
     "DDP": ("ddp", {}),
@@ -73,17 +74,17 @@ RUNS = {  # label -> (mode, options)
     "sparseloco H=30 k=64 (1.6%)": ("sparseloco", {"sync_every": 30, "topk": 64}),
     "sparseloco H=30 k=128 (3.1%)": ("sparseloco", {"sync_every": 30, "topk": 128}),
     # the authors' DiLoCo loop clips each inner step's gradients to norm 1 (tplr's strategies.py)
-    "sparseloco H=15 k=128 (3.1%) clip 1": ("sparseloco", {"sync_every": 15, "topk": 128, "max_grad_norm": 1.0}),
-    "sparseloco H=15 k=64 (1.6%) clip 1": ("sparseloco", {"sync_every": 15, "topk": 64, "max_grad_norm": 1.0}),
-    "diloco H=15 clip 1": ("diloco", {"sync_every": 15, "max_grad_norm": 1.0}),
+    "sparseloco H=15 k=128 (3.1%) clip 1": ("sparseloco", {"sync_every": 15, "topk": 128, "clipping": CLIP}),
+    "sparseloco H=15 k=64 (1.6%) clip 1": ("sparseloco", {"sync_every": 15, "topk": 64, "clipping": CLIP}),
+    "diloco H=15 clip 1": ("diloco", {"sync_every": 15, "clipping": CLIP}),
     "sparseloco H=50 k=64 (1.6%)": ("sparseloco", {"sync_every": 50, "topk": 64}),
     "sparseloco H=50 k=128 (3.1%)": ("sparseloco", {"sync_every": 50, "topk": 128}),
 }
 # the authors' DeMo: 64 × 64 tiles, β 0.999, its own decoupled weight decay
-DEMO = {"compression_decay": 0.999, "compression_chunk": 64, "weight_decay": 0.1}
+DEMO = {"compression_decay": 0.999, "chunk_size": 64, "weight_decay": 0.1}
 RUNS |= {
-    "demo topk=32 (0.78%)": ("demo", {**DEMO, "compression_topk": 32}),
-    "demo topk=64 (1.6%)": ("demo", {**DEMO, "compression_topk": 64}),
+    "demo topk=32 (0.78%)": ("demo", {**DEMO, "topk": 32}),
+    "demo topk=64 (1.6%)": ("demo", {**DEMO, "topk": 64}),
 }
 WIDE_RUNS = [
     "DDP",
@@ -205,7 +206,7 @@ def run(label: str, args: argparse.Namespace, train: torch.Tensor, held: torch.T
             return loss.detach()
 
     else:
-        step = transpile(model, inner, mode=mode, loss_fn=nn.CrossEntropyLoss(), **options)
+        step = transpile(model, inner, mode_config(mode, **options), loss_fn=nn.CrossEntropyLoss())
     gen = torch.Generator().manual_seed(100 + 1000 * seed + rank)
     times, sent, peak, losses = [], 0.0, 0, []
     by_variant: dict[str, list[float]] = {}

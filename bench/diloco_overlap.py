@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from bench.models import NarrowGPT
 from bench.two_ranks import two_rank_results, write_section
-from transpiler import transpile
+from transpiler import mode_config, transpile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,8 +52,7 @@ def profile(delay: int, trace: str | None) -> dict:
     step = transpile(
         model,
         torch.optim.AdamW(model.parameters(), lr=1e-3),
-        "streaming_diloco",
-        **options,
+        mode_config("streaming_diloco", **options),
         loss_fn=torch.nn.CrossEntropyLoss(),
     )
     data = batches(dist.get_rank())

@@ -21,7 +21,7 @@ from torch import nn
 from bench.models import NarrowGPT, narrow_batch
 from bench.op_count import count_ops
 from passes.foreach_update import ForeachUpdate
-from transpiler import transpile
+from transpiler import StaticWorld, transpile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ def transpiled(model: nn.Module, foreach: bool, batch: tuple) -> object:
     if not foreach:
         ForeachUpdate.run = lambda self, program: False
     try:
-        step = transpile(model, optimizer, "fused_allreduce", LOSS, batch, world_size=1, rank=0)
+        step = transpile(model, optimizer, "fused_allreduce", LOSS, batch, mesh=StaticWorld(size=1, rank=0))
     finally:
         ForeachUpdate.run = run
     return lambda: step(*batch)

@@ -49,7 +49,7 @@ from bench.host_ops import ROUNDS, STEPS, interleaved_ms
 from bench.models import NarrowGPT, NarrowResNet, narrow_batch
 from bench.op_count import count_ops
 from bench.two_ranks import entry, finish_rank, two_rank_results, write_section
-from transpiler import transpile
+from transpiler import mode_config, transpile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,7 +125,7 @@ class Variant:
         else:
             mode, options = label.split(",")[0], {"reshard_after_forward": False} if NO_RESHARD in label else {}
             loss_fn = nn.CrossEntropyLoss()
-            self.transpiled = transpile(model, adamw(model.parameters()), mode, loss_fn, batch, **options)
+            self.transpiled = transpile(model, adamw(model.parameters()), mode_config(mode, **options), loss_fn, batch)
             self.run = lambda: self.transpiled(*batch)
 
     @staticmethod

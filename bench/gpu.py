@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from transpiler import transpile
+from transpiler import Execution, transpile
 
 ROUNDS, STEPS, WARMUP, PROFILED = 5, 5, 3, 3
 
@@ -94,7 +94,7 @@ def variants(name: str, device: torch.device, compile_: bool) -> dict[str, Calla
         }
     for label, options in modes.items():
         mine = workload(name, cuda)[0].to(device)
-        step = transpile(mine, make_opt(mine.parameters()), "fused_allreduce", loss_fn, **options)
+        step = transpile(mine, make_opt(mine.parameters()), "fused_allreduce", loss_fn, execution=Execution(**options))
 
         def run(step=step):
             with autocast:

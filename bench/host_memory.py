@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from bench.models import start_rank
-from transpiler import transpile
+from transpiler import Execution, transpile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +39,7 @@ MODES = ("fused_allreduce", "zero1", "zero2", "zero3")
 def rank_main(mode: str, keep: bool, out: str) -> None:
     rank, model, batch = start_rank(MODEL, PER_RANK)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = transpile(model, optimizer, mode, torch.nn.CrossEntropyLoss(), keep_freed_memory=keep)
+    step = transpile(model, optimizer, mode, torch.nn.CrossEntropyLoss(), execution=Execution(keep_freed_memory=keep))
     for _ in range(WARMUP):
         step(*batch)
     dist.barrier()

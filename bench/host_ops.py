@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from bench.models import NARROW, narrow_batch
 from bench.op_count import count_ops
 from bench.two_ranks import entry, finish_rank, two_rank_results, write_section
-from transpiler import transpile
+from transpiler import Execution, transpile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +39,7 @@ PER_RANK = {"gpt": 4, "cnn": 8}
 TITLE = {"gpt": "12-block GPT, d=16", "cnn": "16-block ResNet-style CNN with BatchNorm, 8 channels"}
 WARMUP, STEPS, ROUNDS = 3, 10, 7
 REFERENCE = "DDP, AdamW foreach"
-# label -> (mode or "ddp", transpile() or AdamW options)
+# label -> (mode or "ddp", the step's execution settings or DDP's AdamW options)
 VARIANTS: dict[str, tuple[str, dict]] = {
     REFERENCE: ("ddp", {"foreach": True}),
     "DDP, AdamW for-loop": ("ddp", {"foreach": False}),
@@ -73,7 +73,7 @@ def build_variants(name: str, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[
             runs[label] = step
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            transpiled = transpile(model, optimizer, mode, loss_fn, batch, **options)
+            transpiled = transpile(model, optimizer, mode, loss_fn, batch, execution=Execution(**options))
             runs[label] = lambda transpiled=transpiled: transpiled(*batch)
     return runs
 

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.models import TinyTransformer
 from bench.two_ranks import two_rank_results
-from transpiler import transpile
+from transpiler import Execution, mode_config, transpile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,12 +71,13 @@ WORKLOADS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], 
 FUSED = {
     "fused_allreduce": {},
     "fused, one bucket": {"bucket_cap_mb": 1000.0, "first_bucket_mb": 1000.0},
-    "fused, compile=True": {"compile": True},
+    "fused, compile=True": {},  # and Execution(compile=True): COMPILED
     "fused, no bucket views": {"gradient_as_bucket_view": False},
     "fused, auto caps": {"bucket_cap_mb": "auto"},
 }
 
 OTHER_MODES = {"local step": ("none", {}), "adasum": ("adasum", {})}
+COMPILED = ("fused, compile=True",)
 
 
 class Step:
@@ -97,7 +98,9 @@ class Step:
         else:
             mode, options = OTHER_MODES.get(label) or ("fused_allreduce", FUSED[label])
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-            self.step = transpile(model, opt, mode=mode, loss_fn=self.loss_fn, example_inputs=batch, **options)
+            execution = Execution(compile=label in COMPILED)
+            config = mode_config(mode, **options)
+            self.step = transpile(model, opt, config, self.loss_fn, batch, execution=execution)
             self.run = lambda: self.step(*batch)
 
     def _ddp(self) -> None:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.models import batch_for, build
-from transpiler import transpile
+from transpiler import Execution, mode_config, transpile
 from transpiler.graph.memory import peak_transient_bytes
 from transpiler.runtime.memory_report import StorageCounter
 
@@ -103,7 +103,13 @@ def rank_main(out: str, return_freed: bool) -> None:
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
             keep = not return_freed
-            step = transpile(model, optimizer, mode=mode, loss_fn=loss_fn, keep_freed_memory=keep, **options)
+            step = transpile(
+                model,
+                optimizer,
+                mode_config(mode, **options),
+                loss_fn=loss_fn,
+                execution=Execution(keep_freed_memory=keep),
+            )
             transpiled[variant] = step
 
             def report(step=step) -> dict[str, int]:

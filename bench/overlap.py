@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from bench.limit import WORKLOADS
-from transpiler import transpile
+from transpiler import mode_config, transpile
 from transpiler.graph.collectives import is_collective, is_wait
 from transpiler.runtime import feed
 
@@ -80,7 +80,7 @@ def main() -> None:
             model = build()
             batch = make_batch(torch.Generator().manual_seed(rank))
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-            step = transpile(model, opt, "fused_allreduce", torch.nn.CrossEntropyLoss(), batch, **options)
+            step = transpile(model, opt, mode_config("fused_allreduce", **options), torch.nn.CrossEntropyLoss(), batch)
             for _ in range(3):
                 step(*batch)
             for i, (_, size, ms, overlapped) in enumerate(measure(step, batch)):

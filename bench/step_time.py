@@ -22,7 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bench.models import batch_for, build
-from transpiler import transpile
+from transpiler import Accumulation, Clipping, Compression, Freeze, LossScaling, Sparsification, mode_config, transpile
 
 PER_RANK = {"mlp_5m": 64, "transformer": 32}
 WARMUP, STEPS, ROUNDS = 4, 12, 8
@@ -33,19 +33,19 @@ VARIANTS = {  # label: (mode, options); "ddp" options: accumulate (no_sync calls
     "local_sgd k=1": ("local_sgd", {"k_steps": 1}),
     "local_sgd k=4": ("local_sgd", {"k_steps": 4}),
     "local_sgd k=16": ("local_sgd", {"k_steps": 16}),
-    "adaptive_local_sgd": ("adaptive_local_sgd", {"init_k_steps": 2}),
+    "adaptive_local_sgd": ("adaptive_local_sgd", {"k_steps": 2}),
     "adasum": ("adasum", {}),
     "adasum_delta": ("adasum_delta", {}),
     "ddp no_sync k=4": ("ddp", {"accumulate": 4}),
-    "fused accumulate_steps=4": ("fused_allreduce", {"accumulate_steps": 4}),
-    "fused loss_scale=dynamic": ("fused_allreduce", {"loss_scale": "dynamic"}),
-    "fused max_grad_norm=1": ("fused_allreduce", {"max_grad_norm": 1.0}),
+    "fused accumulate_steps=4": ("fused_allreduce", {"accumulation": Accumulation(steps=4)}),
+    "fused loss_scale=dynamic": ("fused_allreduce", {"loss_scaling": LossScaling()}),
+    "fused max_grad_norm=1": ("fused_allreduce", {"clipping": Clipping(max_norm=1.0)}),
     "ddp fp16 hook": ("ddp", {"hook": "fp16"}),
-    "fused compress=fp16": ("fused_allreduce", {"compress": "fp16"}),
-    "fused compress=bf16": ("fused_allreduce", {"compress": "bf16"}),
-    "fused sparsify=0.01": ("fused_allreduce", {"sparsify": 0.01}),
-    "fused sparsify=0.1": ("fused_allreduce", {"sparsify": 0.1}),
-    "fused freeze_groups=4": ("fused_allreduce", {"freeze_groups": 4, "freeze_type": 0, "freeze_p": 0.5}),
+    "fused compress=fp16": ("fused_allreduce", {"compression": Compression(wire_dtype="fp16")}),
+    "fused compress=bf16": ("fused_allreduce", {"compression": Compression(wire_dtype="bf16")}),
+    "fused sparsify=0.01": ("fused_allreduce", {"sparsification": Sparsification(ratio=0.01)}),
+    "fused sparsify=0.1": ("fused_allreduce", {"sparsification": Sparsification(ratio=0.1)}),
+    "fused freeze_groups=4": ("fused_allreduce", {"freeze": Freeze(groups=4, type=0, p=0.5)}),
     "partial_sync partitions=4": ("partial_sync", {"partitions": 4}),
     "allgather": ("allgather", {}),
 }
@@ -88,7 +88,7 @@ class Runner:
             self.per_step = (len(sizes), sum(p.numel() * wire for p in model.parameters()))
             return
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        self.step = transpile(model, opt, mode=mode, loss_fn=self.loss_fn, example_inputs=batch, **options)
+        self.step = transpile(model, opt, mode_config(mode, **options), loss_fn=self.loss_fn, example_inputs=batch)
         self.payloads = {v: payload(p) for v, p in self.step.programs.items()}
 
     def __call__(self, x, y) -> None:

@@ -27,12 +27,12 @@ ROOT = Path(__file__).resolve().parent.parent
 BASIS = "{basis}"  # replaced by a basis file written for the run
 
 GRAPHS = {
-    "accumulation": ("fused_allreduce", ["accumulate_steps=2"], ["accumulate", "step"]),
-    "loss_scaling": ("fused_allreduce", ["loss_scale=dynamic"], ["step"]),
-    "clipping": ("fused_allreduce", ["max_grad_norm=1.0"], ["step"]),
-    "gradient_freeze": ("fused_allreduce", ["freeze_groups=2"], ["step/freeze1"]),
-    "compression": ("fused_allreduce", ["compress=fp16"], ["step"]),
-    "sparsification": ("fused_allreduce", ["sparsify=0.1"], ["step"]),
+    "accumulation": ("fused_allreduce", ["accumulation.steps=2"], ["accumulate", "step"]),
+    "loss_scaling": ("fused_allreduce", ["loss_scaling.dynamic=true"], ["step"]),
+    "clipping": ("fused_allreduce", ["clipping.max_norm=1.0"], ["step"]),
+    "gradient_freeze": ("fused_allreduce", ["freeze.groups=2"], ["step/freeze1"]),
+    "compression": ("fused_allreduce", ["compression.wire_dtype=fp16"], ["step"]),
+    "sparsification": ("fused_allreduce", ["sparsification.ratio=0.1"], ["step"]),
     "allgather": ("allgather", [], ["step"]),
     "partial_sync": ("partial_sync", [], ["sync0"]),
     "dim_reduce": ("dim_reduce", [f"pca_path={BASIS}"], ["step"]),

@@ -45,7 +45,7 @@ from bench.host_ops import interleaved_ms
 from bench.models import TinyLlama, llama_tp_plan
 from bench.op_count import count_ops
 from bench.two_ranks import entry, finish_rank, two_rank_results, write_section
-from transpiler import transpile
+from transpiler import DiLoCo, Execution, transpile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,8 +131,9 @@ def build(label: str, base: nn.Module, mesh, batch: tuple) -> tuple[Callable[[],
     parallelize_module(model, mesh["tp"], llama_tp_plan(model, sequence_parallel=True))
     if label in (*VARIANTS[2:], COMPILED):
         mode = label.split(",")[0]
-        options = {"sync_every": H} if mode == "diloco" else {"compile": True} if label == COMPILED else {}
-        step = transpile(model, adamw(model.parameters()), mode, loss_fn, batch, mesh=mesh["dp"], **options)
+        config = DiLoCo(sync_every=H) if mode == "diloco" else mode
+        execution = Execution(compile=label == COMPILED)
+        step = transpile(model, adamw(model.parameters()), config, loss_fn, batch, mesh=mesh["dp"], execution=execution)
         return (lambda: step(*batch)), (lambda: step.memory_report().held)
     if label == "eager TP + FSDP2":
         from torch.distributed.fsdp import fully_shard
@@ -221,9 +222,9 @@ def training(mesh, steps: int, warm: int) -> dict:
         model = copy.deepcopy(base)
         parallelize_module(model, mesh["tp"], llama_tp_plan(model, sequence_parallel=True))
         gen = torch.Generator().manual_seed(seed + dpr)
-        options = {"sync_every": H} if label == "diloco" else {}
+        config = DiLoCo(sync_every=H) if label == "diloco" else label
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-        step = transpile(model, optimizer, label, loss_fn, windows(train, PER_RANK, gen), mesh=mesh["dp"], **options)
+        step = transpile(model, optimizer, config, loss_fn, windows(train, PER_RANK, gen), mesh=mesh["dp"])
         with torch.no_grad():
             for name, p in model.named_parameters() if start is not None else ():
                 p.copy_(start[name])  # this rank's shards of the warmed-up weights, before the first step

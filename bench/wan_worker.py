@@ -38,7 +38,7 @@ from bench.diloco import (
     warmed_up,
     windows,
 )
-from transpiler import transpile
+from transpiler import mode_config, transpile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +54,7 @@ VARIANTS = {  # label -> (kind, options); kind: "ddp", "torchft", or one of this
     "streaming int4 tau=1": ("streaming_diloco", {**STREAMING, "exchange_dtype": "int4"}),
     "streaming int4 tau=0": ("streaming_diloco", {**STREAMING, "exchange_dtype": "int4", "fragment_sync_delay": 0}),
     "sparseloco": ("sparseloco", {}),  # the authors' 512M run: H=15, 128 of each 64 x 64 tile, 2-bit values
-    "demo": ("demo", {**DEMO, "compression_topk": 32}),  # the authors' DeMo: 32 of each 64 x 64 DCT tile
+    "demo": ("demo", {**DEMO, "topk": 32}),  # the authors' DeMo: 32 of each 64 x 64 DCT tile
     "torchft DiLoCo H=15": ("torchft", {"sync_every": 15}),
 }
 
@@ -118,7 +118,7 @@ class Variant:
         elif self.kind == "torchft":
             self._torchft(lighthouse)
         else:
-            self.step = transpile(model, self.inner, mode=self.kind, loss_fn=nn.CrossEntropyLoss(), **options)
+            self.step = transpile(model, self.inner, mode_config(self.kind, **options), loss_fn=nn.CrossEntropyLoss())
 
     def _torchft(self, lighthouse: str) -> None:
         """torchft's DiLoCo as its docs run it: a Manager per replica group (here a group of one rank per host)

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness.launch import run_rank  # noqa: E402
 from bench.tiny_models import MLP, make_batch  # noqa: E402
 from passes.adasum import adasum_vector  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from transpiler import AdaSum, transpile  # noqa: E402
 from transpiler.graph.ports import Port
 from transpiler.graph.program import StepProgram  # noqa: E402
 from transpiler.graph.rank_layouts import AdaSumGeometry  # noqa: E402
@@ -79,7 +79,7 @@ def train(mode: str, rank: int, steps: int = 4) -> dict:
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
-    step = transpile(model, opt, mode=mode, loss_fn=torch.nn.CrossEntropyLoss())
+    step = transpile(model, opt, mode, loss_fn=torch.nn.CrossEntropyLoss())
     gen = torch.Generator().manual_seed(7)  # the same data on every rank
     for _ in range(steps):
         x, y = make_batch("mlp", 8, gen)
@@ -106,9 +106,8 @@ def train_on_own_data(rank: int, world: int, local_size: int, steps: int = 3) ->
     step = transpile(
         model,
         torch.optim.SGD(model.parameters(), lr=0.05),
-        mode="adasum",
+        AdaSum(target="grads", local_size=local_size),
         loss_fn=torch.nn.CrossEntropyLoss(),
-        local_size=local_size,
     )
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     record = []

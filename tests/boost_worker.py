@@ -23,7 +23,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness.launch import run_rank  # noqa: E402
 from bench.tiny_models import MLP, make_batch  # noqa: E402
-from transpiler import TraceCache, transpile  # noqa: E402
+from transpiler import (  # noqa: E402
+    Accumulation,
+    Clipping,
+    Compression,
+    Execution,
+    Freeze,
+    LossScaling,
+    Sparsification,
+    TraceCache,
+    mode_config,
+    transpile,
+)
 
 PER_RANK = 8
 LOSS = nn.CrossEntropyLoss()
@@ -52,12 +63,14 @@ def base_model() -> nn.Module:
     return MLP()
 
 
+TWO = Accumulation(steps=2)
+FIXED_256 = LossScaling(dynamic=False, init_scale=256.0)
 JOB_TRACES: list[TraceCache] = []  # the running job's traces: its runs of the MLP share them (set by ``checks``)
 
 
-def transpiled(model, opt, mode, *args, **options):
-    """``transpile`` with the running job's trace cache."""
-    return transpile(model, opt, mode, LOSS, *args, trace=JOB_TRACES[-1], **options)
+def transpiled(model, opt, mode, *args, execution=None, **options):
+    """``transpile`` of mode ``mode`` with ``options`` (its config's fields), with the running job's trace cache."""
+    return transpile(model, opt, mode_config(mode, **options), LOSS, *args, trace=JOB_TRACES[-1], execution=execution)
 
 
 def run(mode, rank, world, batches, make_opt=sgd, **options):
@@ -105,7 +118,7 @@ def comm_plan(step) -> dict:
 
 def accumulation(rank, world) -> dict:
     batches = global_batches(6, world)
-    ours = run("fused_allreduce", rank, world, batches, accumulate_steps=2)
+    ours = run("fused_allreduce", rank, world, batches, accumulation=Accumulation(steps=2))
     ddp, ddp_opt, single, single_opt = references()
     ddp_params, single_params = [], []
     for i, batch in enumerate(batches):
@@ -163,7 +176,7 @@ def accumulation_composed(rank, world) -> dict:
     for mode, options in (("adasum", {}), ("local_sgd", {"k_steps": 2})):
         model = base_model()
         opt = sgd(model)
-        step = transpiled(model, opt, mode, accumulate_steps=2, **options)
+        step = transpiled(model, opt, mode, accumulation=Accumulation(steps=2), **options)
         twin = base_model()
         twin_opt = sgd(twin)
         record = []
@@ -192,7 +205,7 @@ def loss_scaling(rank, world) -> dict:
     # an inf in rank 1's batch at call 3: every rank skips and backs off; growth after 3 clean steps
     model = base_model()
     opt = sgd(model)
-    step = transpiled(model, opt, "fused_allreduce", loss_scale="dynamic", init_scale=1024.0, growth_interval=3)
+    step = transpiled(model, opt, "fused_allreduce", loss_scaling=LossScaling(init_scale=1024.0, growth_interval=3))
     record, seen = [], []
     for t, batch in enumerate(batches):
         x, y = shard(batch, rank)
@@ -214,19 +227,19 @@ def loss_scaling(rank, world) -> dict:
     out["grad_scaler"] = grad_scaler_reference(rank, batches)
     clean = batches[:5]
     plain = run("fused_allreduce", rank, world, clean)["params"]
-    out["clean"] = (run("fused_allreduce", rank, world, clean, loss_scale="dynamic")["params"], plain)
-    fp16 = run("fused_allreduce", rank, world, clean, compress="fp16")["params"]
+    out["clean"] = (run("fused_allreduce", rank, world, clean, loss_scaling=LossScaling())["params"], plain)
+    fp16 = run("fused_allreduce", rank, world, clean, compression=Compression(wire_dtype="fp16"))["params"]
     out["compress"] = (
-        run("fused_allreduce", rank, world, clean, compress="fp16", loss_scale=256.0)["params"],
+        run("fused_allreduce", rank, world, clean, compression=Compression(), loss_scaling=FIXED_256)["params"],
         fp16,
     )
     out["adasum"] = (
-        run("adasum", rank, world, clean, loss_scale="dynamic")["params"],
+        run("adasum", rank, world, clean, loss_scaling=LossScaling())["params"],
         run("adasum", rank, world, clean)["params"],
     )
-    acc = run("fused_allreduce", rank, world, batches[:6], accumulate_steps=2)["params"]
+    acc = run("fused_allreduce", rank, world, batches[:6], accumulation=Accumulation(steps=2))["params"]
     out["accumulation"] = (
-        run("fused_allreduce", rank, world, batches[:6], accumulate_steps=2, loss_scale="dynamic")["params"],
+        run("fused_allreduce", rank, world, batches[:6], accumulation=TWO, loss_scaling=LossScaling())["params"],
         acc,
     )
     return out
@@ -234,7 +247,7 @@ def loss_scaling(rank, world) -> dict:
 
 def clipping(rank, world) -> dict:
     batches = global_batches(5, world)
-    ours = run("fused_allreduce", rank, world, batches, max_grad_norm=0.3)
+    ours = run("fused_allreduce", rank, world, batches, clipping=Clipping(max_norm=0.3))
     ddp, ddp_opt, single, single_opt = references()
     ddp_params, ddp_norms, single_params = [], [], []
     for batch in batches:
@@ -253,11 +266,13 @@ def clipping(rank, world) -> dict:
         rank,
         world,
         global_batches(6, world),
-        accumulate_steps=2,
-        loss_scale="dynamic",
-        max_grad_norm=0.3,
+        accumulation=TWO,
+        loss_scaling=LossScaling(),
+        clipping=Clipping(max_norm=0.3),
     )
-    plain = run("fused_allreduce", rank, world, global_batches(6, world), accumulate_steps=2, max_grad_norm=0.3)
+    plain = run(
+        "fused_allreduce", rank, world, global_batches(6, world), accumulation=TWO, clipping=Clipping(max_norm=0.3)
+    )
     return {
         "ours": ours["params"],
         "norms": [m["grad_norm"] for m in ours["metrics"]],
@@ -279,12 +294,12 @@ def compression(rank, world) -> dict:
         dist.all_gather(parts, p.grad)
         out["shares"][n] = torch.stack(parts)
     for wire in ("fp16", "bf16"):
-        ours = run("fused_allreduce", rank, world, batches, compress=wire)
+        ours = run("fused_allreduce", rank, world, batches, compression=Compression(wire_dtype=wire))
         out[wire] = ours["params"]
         out[f"{wire}_plan"] = [n.meta["collective"] for n in ours["step"].program.graph.nodes if "collective" in n.meta]
     local = {"k_steps": 2}
     out["local"] = (
-        run("local_sgd", rank, world, batches, compress="fp16", **local)["params"],
+        run("local_sgd", rank, world, batches, compression=Compression(), **local)["params"],
         run("local_sgd", rank, world, batches, **local)["params"],
     )
     return out
@@ -294,12 +309,9 @@ def freeze(rank, world) -> dict:
     batches = global_batches(10, world)
     out = {}
     for name, options in (
-        ("interval", {"freeze_groups": 3, "freeze_type": 1, "freeze_p": 0.4, "freeze_seed": 7}),
-        ("continuous", {"freeze_groups": 3, "freeze_type": 0, "freeze_p": 0.5}),
-        (
-            "accumulate",
-            {"freeze_groups": 3, "freeze_type": 1, "freeze_p": 0.4, "freeze_seed": 7, "accumulate_steps": 2},
-        ),
+        ("interval", {"freeze": Freeze(groups=3, type=1, p=0.4, seed=7)}),
+        ("continuous", {"freeze": Freeze(groups=3, type=0, p=0.5)}),
+        ("accumulate", {"freeze": Freeze(groups=3, type=1, p=0.4, seed=7), "accumulation": TWO}),
     ):
         model = base_model()
         opt = sgd(model)
@@ -326,7 +338,9 @@ def sparsification(rank, world) -> dict:
     ratio = 0.3
     model = base_model()
     opt = sgd(model, momentum=0.0)
-    step = transpiled(model, opt, "fused_allreduce", shard(batches[0], rank), sparsify=ratio)
+    step = transpiled(
+        model, opt, "fused_allreduce", shard(batches[0], rank), sparsification=Sparsification(ratio=ratio)
+    )
     twin = base_model()
     order = [n.meta["collective"] for n in step.program.graph.nodes if n.meta.get("collective", {}).get("k")]
     names = list(order[0]["grads"])
@@ -371,7 +385,7 @@ def sparsification(rank, world) -> dict:
         )
     topk = [n.args[1] for n in step.program.graph.nodes if n.target is torch.ops.aten.topk.default]
     sizes = [sum(model.get_parameter(n).numel() for n in c["grads"]) for c in order]
-    one = run("fused_allreduce", rank, world, batches, sparsify=1.0)["params"]
+    one = run("fused_allreduce", rank, world, batches, sparsification=Sparsification(ratio=1.0))["params"]
     dense_run = run("fused_allreduce", rank, world, batches)["params"]
     return {
         "record": record,
@@ -436,12 +450,10 @@ def partial_sync(rank, world) -> dict:
 
 
 WRAPPERS = {
-    "accumulate_steps": 2,
-    "loss_scale": "dynamic",
-    "max_grad_norm": 0.3,
-    "freeze_groups": 2,
-    "freeze_type": 0,
-    "freeze_p": 0.5,
+    "accumulation": Accumulation(steps=2),
+    "loss_scaling": LossScaling(),
+    "clipping": Clipping(max_norm=0.3),
+    "freeze": Freeze(groups=2, type=0, p=0.5),
 }
 
 
@@ -469,7 +481,7 @@ def wrapped_reference(rank: int, world: int, batches: list) -> list[dict]:
                 dist.all_reduce(p.grad)
                 p.grad.div_(world)
         scaler.unscale_(opt)
-        nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], WRAPPERS["max_grad_norm"])
+        nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], WRAPPERS["clipping"].max_norm)
         scaler.step(opt)
         scaler.update()
         out.append(params_of(model))
@@ -497,7 +509,7 @@ def compiled(rank, world) -> dict:
     out = {}
     for mode, options in (("fused_allreduce", {}), ("local_sgd", {"k_steps": 2}), ("adasum", {})):
         plain = run(mode, rank, world, batches, **options)
-        fast = run(mode, rank, world, batches, compile=True, **options)
+        fast = run(mode, rank, world, batches, execution=Execution(compile=True), **options)
         out[mode] = {
             "plain": plain["params"],
             "compiled": fast["params"],

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness.launch import run_rank  # noqa: E402
 from tests.zero_worker import CAPS, OPTIMIZERS, PER_RANK, batches, build_model, largest, state_slices  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from transpiler import Accumulation, mode_config, transpile  # noqa: E402
 
 # stage: (world size, the stage whose checkpoint it reads, modes whose same-size resume it checks, the mode whose
 # checkpoint it leaves for the next stage). W=3's checkpoint is written by its zero3 reader after 2 more steps.
@@ -46,9 +46,9 @@ def fresh_tied(mode: str, example: tuple | None = None):
     model = build_model("tied")
     optimizer = OPTIMIZERS["adamw"](model.parameters())
     mode, _, accumulate = mode.partition("+")
-    options = {**CAPS, **({"accumulate_steps": 2} if accumulate else {})}
+    options = {**CAPS, **({"accumulation": Accumulation(steps=2)} if accumulate else {})}
     step = transpile(
-        model, optimizer, mode=mode, loss_fn=torch.nn.CrossEntropyLoss(), example_inputs=example, **options
+        model, optimizer, mode_config(mode, **options), loss_fn=torch.nn.CrossEntropyLoss(), example_inputs=example
     )
     return model, optimizer, step
 
@@ -129,7 +129,7 @@ def local_sgd_refuses(rank: int, world: int) -> dict:
     torch.manual_seed(1234)
     model = build_model("tied")
     step = transpile(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), mode="local_sgd", loss_fn=torch.nn.CrossEntropyLoss()
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "local_sgd", loss_fn=torch.nn.CrossEntropyLoss()
     )
     x, y = data[0]
     step(x[shard], y[shard])

@@ -23,10 +23,10 @@ from bench.harness.launch import run_rank  # noqa: E402
 from bench.tiny_models import MLP  # noqa: E402
 from tests import authors_sparse  # noqa: E402
 from tests.diloco_worker import LOSS, data, params_of  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from transpiler import mode_config, transpile  # noqa: E402
 
 STEPS = 8
-DEMO = {"compression_chunk": 8, "compression_topk": 5, "compression_decay": 0.9}
+DEMO = {"chunk_size": 8, "topk": 5, "compression_decay": 0.9}
 LR = 0.01
 
 
@@ -55,7 +55,7 @@ class AuthorsDeMo:
                 if o["compression_decay"] != 1:
                     delta = delta * o["compression_decay"]
                 buffers.append(delta.add(p.grad, alpha=LR))
-            chunk, topk = o["compression_chunk"], o["compression_topk"]
+            chunk, topk = o["chunk_size"], o["topk"]
             self.deltas_for(i, *authors_sparse.exchange(buffers, chunk, topk, False, self.bins, 6, True))
         for opt in self.optimizers:
             opt.step()
@@ -76,7 +76,9 @@ def reference(rank: int, world: int, bins: int = 0, weight_decay: float = 0.0, s
     model = MLP()
     paper = AuthorsDeMo(model, world, DEMO, bins, weight_decay)
     options = {**DEMO, "quantization_bins": bins, "weight_decay": 0.0 if sgds else weight_decay}
-    step = transpile(model, sgd(model.parameters(), weight_decay if sgds else 0.0), "demo", LOSS, **options)
+    step = transpile(
+        model, sgd(model.parameters(), weight_decay if sgds else 0.0), mode_config("demo", **options), LOSS
+    )
     record: dict = {"mine": [], "paper": []}
     for batches in data(world, STEPS):
         step(*batches[rank])
@@ -95,8 +97,8 @@ def identity(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = MLP()
     twin = copy.deepcopy(model)
-    options = {"compression_chunk": 8, "compression_topk": 64, "compression_decay": 0.0, "sign": False}
-    step = transpile(model, sgd(model.parameters()), "demo", LOSS, **options)
+    options = {"chunk_size": 8, "topk": 64, "compression_decay": 0.0, "sign": False}
+    step = transpile(model, sgd(model.parameters()), mode_config("demo", **options), LOSS)
     opt = sgd(twin.parameters())
     record: dict = {"mine": [], "plain": []}
     for batches in data(world, STEPS):

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness.launch import run_rank  # noqa: E402
 from bench.tiny_models import MLP, make_batch  # noqa: E402
-from transpiler import TraceCache, TranspilerError, transpile  # noqa: E402
+from transpiler import DiLoCo, LocalSGD, StreamingDiLoCo, TraceCache, TranspilerError, mode_config, transpile  # noqa: E402
 
 PER_RANK = 8
 H = 3
@@ -159,8 +159,8 @@ def streaming(
     torch.manual_seed(0)
     model = MLP()
     paper = PaperStreaming(model, world // replica_size, MLP_FRAGMENTS, 4, 1, 0.5)
-    options = STREAM | {"replica_size": replica_size, "trace": traces} | inside(replica_mode)
-    step = transpile(model, inner_optimizer(model.parameters()), mode="streaming_diloco", loss_fn=LOSS, **options)
+    config = mode_config("streaming_diloco", **STREAM, replica_size=replica_size, **inside(replica_mode))
+    step = transpile(model, inner_optimizer(model.parameters()), config, loss_fn=LOSS, trace=traces)
     record = {"variants": [], "replica": [], "paper": [], "global": [], "paper_global": []}
     for batches in data(world, 4 * ROUNDS):
         step(*batches[rank])
@@ -190,11 +190,8 @@ def quantised(rank: int, world: int, exchange: str, traces: TraceCache) -> dict:
     step = transpile(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
-        mode="streaming_diloco",
+        StreamingDiLoCo(sync_every=2, fragments=1, exchange_dtype=exchange),
         loss_fn=LOSS,
-        sync_every=2,
-        fragments=1,
-        exchange_dtype=exchange,
         outer_optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
         trace=traces,
     )
@@ -220,9 +217,9 @@ def reference(
     torch.manual_seed(0)
     model = MLP()
     paper = PaperDiLoCo(model, world // replica_size)
-    options = {"sync_every": H, "replica_size": replica_size, "trace": traces} | inside(replica_mode)
+    config = DiLoCo(sync_every=H, replica_size=replica_size, **inside(replica_mode))
     inner = inner_optimizer(model.parameters())
-    step = transpile(model, inner, mode="diloco", loss_fn=LOSS, **options)
+    step = transpile(model, inner, config, loss_fn=LOSS, trace=traces)
     record = side_by_side(step, model, paper, data(world, H * ROUNDS), rank, rank // replica_size)
     record["collectives"] = {v: collectives(p) for v, p in step.programs.items()}
     record["moment_elements"] = sum(s["exp_avg"].numel() for s in inner.state.values())  # ZeRO: this rank's shard
@@ -272,10 +269,10 @@ def identity(rank: int, world: int, traces: TraceCache) -> dict:
 
     def diloco(model):
         outer = torch.optim.SGD(model.parameters(), lr=1.0)
-        return transpile(model, sgd(model), "diloco", LOSS, sync_every=H, outer_optimizer=outer, trace=traces)
+        return transpile(model, sgd(model), DiLoCo(sync_every=H), LOSS, outer_optimizer=outer, trace=traces)
 
     def local_sgd(model):
-        return transpile(model, sgd(model), "local_sgd", LOSS, k_steps=H, begin_step=0, trace=traces)
+        return transpile(model, sgd(model), LocalSGD(adaptive=False, k_steps=H, begin_step=0), LOSS, trace=traces)
 
     return each_run(rank, world, ROUNDS, {"diloco": diloco, "local_sgd": local_sgd})
 
@@ -286,8 +283,8 @@ def alpha_one(rank: int, world: int, traces: TraceCache) -> dict:
     model = MLP()
     alone = copy.deepcopy(model)
     alone_opt = inner_optimizer(alone.parameters())
-    options = STREAM | {"fragment_update_alpha": 1.0, "trace": traces}
-    step = transpile(model, inner_optimizer(model.parameters()), mode="streaming_diloco", loss_fn=LOSS, **options)
+    config = mode_config("streaming_diloco", **(STREAM | {"fragment_update_alpha": 1.0}))
+    step = transpile(model, inner_optimizer(model.parameters()), config, loss_fn=LOSS, trace=traces)
     record = []
     for batches in data(world, 4 * ROUNDS):
         step(*batches[rank])
@@ -307,7 +304,7 @@ def resume(rank: int, world: int, mode: str, save_after: int, traces: TraceCache
     (``"dcp"``, at the first step from ``save_after`` on that ``checkpoint_blocked()`` allows), then a fresh
     model, optimizers and step load it and go on."""
     torch.manual_seed(0)
-    options = ({"sync_every": H} if mode == "diloco" else STREAM) | {"trace": traces}
+    options = {"sync_every": H} if mode == "diloco" else STREAM
     steps = data(world, 3 * 4)
     folder = Path(sys.argv[1]) / f"resume-{mode}-{via}"
     runs: dict = {"blocked": []}
@@ -315,7 +312,8 @@ def resume(rank: int, world: int, mode: str, save_after: int, traces: TraceCache
     saved_at = None
     for how in ("straight", "resumed"):
         model = MLP()
-        step = transpile(model, inner_optimizer(model.parameters()), mode=mode, loss_fn=LOSS, **options)
+        config = mode_config(mode, **options)
+        step = transpile(model, inner_optimizer(model.parameters()), config, loss_fn=LOSS, trace=traces)
         if how == "resumed":
             step.load_state_dict(saved) if via == "state_dict" else step.load_checkpoint(folder)
         runs[how] = []
@@ -376,16 +374,17 @@ def reshard(rank: int, world: int, traces: TraceCache) -> dict:
         folder = Path(sys.argv[1]) / f"reshard-{name}"
         torch.manual_seed(0)
         model = MLP()
-        options = {"sync_every": H, "trace": traces} | saving
-        step = transpile(model, inner_optimizer(model.parameters()), mode="diloco", loss_fn=LOSS, **options)
+        config = DiLoCo(sync_every=H, **saving)
+        step = transpile(model, inner_optimizer(model.parameters()), config, loss_fn=LOSS, trace=traces)
         for batches in steps[: H + 1]:
             step(*batches[rank])
         step.save_checkpoint(folder)
         out[name] = {"saved": held(step, model), "folder": str(folder)}
         torch.manual_seed(1)
         model = MLP()
-        options = {"sync_every": H, "example_inputs": steps[-1][rank], "trace": traces} | loading
-        step = transpile(model, inner_optimizer(model.parameters()), mode="diloco", loss_fn=LOSS, **options)
+        config = DiLoCo(sync_every=H, **loading)
+        inner = inner_optimizer(model.parameters())
+        step = transpile(model, inner, config, loss_fn=LOSS, example_inputs=steps[-1][rank], trace=traces)
         step.load_checkpoint(folder)
         out[name]["loaded"] = held(step, model)
         step(*steps[-1][rank])
@@ -396,7 +395,7 @@ def reshard(rank: int, world: int, traces: TraceCache) -> dict:
 def global_view(rank: int, world: int, traces: TraceCache) -> dict:
     torch.manual_seed(0)
     model = MLP()
-    step = transpile(model, inner_optimizer(model.parameters()), "diloco", LOSS, sync_every=H, trace=traces)
+    step = transpile(model, inner_optimizer(model.parameters()), DiLoCo(sync_every=H), LOSS, trace=traces)
     for batches in data(world, H + 1):  # one inner step past the sync: replica and global weights differ
         step(*batches[rank])
     replica = params_of(model)

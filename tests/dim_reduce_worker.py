@@ -17,7 +17,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness.launch import run_rank  # noqa: E402
 from tests import dim_reduce_problem as problem  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from transpiler import DimReduce, transpile  # noqa: E402
 
 
 def flat(model: nn.Module) -> torch.Tensor:
@@ -26,9 +26,7 @@ def flat(model: nn.Module) -> torch.Tensor:
 
 def new_step(basis: str):
     model = problem.model()
-    step = transpile(
-        model, torch.optim.SGD(model.parameters(), lr=problem.LR), "dim_reduce", nn.MSELoss(), pca_path=basis
-    )
+    step = transpile(model, torch.optim.SGD(model.parameters(), lr=problem.LR), DimReduce(pca_path=basis), nn.MSELoss())
     return model, step
 
 

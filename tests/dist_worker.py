@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness.launch import run_rank  # noqa: E402
 from bench.tiny_models import make_batch, make_model, make_optimizer  # noqa: E402
-from transpiler import TraceCache, transpile  # noqa: E402
+from transpiler import TraceCache, mode_config, transpile  # noqa: E402
 
 STEPS = 5
 PER_RANK = 8
@@ -73,11 +73,10 @@ def run_scenario(model_name: str, opt_name: str, mode: str, rank: int, world: in
     step = transpile(
         ours,
         ours_opt,
-        mode=mode,
+        mode_config(mode, **options),
         loss_fn=loss_fn,
         example_inputs=(batches[0][0][shard], batches[0][1][shard]),
         trace=traces,
-        **options,
     )
     record = {"ours": [], "ddp": [], "single": [], "losses": []}
     for x, y in batches:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from bench.tiny_models import MLP, make_batch
-from transpiler import PassPipeline, mode_config, transpile
+from transpiler import Accumulation, Clipping, PassPipeline, mode_config, transpile
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.ports import Port
 from transpiler.strategies.mode_config import ALONE, Surroundings
@@ -199,8 +199,11 @@ def trained(mode: str, options: dict, inner, outer=None, autocast: bool = False)
     autocast: the weights at the end."""
     torch.manual_seed(0)
     model = MLP()
-    kwargs = {"outer_optimizer": outer(model.parameters())} if outer else {}
-    step = transpile(model, inner(model.parameters()), mode, torch.nn.CrossEntropyLoss(), **options, **kwargs)
+    outer_optimizer = outer(model.parameters()) if outer else None
+    config = mode_config(mode, **options)
+    step = transpile(
+        model, inner(model.parameters()), config, torch.nn.CrossEntropyLoss(), outer_optimizer=outer_optimizer
+    )
     gen = torch.Generator().manual_seed(1)
     for _ in range(12):
         x, y = make_batch("mlp", 8, gen)
@@ -209,7 +212,8 @@ def trained(mode: str, options: dict, inner, outer=None, autocast: bool = False)
     return [p.detach().clone() for p in model.parameters()]
 
 
-COMPOSED = {"accumulate_steps": 2, "max_grad_norm": 0.05}  # the composition trained() is asked for most
+# the composition trained() is asked for most
+COMPOSED = {"accumulation": Accumulation(steps=2), "clipping": Clipping(max_norm=0.05)}
 
 
 def resumed_matches(mode: str, options: dict, inner, folder, via: str) -> list[tuple[str, bool]]:
@@ -222,7 +226,7 @@ def resumed_matches(mode: str, options: dict, inner, folder, via: str) -> list[t
     for how in ("straight", "resumed"):
         torch.manual_seed(0)
         model = MLP()
-        step = transpile(model, inner(model.parameters()), mode, torch.nn.CrossEntropyLoss(), **options)
+        step = transpile(model, inner(model.parameters()), mode_config(mode, **options), torch.nn.CrossEntropyLoss())
         for t, batch in enumerate(batches, start=1):
             if how == "resumed" and t == 5:
                 step.load_state_dict(saved) if via == "state" else step.load_checkpoint(folder)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness.launch import run_rank  # noqa: E402
 from bench.tiny_models import MLP, make_batch  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from transpiler import LocalSGD, mode_config, transpile  # noqa: E402
 
 PER_RANK = 8
 
@@ -48,7 +48,7 @@ def k1_against_allreduce(rank: int, world: int) -> dict:
     for mode, options in (("local_sgd", {"k_steps": 1}), ("allreduce", {})):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        step = transpile(model, opt, mode=mode, loss_fn=torch.nn.CrossEntropyLoss(), **options)
+        step = transpile(model, opt, mode_config(mode, **options), loss_fn=torch.nn.CrossEntropyLoss())
         out[mode] = []
         for x, y in batches(world, 5, rank):
             step(x, y)
@@ -63,12 +63,8 @@ def sync_means(rank: int, world: int) -> dict:
     step = transpile(
         model,
         opt,
-        mode="local_sgd",
+        LocalSGD(adaptive=False, k_steps=3, begin_step=2, bucket_cap_mb=0.004, first_bucket_mb=0.002),
         loss_fn=torch.nn.CrossEntropyLoss(),
-        k_steps=3,
-        begin_step=2,
-        bucket_cap_mb=0.004,
-        first_bucket_mb=0.002,
     )
     twin = copy.deepcopy(model)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
@@ -97,7 +93,7 @@ def adaptive(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = transpile(model, opt, mode="adaptive_local_sgd", loss_fn=torch.nn.CrossEntropyLoss(), init_k_steps=2)
+    step = transpile(model, opt, LocalSGD(adaptive=True, k_steps=2), loss_fn=torch.nn.CrossEntropyLoss())
     record = {"syncs": []}
     for t, (x, y) in enumerate(batches(world, 12, rank), start=1):
         loss = step(x, y)
@@ -116,7 +112,9 @@ def averaged_state(rank: int, world: int) -> list:
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    step = transpile(model, opt, mode="local_sgd", loss_fn=torch.nn.CrossEntropyLoss(), k_steps=2, average_state=True)
+    step = transpile(
+        model, opt, LocalSGD(adaptive=False, k_steps=2, average_state=True), loss_fn=torch.nn.CrossEntropyLoss()
+    )
     twin = copy.deepcopy(model)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
     record = []

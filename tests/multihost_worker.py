@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness.launch import run_rank  # noqa: E402
 from bench.tiny_models import MLP, make_batch  # noqa: E402
-from transpiler import transpile  # noqa: E402
+from transpiler import mode_config, transpile  # noqa: E402
 
 PER_RANK, STEPS = 4, 5
 MODES = {  # mode: (optimizer, options); hierarchical AdaSum's local groups are the processes of one host
@@ -31,7 +31,7 @@ def train(mode: str, rank: int, world: int) -> dict[str, torch.Tensor]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    step = transpile(model, optimizer, mode=mode, loss_fn=torch.nn.CrossEntropyLoss(), **options)
+    step = transpile(model, optimizer, mode_config(mode, **options), loss_fn=torch.nn.CrossEntropyLoss())
     gen = torch.Generator().manual_seed(11)
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     for _ in range(STEPS):

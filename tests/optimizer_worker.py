@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness.launch import run_rank  # noqa: E402
 from bench.tiny_models import MLP, Lion, make_batch, muon_and_adamw  # noqa: E402
-from transpiler import TraceCache, transpile  # noqa: E402
+from transpiler import TraceCache, mode_config, transpile  # noqa: E402
 
 STEPS, PER_RANK = 4, 8
 LOSS = nn.CrossEntropyLoss()
@@ -67,7 +67,7 @@ def run(name: str, rank: int, world: int) -> dict:
     traces = TraceCache()  # the three modes share the optimizer's traces (before and after its state exists)
     for mode, options in (("fused_allreduce", {}), ("local_sgd", {"k_steps": 2}), ("adasum", {})):
         model = base()
-        step = transpile(model, make(model.parameters()), mode, LOSS, trace=traces, **options)
+        step = transpile(model, make(model.parameters()), mode_config(mode, **options), LOSS, trace=traces)
         out[mode] = {"ours": [], "variants": []}
         for x, y in data:
             step(x, y)

@@ -12,7 +12,7 @@ from torch import nn
 
 from bench.harness.launch import ROOT, free_port
 from bench.tiny_models import make_batch, make_model
-from transpiler import FaultTolerance, transpile
+from transpiler import FaultTolerance, mode_config, transpile
 
 
 def lighthouse(port: int) -> subprocess.Popen:
@@ -47,8 +47,9 @@ def one_group_against_plain(device: torch.device, modes: tuple[str, ...], steps:
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
                 ft = FaultTolerance(f"http://localhost:{port}", f"alone-{mode}", timeout=30, quorum_timeout=60)
                 example = tuple(t.to(device) for t in make_batch("mlp", 16, torch.Generator().manual_seed(1)))
-                quorum = {"fault_tolerance": ft} if kind == "quorum" else {}
-                step = transpile(model, opt, mode, nn.CrossEntropyLoss(), example, **quorum, **options)
+                quorum = ft if kind == "quorum" else None
+                config = mode_config(mode, **options)
+                step = transpile(model, opt, config, nn.CrossEntropyLoss(), example, fault_tolerance=quorum)
                 steps_by_kind[kind] = (model, step)
             gen, diff = torch.Generator().manual_seed(1), 0.0
             for _ in range(steps):

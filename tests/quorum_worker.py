@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from bench.tiny_models import MLP
-from transpiler import DataPosition, FaultTolerance, transpile
+from transpiler import DataPosition, FaultTolerance, mode_config, transpile
 
 SAMPLES, PER_GROUP = 96, 4  # a step of 3 groups takes 12 samples: 8 steps an epoch
 SYNC_EVERY = 4  # DiLoCo's H
@@ -286,7 +286,9 @@ def diloco(args: argparse.Namespace, life: int) -> None:
     inside = {"replica_mode": "zero1"} if world > 1 else {}
     if args.mode == "streaming_diloco":  # each fragment syncs every H steps, the two H/2 apart
         inside["fragments"] = FRAGMENTS
-    step = transpile(model, optimizer, args.mode, LOSS, fault_tolerance=_setting(args), sync_every=SYNC_EVERY, **inside)
+    step = transpile(
+        model, optimizer, mode_config(args.mode, sync_every=SYNC_EVERY, **inside), LOSS, fault_tolerance=_setting(args)
+    )
     _first_groups_up(args, life)
     own = torch.arange(int(args.group[1:]), SAMPLES, args.groups)  # this group's samples
     log = (args.out / f"{args.group}.jsonl").open("a") if rank == 0 else None

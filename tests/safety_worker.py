@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness.launch import run_rank  # noqa: E402
 from bench.tiny_models import MLP, make_batch, make_model, tiny_gpt2, tiny_llama  # noqa: E402
-from transpiler import Checkpointer, TranspilerError, transpile  # noqa: E402
+from transpiler import Checkpointer, DataParallel, Execution, TranspilerError, mode_config, transpile  # noqa: E402
 from transpiler.runtime.process_group import live_group  # noqa: E402
 
 LOSS = nn.CrossEntropyLoss()
@@ -61,7 +61,7 @@ def mismatches(rank: int) -> dict:
     out = {}
     for name, (mode, options, make) in cases.items():
         model = make()
-        step = transpile(model, sgd(model.parameters()), mode=mode, loss_fn=LOSS, **options)
+        step = transpile(model, sgd(model.parameters()), mode_config(mode, **options), loss_fn=LOSS)
         out[name] = expect_error(lambda step=step: step(*batch))
     return out
 
@@ -80,7 +80,7 @@ def parity(name: str, rank: int, world: int, steps: int = 4, switch_modes: bool 
     opt, ddp = sgd(trainable), DDP(theirs, broadcast_buffers=False)  # buffers stay local, as in our modes
     ddp_opt = sgd([p for p in ddp.parameters() if p.requires_grad])
     hf = name in HF
-    step = transpile(ours, opt, loss_fn=None if hf else LOSS, bucket_cap_mb=0.01, first_bucket_mb=0.005)
+    step = transpile(ours, opt, DataParallel(bucket_cap_mb=0.01, first_bucket_mb=0.005), loss_fn=None if hf else LOSS)
     gen = torch.Generator().manual_seed(7)
     record = []
     for i in range(steps):
@@ -154,10 +154,12 @@ def group_timeouts() -> dict:
     from transpiler.runtime.process_group import group_timeout
 
     out = {}
-    for label, options in (("default", {}), ("explicit", {"timeout": 7})):
+    for label, execution in (("default", Execution()), ("explicit", Execution(timeout=7))):
         model = MLP()
         batch = make_batch("mlp", PER_RANK, None)
-        step = transpile(model, sgd(model.parameters()), mode="adasum", loss_fn=LOSS, example_inputs=batch, **options)
+        step = transpile(
+            model, sgd(model.parameters()), "adasum", loss_fn=LOSS, example_inputs=batch, execution=execution
+        )
         names = [step.placement.group_name, *step.program.subgroups.values()]
         out[label] = [group_timeout(_resolve_process_group(n)).total_seconds() for n in names]
     return out
@@ -177,7 +179,7 @@ def stay_silent() -> float:
 def fault(kind: str, rank: int) -> dict:
     torch.manual_seed(0)
     model = MLP()
-    step = transpile(model, sgd(model.parameters()), loss_fn=LOSS, timeout=SHORT)
+    step = transpile(model, sgd(model.parameters()), loss_fn=LOSS, execution=Execution(timeout=SHORT))
     gen = torch.Generator().manual_seed(rank)
     step(*make_batch("mlp", PER_RANK, gen))  # a healthy first step: handshake and startup done
     if rank == 1 and kind == "die":

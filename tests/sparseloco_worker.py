@@ -33,7 +33,7 @@ from tests.diloco_worker import (  # noqa: E402
     params_of,
     side_by_side,
 )
-from transpiler import transpile  # noqa: E402
+from transpiler import DiLoCo, mode_config, transpile  # noqa: E402
 
 ROUNDS = 4
 # tiles of at most 8 × 8: 8 × 5, 8 × 8 and 5 × 8 for the MLP's matrices, 8 and 5 for its biases; k = 12 of 64
@@ -83,7 +83,10 @@ def reference(rank: int, world: int, replica_size: int = 1, inside: str = "fused
     model = MLP()
     paper = AuthorsSparseLoCo(model, world // replica_size, SPARSE)
     step = transpile(
-        model, inner_optimizer(model.parameters()), "sparseloco", LOSS, **options(SPARSE, replica_size, inside)
+        model,
+        inner_optimizer(model.parameters()),
+        mode_config("sparseloco", **options(SPARSE, replica_size, inside)),
+        LOSS,
     )
     record = side_by_side(step, model, paper, data(world, H * ROUNDS), rank, rank // replica_size)
     errors = {k: v for k, v in step.state_dict()["transpiler"]["extra"].items() if k.startswith("error_feedback.")}
@@ -98,12 +101,12 @@ def identity(rank: int, world: int) -> dict:
     SparseLoCo is DiLoCo with outer SGD(lr=1), no momentum."""
 
     def sparseloco(model):
-        return transpile(model, inner_optimizer(model.parameters()), "sparseloco", LOSS, **options(DENSE))
+        return transpile(model, inner_optimizer(model.parameters()), mode_config("sparseloco", **options(DENSE)), LOSS)
 
     def diloco(model):
         outer = torch.optim.SGD(model.parameters(), lr=1.0)
         opt = inner_optimizer(model.parameters())
-        return transpile(model, opt, "diloco", LOSS, sync_every=H, outer_optimizer=outer)
+        return transpile(model, opt, DiLoCo(sync_every=H), LOSS, outer_optimizer=outer)
 
     return each_run(rank, world, ROUNDS, {"sparseloco": sparseloco, "diloco": diloco})
 
@@ -116,7 +119,7 @@ def resume(rank: int, world: int) -> dict:
     for how in ("straight", "resumed"):
         torch.manual_seed(0)
         model = MLP()
-        step = transpile(model, inner_optimizer(model.parameters()), "sparseloco", LOSS, **options(SPARSE))
+        step = transpile(model, inner_optimizer(model.parameters()), mode_config("sparseloco", **options(SPARSE)), LOSS)
         if how == "resumed":
             step.load_state_dict(saved)
         runs[how] = []
@@ -135,7 +138,7 @@ def wire(rank: int, world: int) -> dict:
     """The sync's collectives (kind, bytes of one rank's message) and the tiles of each parameter."""
     torch.manual_seed(0)
     model = MLP()
-    step = transpile(model, inner_optimizer(model.parameters()), "sparseloco", LOSS, **options(SPARSE))
+    step = transpile(model, inner_optimizer(model.parameters()), mode_config("sparseloco", **options(SPARSE)), LOSS)
     for batches in data(world, H):
         step(*batches[rank])
     sync = step.programs["sync"]

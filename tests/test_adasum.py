@@ -17,7 +17,7 @@ import torch
 
 from tests.helpers import adasum_tree, eager_step
 from tests.worlds import run_in_world
-from transpiler import ConfigurationError, transpile
+from transpiler import ConfigurationError, StaticWorld, transpile
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -116,10 +116,10 @@ def test_non_power_of_two_world_size_is_a_clear_error(world):
         transpile(
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
-            mode="adasum",
+            "adasum",
             loss_fn=torch.nn.MSELoss(),
             example_inputs=(torch.randn(2, 3), torch.randn(2, 2)),
-            world_size=world,
+            mesh=StaticWorld(size=world),
         )
 
 
@@ -131,11 +131,7 @@ def test_world_size_one_is_the_plain_optimizer():
     twin = copy.deepcopy(model)
     batch = (torch.randn(2, 3), torch.randn(2, 2))
     step = transpile(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        mode="adasum",
-        loss_fn=torch.nn.MSELoss(),
-        example_inputs=batch,
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "adasum", loss_fn=torch.nn.MSELoss(), example_inputs=batch
     )
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
     assert not any("p2p" in n.meta for n in step.graph_module.graph.nodes)

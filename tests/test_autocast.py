@@ -15,7 +15,7 @@ from torch import nn
 
 from bench.tiny_models import make_batch, make_model
 from tests.helpers import assert_same_training_state, eager_step
-from transpiler import transpile
+from transpiler import DataParallel, LossScaling, transpile
 
 pytestmark = pytest.mark.bitwise  # claims eager's bits: run again under narrower kernels in .ci/run
 
@@ -95,7 +95,7 @@ def test_fp16_autocast_with_dynamic_loss_scaling_is_bitwise_grad_scaler(opt_name
     optimizer, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
     loss_fn = nn.CrossEntropyLoss()
     settings = {"init_scale": 2.0**20, "growth_interval": 3}
-    step = transpile(model, optimizer, "fused_allreduce", loss_fn, loss_scale="dynamic", **settings)
+    step = transpile(model, optimizer, DataParallel(loss_scaling=LossScaling(**settings)), loss_fn)
     scaler = torch.amp.GradScaler("cpu", **settings)  # measured: 5 of 16 steps skipped, the scale backs off and grows
     gen = torch.Generator().manual_seed(1)
     skipped, scales = 0, []

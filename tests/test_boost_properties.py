@@ -13,7 +13,16 @@ from torch import nn
 
 from passes.partitions import group_bounds, partition_of
 from tests.helpers import assert_rewrite_is_final, strategy_of
-from transpiler import Accumulation, Clipping, Compression, DataParallel, Freeze, LossScaling, transpile
+from transpiler import (
+    Accumulation,
+    Clipping,
+    Compression,
+    DataParallel,
+    Freeze,
+    LossScaling,
+    Sparsification,
+    transpile,
+)
 from transpiler.build import rewrite
 from transpiler.graph.collectives import is_collective
 from transpiler.runtime.process_group import Placement
@@ -89,7 +98,8 @@ def test_topk_sends_exactly_the_largest_entries_and_keeps_the_rest(widths, ratio
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(5, widths[0]), torch.randn(5, widths[-1])
-    step = transpile(model, opt, "fused_allreduce", nn.MSELoss(), (x, y), bucket_cap_mb=1e-9, sparsify=ratio)
+    config = DataParallel(bucket_cap_mb=1e-9, sparsification=Sparsification(ratio=ratio))
+    step = transpile(model, opt, config, nn.MSELoss(), (x, y))
     step(x, y)
     nn.MSELoss()(twin(x), y).backward()
     sent_only = copy.deepcopy(twin)  # eager SGD on the entries that went out, the rest zero

@@ -15,7 +15,18 @@ from torch import nn
 
 from bench.tiny_models import MLP, make_batch
 from tests.helpers import assert_same_training_state
-from transpiler import ConfigurationError, transpile
+from transpiler import (
+    Accumulation,
+    Clipping,
+    Compression,
+    ConfigurationError,
+    DataParallel,
+    Freeze,
+    LossScaling,
+    Sparsification,
+    mode_config,
+    transpile,
+)
 from transpiler.strategies.schedules import continuous_freeze_cycle
 
 pytestmark = pytest.mark.bitwise  # claims eager's or DDP's bits: run again under narrower kernels in .ci/run
@@ -42,7 +53,7 @@ def data(n_batches, size=8, seed=1):
 def test_accumulation_equals_eager_micro_batches_and_resumes_mid_cycle():
     """Bitwise: eager ``(loss / k).backward()`` per micro-batch, one ``step()`` per k, is the same arithmetic."""
     model, opt, twin, twin_opt = setup()
-    step = transpile(model, opt, "fused_allreduce", LOSS, accumulate_steps=2)
+    step = transpile(model, opt, DataParallel(accumulation=Accumulation(steps=2)), LOSS)
     batches = data(6)
     variants = []
     for i, (x, y) in enumerate(batches):
@@ -70,7 +81,7 @@ def test_accumulation_equals_eager_micro_batches_and_resumes_mid_cycle():
 def test_accumulation_is_one_step_on_the_concatenated_batch():
     """Within float rounding: the mean of micro-batch means is the mean over their concatenation."""
     model, opt, twin, twin_opt = setup()
-    step = transpile(model, opt, "fused_allreduce", LOSS, accumulate_steps=4)
+    step = transpile(model, opt, DataParallel(accumulation=Accumulation(steps=4)), LOSS)
     batches = data(4)
     for x, y in batches:
         step(x, y)
@@ -86,7 +97,7 @@ def test_accumulation_is_one_step_on_the_concatenated_batch():
 def test_loss_scaling_without_overflow_is_bitwise_the_unscaled_run(opt):
     """A power-of-two scale multiplies every backward value exactly; the unscale undoes it exactly."""
     model, o, twin, twin_o = setup(opt)
-    scaled = transpile(model, o, "fused_allreduce", LOSS, loss_scale="dynamic", growth_interval=2)
+    scaled = transpile(model, o, DataParallel(loss_scaling=LossScaling(growth_interval=2)), LOSS)
     plain = transpile(twin, twin_o, "fused_allreduce", LOSS)
     scales = []
     for x, y in data(5):
@@ -102,7 +113,7 @@ def test_loss_scaling_without_overflow_is_bitwise_the_unscaled_run(opt):
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_overflow_skips_the_update_and_backs_off(opt):
     model, o, _, _ = setup(opt)
-    step = transpile(model, o, "fused_allreduce", LOSS, loss_scale="dynamic", init_scale=8.0, min_scale=2.0)
+    step = transpile(model, o, DataParallel(loss_scaling=LossScaling(init_scale=8.0, min_scale=2.0)), LOSS)
     (x, y), _ = data(2)
     step(x, y)
     before = copy.deepcopy((model.state_dict(), o.state_dict()))
@@ -123,7 +134,7 @@ def test_overflow_skips_the_update_and_backs_off(opt):
 
 def test_fixed_loss_scale_never_changes():
     model, o, _, _ = setup()
-    step = transpile(model, o, "fused_allreduce", LOSS, loss_scale=128.0)
+    step = transpile(model, o, DataParallel(loss_scaling=LossScaling(dynamic=False, init_scale=128.0)), LOSS)
     (x, y), _ = data(2)
     bad = x.clone()
     bad[0, 0] = float("nan")
@@ -135,7 +146,7 @@ def test_fixed_loss_scale_never_changes():
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
 def test_clipping_equals_clip_grad_norm_(norm_type):
     model, o, twin, twin_o = setup()
-    step = transpile(model, o, "fused_allreduce", LOSS, max_grad_norm=0.3, norm_type=norm_type)
+    step = transpile(model, o, DataParallel(clipping=Clipping(max_norm=0.3, norm_type=norm_type)), LOSS)
     for x, y in data(4):
         step(x, y)
         twin_o.zero_grad()
@@ -148,7 +159,12 @@ def test_clipping_equals_clip_grad_norm_(norm_type):
 
 def test_clipping_with_accumulation_and_loss_scaling_clips_the_accumulated_unscaled_gradient():
     model, o, twin, twin_o = setup()
-    step = transpile(model, o, "fused_allreduce", LOSS, accumulate_steps=2, loss_scale="dynamic", max_grad_norm=0.2)
+    step = transpile(
+        model,
+        o,
+        DataParallel(accumulation=Accumulation(steps=2), loss_scaling=LossScaling(), clipping=Clipping(max_norm=0.2)),
+        LOSS,
+    )
     for i, (x, y) in enumerate(data(4)):
         step(x, y)
         (LOSS(twin(x), y) / 2).backward()
@@ -162,7 +178,7 @@ def test_clipping_with_accumulation_and_loss_scaling_clips_the_accumulated_unsca
 
 def test_freeze_schedule_and_frozen_groups_unchanged():
     model, o, _, _ = setup()
-    step = transpile(model, o, "fused_allreduce", LOSS, freeze_groups=3, freeze_type=0, freeze_p=0.5)
+    step = transpile(model, o, DataParallel(freeze=Freeze(groups=3, type=0, p=0.5)), LOSS)
     cycle = continuous_freeze_cycle(3, 0.5)
     assert cycle == [0, 0, 1, 2]
     # 6 parameter tensors: groups of 2
@@ -188,15 +204,15 @@ def test_freeze_schedule_and_frozen_groups_unchanged():
 @pytest.mark.parametrize(
     "mode,options",
     [
-        ("fused_allreduce", {"sparsify": 1.0}),
-        ("fused_allreduce", {"compress": "none"}),
+        ("fused_allreduce", {"sparsification": Sparsification(ratio=1.0)}),
+        ("fused_allreduce", {"bucket_cap_mb": 0.0}),
         ("allgather", {}),
         ("partial_sync", {"partitions": 3}),
     ],
 )
 def test_world_size_one_is_the_eager_step(mode, options):
     model, o, twin, twin_o = setup()
-    step = transpile(model, o, mode, LOSS, **options)
+    step = transpile(model, o, mode_config(mode, **options), LOSS)
     for x, y in data(4):
         step(x, y)
         twin_o.zero_grad()
@@ -208,28 +224,27 @@ def test_world_size_one_is_the_eager_step(mode, options):
 @pytest.mark.parametrize(
     "mode,options,message",
     [
-        ("adasum", {"compress": "fp16"}, "'compress' works with fused_allreduce, local_sgd"),
-        ("local_sgd", {"max_grad_norm": 1.0}, "'max_grad_norm' works with allreduce, fused_allreduce"),
-        ("fused_allreduce", {"init_scale": 4.0}, "only applies with 'loss_scale'"),
-        ("fused_allreduce", {"sparsify_threshold": 0.1}, "only applies with 'sparsify'"),
-        ("fused_allreduce", {"sparsify": 0.1, "loss_scale": "dynamic"}, "do not compose"),
-        ("fused_allreduce", {"sparsify": 0.1, "compress": "fp16"}, "do not compose"),
-        ("fused_allreduce", {"loss_scale": "sometimes"}, "'dynamic' or 'off'"),
-        ("fused_allreduce", {"compress": "int8"}, "one of none, fp16, bf16"),
-        ("fused_allreduce", {"freeze_p": 1.0}, "<= 0.99"),
+        ("adasum", {"compression": Compression()}, "'compression' works with fused_allreduce, local_sgd"),
+        ("local_sgd", {"clipping": Clipping(max_norm=1.0)}, "'clipping' works with allreduce, fused_allreduce"),
+        ("fused_allreduce", {"sparsification.threshold": 0.1}, "Sparsification: .* required .*'ratio'"),
+        ("fused_allreduce", {"sparsification.ratio": 0.1, "loss_scaling.dynamic": True}, "do not compose"),
+        ("fused_allreduce", {"sparsification.ratio": 0.1, "compression.wire_dtype": "fp16"}, "do not compose"),
+        ("fused_allreduce", {"loss_scaling.init_scale": "sometimes"}, "'init_scale' of LossScaling wants a finite"),
+        ("fused_allreduce", {"compression.wire_dtype": "int8"}, "one of fp16, bf16"),
+        ("fused_allreduce", {"freeze.groups": 2, "freeze.p": 1.0}, "<= 0.99"),
     ],
 )
 def test_unsupported_combinations_are_configuration_errors(mode, options, message):
     model, o, _, _ = setup()
     with pytest.raises(ConfigurationError, match=message.replace("(", r"\(")):
-        transpile(model, o, mode, LOSS, **options)
+        transpile(model, o, mode_config(mode, **options), LOSS)
 
 
 def test_freeze_refuses_adam_and_too_many_groups():
     model, o, _, _ = setup("adam")
     with pytest.raises(ConfigurationError, match="works with torch.optim.SGD"):
-        transpile(model, o, "fused_allreduce", LOSS, freeze_groups=2)
+        transpile(model, o, DataParallel(freeze=Freeze(groups=2)), LOSS)
     model, o, _, _ = setup()
     x, y = data(1)[0]
     with pytest.raises(ConfigurationError, match="6 trainable parameters"):
-        transpile(model, o, "fused_allreduce", LOSS, (x, y), freeze_groups=7)
+        transpile(model, o, DataParallel(freeze=Freeze(groups=7)), LOSS, (x, y))

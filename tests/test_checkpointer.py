@@ -12,7 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.tiny_models import MLP, make_batch
-from transpiler import Checkpointer, CheckpointError, ConfigurationError, DataPosition, transpile
+from transpiler import (
+    Accumulation,
+    Checkpointer,
+    CheckpointError,
+    ConfigurationError,
+    DataPosition,
+    ZeRO,
+    transpile,
+)
 
 pytestmark = pytest.mark.quick  # the quick tier: the data position and the Checkpointer in one process, 3 s
 
@@ -84,7 +92,8 @@ def _run(directory, steps: int, every: int = 2, keep: int = 2, resume: bool = Fa
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = transpile(model, optimizer, mode="zero2", loss_fn=LOSS, accumulate_steps=accumulate)
+    config = ZeRO(stage=2, accumulation=Accumulation(steps=accumulate) if accumulate > 1 else None)
+    step = transpile(model, optimizer, config, loss_fn=LOSS)
     x, y = make_batch("mlp", 64, torch.Generator().manual_seed(5))
     position = DataPosition(64, 8, seed=1)
     checkpointer = Checkpointer(step, directory, every=every, keep=keep, position=position)
@@ -123,7 +132,7 @@ def test_a_save_due_inside_an_accumulation_cycle_waits_for_its_end(tmp_path):
 
 def test_bad_settings_say_what_to_do(tmp_path):
     model = MLP()
-    step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="fused_allreduce", loss_fn=LOSS)
+    step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), "fused_allreduce", loss_fn=LOSS)
     with pytest.raises(ConfigurationError, match="every"):
         Checkpointer(step, tmp_path, every=0)
     with pytest.raises(ConfigurationError, match="keep"):

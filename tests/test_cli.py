@@ -174,7 +174,7 @@ def test_the_installed_command_runs_from_a_shell(tmp_path):
 
     command = Path(sys.executable).parent / "transpiler"
     assert command.exists(), f"no console script at {command}: pip install -e . installs it"
-    factory = str(Path(__file__).parent / "models.py") + ":tiny_factory"
+    factory = str(Path(__file__).parents[1] / "bench" / "tiny_models.py") + ":tiny_factory"
     dot = tmp_path / "graph.dot"
     script = "; ".join(
         f"{command} {args} || exit $?; echo '<<end>>'"

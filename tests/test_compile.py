@@ -18,7 +18,7 @@ from torch import nn
 
 from bench.harness.launch import ROOT
 from bench.tiny_models import MLP, make_batch
-from transpiler import ConfigurationError, transpile
+from transpiler import Clipping, ConfigurationError, DataParallel, Execution, LossScaling, transpile
 from transpiler.graph.collectives import C10D
 from transpiler.runtime.compile import CompiledProgram, functional_copy
 
@@ -32,8 +32,13 @@ def test_world_size_1_with_wrappers_matches_the_uncompiled_step():
         torch.manual_seed(0)
         model = MLP()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        options = {"loss_scale": "dynamic", "max_grad_norm": 1.0}
-        step = transpile(model, optimizer, "fused_allreduce", nn.CrossEntropyLoss(), compile=compile_, **options)
+        step = transpile(
+            model,
+            optimizer,
+            DataParallel(loss_scaling=LossScaling(), clipping=Clipping(max_norm=1.0)),
+            nn.CrossEntropyLoss(),
+            execution=Execution(compile=compile_),
+        )
         gen = torch.Generator().manual_seed(1)
         for _ in range(4):
             step(*make_batch("mlp", 8, gen))
@@ -56,7 +61,11 @@ def test_adamw_with_a_scheduler_compiles_once_in_100_steps_and_follows_eager():
         model = MLP()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0 / (1 + i))
-        step = transpile(model, optimizer, "fused_allreduce", nn.CrossEntropyLoss(), compile=True) if compile_ else None
+        step = (
+            transpile(model, optimizer, "fused_allreduce", nn.CrossEntropyLoss(), execution=Execution(compile=True))
+            if compile_
+            else None
+        )
         gen = torch.Generator().manual_seed(1)
         for _ in range(100):
             x, y = make_batch("mlp", 8, gen)
@@ -85,7 +94,7 @@ def test_a_generic_optimizer_whose_lr_changes_every_step_gets_a_clear_error_at_t
     model = MLP()
     optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0 / (1 + i))
-    step = transpile(model, optimizer, "fused_allreduce", nn.CrossEntropyLoss(), compile=True)
+    step = transpile(model, optimizer, "fused_allreduce", nn.CrossEntropyLoss(), execution=Execution(compile=True))
     gen = torch.Generator().manual_seed(1)
     limit = torch._dynamo.config.patch(recompile_limit=3)
     with limit, pytest.raises(ConfigurationError, match="recompiled on every call.*generic path.*compile=False"):
@@ -157,15 +166,17 @@ def test_an_in_place_all_reduce_whose_buffer_is_read_later_is_refused():
 
 def test_compile_takes_a_bool():
     model = MLP()
-    with pytest.raises(ConfigurationError, match="compile must be True or False"):
-        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), compile="yes")
+    with pytest.raises(
+        ConfigurationError, match="'compile' of Execution wants a bool \\(true or false\\); got 'maybe'"
+    ):
+        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), execution=Execution(compile="maybe"))
 
 
 def test_cuda_graph_takes_a_bool_and_a_gpu():
     """What can be checked without a GPU (the rest of the refusals: tests/test_gpu.py)."""
     model = MLP()
-    with pytest.raises(ConfigurationError, match="cuda_graph must be True or False"):
-        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), cuda_graph=1)
+    with pytest.raises(ConfigurationError, match="'cuda_graph' of Execution wants a bool"):
+        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), execution=Execution(cuda_graph=1))
     where = "model's tensors are on" if torch.cuda.is_available() else "needs a CUDA device"
     with pytest.raises(ConfigurationError, match=where):
-        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), cuda_graph=True)
+        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), execution=Execution(cuda_graph=True))

@@ -19,7 +19,7 @@ from torch import nn
 
 from bench.tiny_models import make_batch, make_model
 from tests.helpers import capture_by_calling, state_addresses
-from transpiler import ConfigurationError, transpile
+from transpiler import Accumulation, Clipping, ConfigurationError, Execution, LossScaling, mode_config, transpile
 from transpiler.runtime import cuda_graph as cg
 
 OPTIMIZERS = {
@@ -33,8 +33,13 @@ CASES = {  # label: (model, optimizer, mode, options)
     "tied_adamw": ("tied", "adamw", "fused_allreduce", {}),
     "none": ("mlp", "adamw", "none", {}),
     "local_sgd": ("mlp", "sgd", "local_sgd", {"k_steps": 3}),
-    "accumulate": ("mlp", "adamw", "fused_allreduce", {"accumulate_steps": 2}),
-    "clip_loss_scale": ("mlp", "sgd", "fused_allreduce", {"max_grad_norm": 1.0, "loss_scale": "dynamic"}),
+    "accumulate": ("mlp", "adamw", "fused_allreduce", {"accumulation": Accumulation(steps=2)}),
+    "clip_loss_scale": (
+        "mlp",
+        "sgd",
+        "fused_allreduce",
+        {"clipping": Clipping(max_norm=1.0), "loss_scaling": LossScaling()},
+    ),
     "zero1": ("tied", "adamw", "zero1", {}),
     "zero2": ("mlp", "adamw", "zero2", {}),
     "zero3": ("tied", "adamw", "zero3", {}),
@@ -52,8 +57,10 @@ def _pair(model_name, opt_name, mode, options):
     twin = copy.deepcopy(model)
     plain_opt, captured_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](twin.parameters())
     loss_fn = nn.CrossEntropyLoss()
-    plain = transpile(model, plain_opt, mode, loss_fn, **options)
-    captured = transpile(twin, captured_opt, mode, loss_fn, cuda_graph=True, **options)
+    plain = transpile(model, plain_opt, mode_config(mode, **options), loss_fn)
+    captured = transpile(
+        twin, captured_opt, mode_config(mode, **options), loss_fn, execution=Execution(cuda_graph=True)
+    )
     return (model, plain_opt, plain), (twin, captured_opt, captured)
 
 
@@ -225,7 +232,9 @@ def test_compiled_and_captured_is_bitwise_compiled():
     twin = copy.deepcopy(model)
     loss_fn = nn.CrossEntropyLoss()
     plain_opt, captured_opt = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](twin.parameters())
-    plain = transpile(model, plain_opt, "fused_allreduce", loss_fn, compile=True)
-    captured = transpile(twin, captured_opt, "fused_allreduce", loss_fn, compile=True, cuda_graph=True)
+    plain = transpile(model, plain_opt, "fused_allreduce", loss_fn, execution=Execution(compile=True))
+    captured = transpile(
+        twin, captured_opt, "fused_allreduce", loss_fn, execution=Execution(compile=True, cuda_graph=True)
+    )
     _run_both((model, plain_opt, plain), (twin, captured_opt, captured), "mlp", 5, torch.Generator().manual_seed(4))
     assert captured.captures == {"step": 1} and captured.compile_seconds["step"] > 0

@@ -22,7 +22,15 @@ from tests.diloco_worker import LOSS
 from tests.helpers import COMPOSED, resumed_matches, trained
 from tests.test_diloco_w1 import FACTORY
 from tests.worlds import run_in_world
-from transpiler import CheckpointError, ConfigurationError, VerificationError, transpile
+from transpiler import (
+    CheckpointError,
+    ConfigurationError,
+    Execution,
+    LossScaling,
+    VerificationError,
+    mode_config,
+    transpile,
+)
 from transpiler.cli import main as cli_main
 from transpiler.graph.verify import check_private_state_stays
 
@@ -98,12 +106,12 @@ def test_the_dct_bases_are_the_authors_and_within_a_ulp_of_scipys(n):
 def test_world1_message_bytes_verifier_and_dump(capsys):
     """The all-gathers carry the documented message, every bucket together; the momentum may only leave as it."""
     model = MLP()
-    step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.01), "demo", LOSS, **DEMO)
+    step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.01), mode_config("demo", **DEMO), LOSS)
     step(*make_batch("mlp", 8, torch.Generator().manual_seed(0)))
     program = step.programs["step"]
     gathers = [n for n in program.graph.nodes if "collective" in n.meta]
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    sparsity = Sparsity(DEMO["compression_chunk"], DEMO["compression_topk"], False)
+    sparsity = Sparsity(DEMO["chunk_size"], DEMO["topk"], False)
     assert sorted(n for g in gathers for n in g.meta["collective"]["grads"]) == sorted(shapes)
     for gather in gathers:
         tilings = {n: Tiling.of(shapes[n], sparsity.chunk) for n in gather.meta["collective"]["grads"]}
@@ -120,7 +128,7 @@ def test_world1_message_bytes_verifier_and_dump(capsys):
     assert cli_main(["modes"]) == 0
     assert "= broadcast-params,demo-exchange,flatten-update" in capsys.readouterr().out
     plain_sgd = FACTORY.replace("tiny_factory", "plain_sgd_factory")  # DeMo steps with SGD without momentum
-    assert cli_main(["dump", plain_sgd, "--mode", "demo", "-O", "compression_topk=2"]) == 0
+    assert cli_main(["dump", plain_sgd, "--mode", "demo", "-O", "topk=2"]) == 0
     out = capsys.readouterr().out
     for shown in ("x_demo_momentum_0_weight, 0.999", "dct_", "idct_", "transpiler.sparse_select", "sign.default"):
         assert shown in out
@@ -132,7 +140,7 @@ def test_world1_message_bytes_verifier_and_dump(capsys):
     "options, optimizer, match",
     [
         ({"quantization_bins": 1}, None, "2 to 256 bins"),
-        ({"loss_scale": "dynamic"}, None, "takes no option"),
+        ({"loss_scaling": LossScaling()}, None, "takes no option"),
         ({"replica_size": 2}, None, "takes no option"),
         ({}, "momentum", "SGD.*without momentum"),
         ({}, "adam", "SGD.*without momentum"),
@@ -145,10 +153,10 @@ def test_clear_errors(options, optimizer, match):
         "momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
         "adam": lambda p: torch.optim.Adam(p, lr=0.1),
     }[optimizer]
-    step = transpile(model, make(model.parameters()), "demo", LOSS, **options) if not options else None
+    step = transpile(model, make(model.parameters()), mode_config("demo", **options), LOSS) if not options else None
     with pytest.raises(ConfigurationError, match=match):
         if step is None:
-            transpile(model, make(model.parameters()), "demo", LOSS, **options)
+            transpile(model, make(model.parameters()), mode_config("demo", **options), LOSS)
         else:
             step(*make_batch("mlp", 8, torch.Generator().manual_seed(0)))
 
@@ -161,7 +169,7 @@ def test_accumulation_clipping_and_autocast_compose_as_in_fused_allreduce(autoca
     def sgd(params):
         return torch.optim.SGD(params, lr=1.0)
 
-    dense = {"compression_chunk": 8, "compression_topk": 64, "compression_decay": 0.0, "sign": False}
+    dense = {"chunk_size": 8, "topk": 64, "compression_decay": 0.0, "sign": False}
     demo = trained("demo", {**dense, **COMPOSED}, sgd, autocast=autocast)
     fused = trained("fused_allreduce", COMPOSED, sgd, autocast=autocast)
     for a, b in zip(demo, fused):
@@ -188,7 +196,13 @@ def test_compiled_demo_follows_the_uncompiled_step():
     for flag in (False, True):
         torch.manual_seed(0)
         model = MLP()
-        step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.01), "demo", LOSS, compile=flag, **DEMO)
+        step = transpile(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            mode_config("demo", **DEMO),
+            LOSS,
+            execution=Execution(compile=flag),
+        )
         gen = torch.Generator().manual_seed(1)
         for _ in range(4):
             step(*make_batch("mlp", 8, gen))

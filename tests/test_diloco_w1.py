@@ -18,14 +18,26 @@ from torch import nn
 
 from bench.tiny_models import MLP, TiedLM, make_batch
 from passes.partitions import module_fragments
-from transpiler import ConfigurationError, VerificationError, transpile
+from transpiler import (
+    Accumulation,
+    Clipping,
+    ConfigurationError,
+    DiLoCo,
+    Execution,
+    LossScaling,
+    StaticWorld,
+    StreamingDiLoCo,
+    VerificationError,
+    mode_config,
+    transpile,
+)
 from transpiler.cli import main as cli_main
 from transpiler.graph.verify import check_fragments, check_outer_reads_averaged, check_shards
 from transpiler.strategies.schedules import StreamingDiLoCoSchedule
 
 LOSS = nn.CrossEntropyLoss()
 H = 3
-FACTORY = str(Path(__file__).with_name("models.py")) + ":tiny_factory"
+FACTORY = str(Path(__file__).parents[1] / "bench" / "tiny_models.py") + ":tiny_factory"
 
 
 def data(n: int, size: int = 8, seed: int = 1, name: str = "mlp") -> list:
@@ -96,10 +108,15 @@ def test_world1_is_the_eager_loop(case):
     autocast = None
     mode = "diloco"
     if case == "accumulation_and_clipping":
-        options = {"accumulate_steps": 2, "max_grad_norm": 0.05}
+        options = {"accumulation": Accumulation(steps=2), "clipping": Clipping(max_norm=0.05)}
     if case == "streaming_accumulation":  # one fragment, exchange applied one update later, mixed half and half
         mode = "streaming_diloco"
-        options = {"accumulate_steps": 2, "fragments": 1, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
+        options = {
+            "accumulation": Accumulation(steps=2),
+            "fragments": 1,
+            "fragment_sync_delay": 1,
+            "fragment_update_alpha": 0.5,
+        }
     if case == "generic_outer":
 
         def outer_factory(params):
@@ -107,7 +124,7 @@ def test_world1_is_the_eager_loop(case):
 
         kwargs["outer_optimizer"] = outer_factory(model.parameters())
     inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
-    step = transpile(model, inner, mode, LOSS, sync_every=H, **options, **kwargs)
+    step = transpile(model, inner, mode_config(mode, sync_every=H, **options), LOSS, **kwargs)
     eager = EagerDiLoCo(
         twin,
         torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.01),
@@ -193,12 +210,10 @@ def static(mode: str = "streaming_diloco", world: int = 2, **options):
     return transpile(
         model,
         torch.optim.AdamW(model.parameters(), lr=0.01),
-        mode,
+        mode_config(mode, **options),
         LOSS,
         example_inputs=batch,
-        world_size=world,
-        rank=0,
-        **options,
+        mesh=StaticWorld(size=world, rank=0),
     )
 
 
@@ -250,8 +265,8 @@ def test_zero_inside_a_replica_shards_within_it_and_syncs_across(stage):
     updated halves all-gather inside the replica, clipping's partial norms are summed there too, the
     pseudo-gradients go across (ranks 0 and 2), and rank 0 updates about half of the elements. Under ZeRO-2 an
     accumulation micro-step reduce-scatters inside the replica; under ZeRO-1 it communicates nothing."""
-    options = {"sync_every": 4, "replica_size": 2, "replica_mode": f"zero{stage}", "max_grad_norm": 1.0}
-    step = static("diloco", world=4, accumulate_steps=2, **options)
+    options = {"sync_every": 4, "replica_size": 2, "replica_mode": f"zero{stage}", "clipping": Clipping(max_norm=1.0)}
+    step = static("diloco", world=4, accumulation=Accumulation(steps=2), **options)
     comms = collectives_by_group(step)
     inside = [("reduce_scatter", (0, 1)), ("all_reduce", (0, 1)), ("all_gather", (0, 1))]
     assert comms["inner"] == inside
@@ -271,7 +286,14 @@ def test_the_shard_check_tiles_each_replica_and_sees_a_gap():
         model = MLP()
         options = {"sync_every": 4, "replica_size": 2, "replica_mode": "zero1"}
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        step = transpile(model, opt, "diloco", LOSS, example_inputs=data(1)[0], world_size=4, rank=rank, **options)
+        step = transpile(
+            model,
+            opt,
+            mode_config("diloco", **options),
+            LOSS,
+            example_inputs=data(1)[0],
+            mesh=StaticWorld(size=4, rank=rank),
+        )
         programs.append(step.programs["inner"])
     check_shards(programs)
     broken = programs[1].clone(rank=1)
@@ -341,9 +363,9 @@ def test_cli_schedule_shows_each_exchange_started_and_finished_a_call_later(caps
         ("streaming_diloco", {}, "adam", "keep no step count per param group"),
         ("streaming_diloco", {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 2}, None, "delay below 2"),
         ("streaming_diloco", {"sync_every": 2, "fragments": 3}, None, "at most sync_every fragments"),
-        ("diloco", {"loss_scale": "dynamic"}, None, "'loss_scale' works with"),
+        ("diloco", {"loss_scaling": LossScaling()}, None, "'loss_scaling' works with"),
         ("streaming_diloco", {"exchange_dtype": "int3"}, None, "exchange_dtype"),
-        ("diloco", {"cuda_graph": True}, None, "cuda_graph=True is not built for mode 'diloco'"),
+        ("diloco", {"execution": Execution(cuda_graph=True)}, None, "cuda_graph=True is not built for mode 'diloco'"),
         ("diloco", {"replica_size": 2}, None, "replica_size=2 does not divide the world size 1"),
         ("diloco", {"replica_mode": "zero2"}, None, "replica_size=1 makes every rank its own replica"),
         ("diloco", {"replica_mode": "zero3"}, None, "replica_mode"),
@@ -357,8 +379,11 @@ def test_clear_errors(mode, options, outer, match):
         "other_params": lambda: torch.optim.SGD(list(model.parameters())[:2], lr=0.7),
     }
     kwargs = {"outer_optimizer": outers[outer]()} if outer else {}
+    options = dict(options)
+    if "execution" in options:
+        kwargs["execution"] = options.pop("execution")
     with pytest.raises(ConfigurationError, match=match):
-        transpile(model, torch.optim.AdamW(model.parameters()), mode, LOSS, **options, **kwargs)
+        transpile(model, torch.optim.AdamW(model.parameters()), mode_config(mode, **options), LOSS, **kwargs)
 
 
 def test_more_fragments_than_modules_is_refused_when_traced():
@@ -367,17 +392,15 @@ def test_more_fragments_than_modules_is_refused_when_traced():
         transpile(
             model,
             torch.optim.AdamW(model.parameters()),
-            "streaming_diloco",
+            StreamingDiLoCo(sync_every=8, fragments=3),
             LOSS,
             example_inputs=data(1, name="tied")[0],
-            sync_every=8,
-            fragments=3,
         )
 
 
 def test_global_weights_before_any_step_are_the_parameters_and_other_modes_have_none():
     model = MLP()
-    step = transpile(model, torch.optim.AdamW(model.parameters()), "diloco", LOSS, sync_every=H)
+    step = transpile(model, torch.optim.AdamW(model.parameters()), DiLoCo(sync_every=H), LOSS)
     held = step.global_parameters()
     assert all(torch.equal(held[n], p) for n, p in model.named_parameters())
     plain = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), "fused_allreduce", LOSS)
@@ -397,7 +420,13 @@ def test_compiled_programs_follow_the_uncompiled_ones_and_compile_once(mode):
     base = MLP()
     models = {flag: copy.deepcopy(base) for flag in (False, True)}
     steps = {
-        flag: transpile(m, torch.optim.AdamW(m.parameters(), lr=0.01), mode, LOSS, compile=flag, **options)
+        flag: transpile(
+            m,
+            torch.optim.AdamW(m.parameters(), lr=0.01),
+            mode_config(mode, **options),
+            LOSS,
+            execution=Execution(compile=flag),
+        )
         for flag, m in models.items()
     }
     torch._dynamo.utils.counters.clear()
@@ -416,7 +445,7 @@ def test_compiled_programs_follow_the_uncompiled_ones_and_compile_once(mode):
 def _trained(mode: str, steps: int, seed: int = 0, **options):
     torch.manual_seed(seed)
     model = MLP()
-    step = transpile(model, torch.optim.AdamW(model.parameters(), lr=0.01), mode=mode, loss_fn=LOSS, **options)
+    step = transpile(model, torch.optim.AdamW(model.parameters(), lr=0.01), mode_config(mode, **options), loss_fn=LOSS)
     for batch in data(steps):
         step(*batch)
     return model, step
@@ -434,7 +463,7 @@ def test_a_world1_dcp_checkpoint_resumes_bitwise_and_the_checkpointer_waits_for_
     torch.manual_seed(0)
     model = MLP()
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-    step = transpile(model, inner, mode="streaming_diloco", loss_fn=LOSS, **STREAM_1)
+    step = transpile(model, inner, mode_config("streaming_diloco", **STREAM_1), loss_fn=LOSS)
     checkpointer = Checkpointer(step, tmp_path, every=2, keep=4)
     written = []
     for batch in data(8):

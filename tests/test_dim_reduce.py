@@ -29,7 +29,7 @@ from bench.tiny_models import plain_sgd_factory
 from tests import dim_reduce_problem as problem
 from tests.helpers import strategy_of
 from tests.worlds import run_in_world
-from transpiler import ConfigurationError, transpile
+from transpiler import ConfigurationError, DimReduce, StaticWorld, mode_config, transpile
 from transpiler.build import rewrite
 from transpiler.cli import main
 from transpiler.graph.basis import layout
@@ -90,7 +90,7 @@ def reference(batches, rows, *, rho=0.55, gamma=0.9, alpha=0.001, sigma=0.4, lr=
 def dim_reduce(model: nn.Module, basis, **options):
     """A dim_reduce step with Boost's plain SGD, lr 1."""
     optimizer = torch.optim.SGD(model.parameters(), lr=problem.LR)
-    return transpile(model, optimizer, "dim_reduce", nn.MSELoss(), pca_path=str(basis), **options)
+    return transpile(model, optimizer, mode_config("dim_reduce", pca_path=str(basis), **options), nn.MSELoss())
 
 
 def flat(model: nn.Module) -> torch.Tensor:
@@ -207,7 +207,7 @@ def test_what_dim_reduce_refuses(tmp_path, basis):
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
 
     def attempt(optimizer=sgd, **options):
-        return transpile(model, optimizer, "dim_reduce", nn.MSELoss(), **options)
+        return transpile(model, optimizer, mode_config("dim_reduce", **options), nn.MSELoss())
 
     with pytest.raises(ConfigurationError, match="needs pca_path"):
         attempt()
@@ -224,10 +224,9 @@ def test_what_dim_reduce_refuses(tmp_path, basis):
         transpile(
             other,
             torch.optim.SGD(other.parameters(), lr=1.0),
-            "dim_reduce",
+            DimReduce(pca_path=str(basis)),
             nn.MSELoss(),
             (torch.randn(2, 3), torch.randn(2, 1)),
-            pca_path=str(basis),
         )
     with pytest.raises(ConfigurationError, match="dim_reduce takes no option|works with"):
         attempt(pca_path=str(basis), accumulate_steps=2)
@@ -242,8 +241,9 @@ def test_ranks_with_different_basis_files_disagree_at_the_handshake(tmp_path):
         problem.write_basis(path, rows)
         model = problem.model()
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        options = {"world_size": 2, "rank": rank, "pca_path": str(path)}
-        setups[rank] = transpile(model, optimizer, "dim_reduce", nn.MSELoss(), batch, **options).prepare(batch).setup
+        world = StaticWorld(size=2, rank=rank)
+        step = transpile(model, optimizer, DimReduce(pca_path=str(path)), nn.MSELoss(), batch, mesh=world)
+        setups[rank] = step.prepare(batch).setup
     lines = differences(setups)
     assert len(lines) == 1 and "sources" in lines[0], lines
 

@@ -24,7 +24,7 @@ from torch import nn
 from torch.func import functional_call
 
 from bench.tiny_models import make_batch, make_model
-from transpiler import transpile
+from transpiler import DimReduce, transpile
 from transpiler.graph.basis import layout
 
 ATOL = 1e-6  # float32 against the eager float32 reference in another order: 1.5e-8 to 2.4e-7 measured
@@ -126,7 +126,7 @@ def test_dim_reduce_matches_an_eager_reference_on_other_models(name, tmp_path):
     reference_model = copy.deepcopy(model)
     rows = random_basis(model, tmp_path / "basis.pt")
     step = transpile(
-        model, torch.optim.SGD(model.parameters(), lr=1.0), "dim_reduce", loss_fn, pca_path=str(tmp_path / "basis.pt")
+        model, torch.optim.SGD(model.parameters(), lr=1.0), DimReduce(pca_path=str(tmp_path / "basis.pt")), loss_fn
     )
     seen = []
     for batch in batches:

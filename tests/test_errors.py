@@ -8,10 +8,14 @@ from torch import nn
 
 from transpiler import (
     ConfigurationError,
+    DataParallel,
+    PassPipeline,
     PipelineSpecError,
+    StaticWorld,
     UnsupportedModelError,
     UnsupportedOptimizerError,
     VerificationError,
+    mode_config,
     transpile,
 )
 from transpiler.cli import main as cli_main
@@ -74,8 +78,7 @@ def test_world_size_above_one_without_process_group_can_be_inspected_not_run():
         torch.optim.SGD(model.parameters(), lr=0.1),
         loss_fn=nn.CrossEntropyLoss(),
         example_inputs=BATCH,
-        world_size=2,
-        rank=1,
+        mesh=StaticWorld(size=2, rank=1),
     )
     assert "all_reduce" in step.graph_module.code
     with pytest.raises(ConfigurationError, match="init_process_group"):
@@ -116,15 +119,17 @@ def test_world_size_above_one_without_process_group_can_be_inspected_not_run():
     ],
 )
 def test_bad_mode_or_spec(mode, error, message):
+    """A mode's name, or a pipeline of passes: an error when the config is made, before anything is traced."""
     model = nn.Linear(3, 2)
     with pytest.raises(error, match=message):
-        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mode=mode, loss_fn=nn.CrossEntropyLoss())
+        config = PassPipeline(spec=mode) if "-" in mode else mode_config(mode)  # a pass's name has a dash
+        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), config, loss_fn=nn.CrossEntropyLoss())
 
 
 def test_unknown_mode_option():
     model = nn.Linear(3, 2)
     with pytest.raises(ConfigurationError, match="bucket_cap_mb"):
-        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="allreduce", bucket_cap_mb=4)
+        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), DataParallel(fused=False, bucket_cap_mb=4))
 
 
 def test_loss_must_be_a_scalar():
@@ -192,7 +197,11 @@ def test_allgather_refuses_an_optimizer_without_a_twin_at_transpile():
     model = nn.Linear(3, 2)
     with pytest.raises(ConfigurationError, match="allgather.*RMSprop has none"):
         transpile(
-            model, torch.optim.RMSprop(model.parameters()), "allgather", nn.CrossEntropyLoss(), world_size=2, rank=0
+            model,
+            torch.optim.RMSprop(model.parameters()),
+            "allgather",
+            nn.CrossEntropyLoss(),
+            mesh=StaticWorld(size=2, rank=0),
         )
 
 

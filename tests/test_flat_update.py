@@ -16,7 +16,7 @@ from torch import nn
 from bench.tiny_models import Lamb, Lion, TiedLM, make_batch
 from passes.flatten_update import FlattenUpdate
 from tests.helpers import assert_same_training_state, eager_step
-from transpiler import transpile
+from transpiler import Clipping, LocalSGD, LossScaling, PassPipeline, StaticWorld, mode_config, transpile
 from transpiler.errors import ConfigurationError, UnsupportedOptimizerError
 from transpiler.graph.ports import Port
 from transpiler.graph.views import is_view
@@ -47,7 +47,9 @@ def pair(model: nn.Module, make_opt, batch, **options):
     """The transpiled step (W=1) and an eager twin of the same model and optimizer."""
     twin = copy.deepcopy(model)
     optimizer, twin_opt = make_opt(model), make_opt(twin)
-    step = transpile(model, optimizer, "fused_allreduce", LOSS, batch, world_size=1, rank=0, **options)
+    step = transpile(
+        model, optimizer, mode_config("fused_allreduce", **options), LOSS, batch, mesh=StaticWorld(size=1, rank=0)
+    )
     return (model, optimizer, step), (twin, twin_opt)
 
 
@@ -165,7 +167,7 @@ def test_bfloat16_add_with_alpha_stays_per_parameter():
     steps = []
     for m, spec in ((model, "fused_allreduce"), (twin, "scale-loss-grad,fuse-allreduce,reinplace-optimizer")):
         optimizer = torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=1e-2, foreach=False)
-        steps.append(transpile(m, optimizer, spec, LOSS, batch, world_size=1, rank=0))
+        steps.append(transpile(m, optimizer, spec, LOSS, batch, mesh=StaticWorld(size=1, rank=0)))
     for _ in range(2):
         assert torch.equal(steps[0](*batch), steps[1](*batch))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
@@ -252,12 +254,12 @@ def test_a_checkpoint_of_the_flat_step_resumes_bitwise():
 
 UNFLATTENED = {  # each mode's pipeline without flatten-update: the reference its flat program must equal
     ("allreduce", ()): "broadcast-params,scale-loss-grad,allreduce-grads,reinplace-optimizer",
-    ("fused_allreduce", (("max_grad_norm", 0.5),)): (
+    ("fused_allreduce", (("clipping", Clipping(max_norm=0.5)),)): (
         "broadcast-params,scale-loss-grad,fuse-allreduce,clip-grad-norm{max-norm=0.5},reinplace-optimizer"
     ),
     (
         "fused_allreduce",
-        (("loss_scale", "dynamic"),),
+        (("loss_scaling", LossScaling()),),
     ): "broadcast-params,scale-loss-grad,fuse-allreduce,loss-scale,reinplace-optimizer",
     ("adasum", ()): "broadcast-params,adasum,reinplace-optimizer",
 }
@@ -274,7 +276,8 @@ def test_other_modes_are_flat_and_compute_what_they_did(mode, options):
         model = mlp([11, 13, 3])
         batch = (torch.randn(6, 11), torch.randint(0, 3, (6,)))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-        step = transpile(model, optimizer, spec, LOSS, batch, world_size=1, rank=0, **opts)
+        config = PassPipeline(spec=spec) if "," in spec else mode_config(spec, **opts)
+        step = transpile(model, optimizer, config, LOSS, batch, mesh=StaticWorld(size=1, rank=0))
         losses = [step(*batch) for _ in range(4)]
         results.append((model, optimizer, step, losses))
     (flat_model, flat_opt, flat_step, flat_losses), (model, opt, _, losses) = results
@@ -304,7 +307,9 @@ def test_local_sgd_is_flat_in_both_variants_with_one_layout(make, monkeypatch):
         model = mlp([9, 7, 3])
         batch = (torch.randn(6, 9), torch.randint(0, 3, (6,)))
         optimizer = make(model.parameters())
-        step = transpile(model, optimizer, "local_sgd", LOSS, batch, world_size=1, rank=0, k_steps=2)
+        step = transpile(
+            model, optimizer, LocalSGD(adaptive=False, k_steps=2), LOSS, batch, mesh=StaticWorld(size=1, rank=0)
+        )
         losses, pointers = [], []
         for _ in range(6):
             losses.append(step(*batch))
@@ -335,7 +340,9 @@ def test_zero3s_flat_update_runs_in_place():
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     batch = (torch.randn(2, 256), torch.randint(0, 256, (2,)))
-    step = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", nn.CrossEntropyLoss(), batch, world_size=2)
+    step = transpile(
+        model, torch.optim.AdamW(model.parameters()), "zero3", nn.CrossEntropyLoss(), batch, mesh=StaticWorld(size=2)
+    )
     made = sorted(
         str(n.target)
         for n in step.program.graph.nodes

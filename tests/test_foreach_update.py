@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.tiny_models import Lamb, Lion
 from passes.foreach_update import ForeachUpdate
 from tests.helpers import assert_same_training_state, eager_step
-from transpiler import transpile
+from transpiler import StaticWorld, transpile
 
 LOSS = nn.CrossEntropyLoss()
 # traced from their own step(): the per-parameter program is eager's bits in bfloat16 too
@@ -54,7 +54,7 @@ def run(model, make, batch, steps: int, monkeypatch=None):
     if monkeypatch is not None:
         monkeypatch.setattr(ForeachUpdate, "run", lambda self, program: False)
     optimizer = make(model.parameters())
-    step = transpile(model, optimizer, "fused_allreduce", LOSS, batch, world_size=1, rank=0)
+    step = transpile(model, optimizer, "fused_allreduce", LOSS, batch, mesh=StaticWorld(size=1, rank=0))
     losses = [step(*batch) for _ in range(steps)]
     if monkeypatch is not None:
         monkeypatch.undo()
@@ -132,7 +132,7 @@ def test_the_number_of_update_ops_does_not_grow_with_the_model():
         model = NarrowGPT(blocks=blocks).bfloat16()
         batch = narrow_batch("gpt", 2, torch.Generator().manual_seed(0))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-        step = transpile(model, optimizer, "fused_allreduce", LOSS, batch, world_size=1, rank=0)
+        step = transpile(model, optimizer, "fused_allreduce", LOSS, batch, mesh=StaticWorld(size=1, rank=0))
         step(*batch)
         update = [
             n

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from bench.tiny_models import Lion, muon_and_adamw
-from transpiler import ConfigurationError, UnsupportedOptimizerError, transpile
+from transpiler import ConfigurationError, StaticWorld, UnsupportedOptimizerError, transpile
 
 pytestmark = pytest.mark.bitwise  # claims eager's or DDP's bits: run again under narrower kernels in .ci/run
 
@@ -64,7 +64,7 @@ def test_matches_eager_step_after_step(name, scheduler):
     ours, eager = _model(), _model()
     ours_opt, eager_opt = OPTIMIZERS[name](ours.parameters()), OPTIMIZERS[name](eager.parameters())
     ours_sched, eager_sched = SCHEDULERS[scheduler](ours_opt), SCHEDULERS[scheduler](eager_opt)
-    step = transpile(ours, ours_opt, "none", nn.CrossEntropyLoss(), world_size=1, rank=0)
+    step = transpile(ours, ours_opt, "none", nn.CrossEntropyLoss(), mesh=StaticWorld(size=1, rank=0))
     for i, (x, y) in enumerate(_batches()):
         assert ours_opt.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"]  # the lr this step uses
         step(x, y)
@@ -93,7 +93,7 @@ def test_matches_eager_step_after_step(name, scheduler):
 def test_a_changed_hyper_parameter_other_than_lr_is_an_error():
     model = _model()
     opt = torch.optim.RMSprop(model.parameters(), lr=0.01, momentum=0.5)
-    step = transpile(model, opt, "none", nn.CrossEntropyLoss(), world_size=1, rank=0)
+    step = transpile(model, opt, "none", nn.CrossEntropyLoss(), mesh=StaticWorld(size=1, rank=0))
     x, y = _batches(1)[0]
     step(x, y)
     step(x, y)  # the program that reads the state
@@ -106,7 +106,7 @@ def test_state_dict_round_trip_resumes_bitwise():
     batches = _batches(6)
     model = _model()
     opt = torch.optim.NAdam(model.parameters(), lr=0.01)
-    step = transpile(model, opt, "none", nn.CrossEntropyLoss(), world_size=1, rank=0)
+    step = transpile(model, opt, "none", nn.CrossEntropyLoss(), mesh=StaticWorld(size=1, rank=0))
     for x, y in batches[:3]:
         step(x, y)
     checkpoint = step.state_dict()
@@ -114,7 +114,7 @@ def test_state_dict_round_trip_resumes_bitwise():
         step(x, y)
     resumed_model = _model()
     resumed_opt = torch.optim.NAdam(resumed_model.parameters(), lr=0.01)
-    resumed = transpile(resumed_model, resumed_opt, "none", nn.CrossEntropyLoss(), world_size=1, rank=0)
+    resumed = transpile(resumed_model, resumed_opt, "none", nn.CrossEntropyLoss(), mesh=StaticWorld(size=1, rank=0))
     resumed.load_state_dict(checkpoint)
     for x, y in batches[3:]:
         resumed(x, y)
@@ -132,7 +132,7 @@ def test_muon_on_a_model_of_matrices_matches_eager():
 
     ours, eager = matrices(), matrices()
     ours_opt, eager_opt = torch.optim.Muon(ours.parameters(), lr=0.02), torch.optim.Muon(eager.parameters(), lr=0.02)
-    step = transpile(ours, ours_opt, "none", nn.CrossEntropyLoss(), world_size=1, rank=0)
+    step = transpile(ours, ours_opt, "none", nn.CrossEntropyLoss(), mesh=StaticWorld(size=1, rank=0))
     for x, y in _batches():
         step(x, y)
         eager_opt.zero_grad()
@@ -153,7 +153,7 @@ def test_a_list_of_optimizers_steps_as_one_and_each_keeps_its_own_state_and_sche
     ours, eager = _model(), _model()
     ours_opts, eager_opts = members(ours), members(eager)
     schedules = [torch.optim.lr_scheduler.StepLR(o, 1, 0.5) for o in ours_opts + eager_opts]
-    step = transpile(ours, ours_opts, "none", nn.CrossEntropyLoss(), world_size=1, rank=0)
+    step = transpile(ours, ours_opts, "none", nn.CrossEntropyLoss(), mesh=StaticWorld(size=1, rank=0))
     for x, y in batches[:3]:
         step(x, y)
         for o in eager_opts:
@@ -169,7 +169,7 @@ def test_a_list_of_optimizers_steps_as_one_and_each_keeps_its_own_state_and_sche
     for x, y in batches[3:]:
         step(x, y)
     again = _model()
-    resumed = transpile(again, members(again), "none", nn.CrossEntropyLoss(), world_size=1, rank=0)
+    resumed = transpile(again, members(again), "none", nn.CrossEntropyLoss(), mesh=StaticWorld(size=1, rank=0))
     resumed.load_state_dict(checkpoint)
     for x, y in batches[3:]:
         resumed(x, y)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.tiny_models import tiny_factory
-from transpiler import transpile
+from transpiler import StaticWorld, mode_config, transpile
 
 pytestmark = pytest.mark.quick  # the quick tier: static, a second in all
 
@@ -32,7 +32,12 @@ def _stages(mode: str) -> list[tuple[str, str]]:
     """(label, code) after tracing and after each pass, then the startup program."""
     model, optimizer, loss_fn, batch = tiny_factory()
     step = transpile(
-        model, optimizer, mode=mode, loss_fn=loss_fn, example_inputs=batch, world_size=2, rank=0, **CASES[mode]
+        model,
+        optimizer,
+        mode_config(mode, **CASES[mode]),
+        loss_fn=loss_fn,
+        example_inputs=batch,
+        mesh=StaticWorld(size=2, rank=0),
     )
     return [*step.program.history, ("startup", step.program.startup.code)]
 

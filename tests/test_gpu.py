@@ -20,7 +20,7 @@ from torch import nn
 from bench.harness.launch import free_port
 from bench.tiny_models import make_batch, make_model
 from tests.helpers import eager_step, state_addresses
-from transpiler import transpile
+from transpiler import Accumulation, Clipping, DiLoCo, Execution, LossScaling, mode_config, transpile
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,14 +54,14 @@ def restore_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def _train_both(model_name, opt_name, mode, autocast, steps=5, **options) -> tuple[float, float]:
+def _train_both(model_name, opt_name, mode, autocast, steps=5, execution=None, **options) -> tuple[float, float]:
     """Largest differences (parameters, loss) between the transpiled step and eager over ``steps`` steps."""
     torch.manual_seed(0)
     model = make_model(model_name).to(DEVICE)
     ref = copy.deepcopy(model)
     optimizer, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref.parameters())
     loss_fn = nn.CrossEntropyLoss()
-    step = transpile(model, optimizer, mode, loss_fn, **options)
+    step = transpile(model, optimizer, mode_config(mode, **options), loss_fn, execution=execution)
     gen = torch.Generator().manual_seed(1)
     worst_param = worst_loss = 0.0
     for _ in range(steps):
@@ -101,7 +101,9 @@ def test_zero3_prefetches_the_next_bucket_on_the_gpu():
     assert param <= 1e-6 and loss <= 1e-6
     model = make_model("mlp").to(DEVICE)
     batch = tuple(t.to(DEVICE) for t in make_batch("mlp", 16, torch.Generator().manual_seed(1)))
-    step = transpile(model, OPTIMIZERS["sgd"](model.parameters()), "zero3", nn.CrossEntropyLoss(), batch, **caps)
+    step = transpile(
+        model, OPTIMIZERS["sgd"](model.parameters()), mode_config("zero3", **caps), nn.CrossEntropyLoss(), batch
+    )
     nodes = list(step.program.graph.nodes)
     overlapped = 0
     for i, node in enumerate(nodes):
@@ -119,7 +121,9 @@ def test_zero3_prefetch_depth_is_the_gathers_in_flight_during_compute(prefetch):
     caps = {"bucket_cap_mb": 0.004, "first_bucket_mb": 0.001, "prefetch": prefetch}
     model = make_model("mlp").to(DEVICE)
     batch = tuple(t.to(DEVICE) for t in make_batch("mlp", 16, torch.Generator().manual_seed(1)))
-    step = transpile(model, OPTIMIZERS["sgd"](model.parameters()), "zero3", nn.CrossEntropyLoss(), batch, **caps)
+    step = transpile(
+        model, OPTIMIZERS["sgd"](model.parameters()), mode_config("zero3", **caps), nn.CrossEntropyLoss(), batch
+    )
     in_flight, most = set(), 0
     for node in step.program.graph.nodes:
         if node.meta.get("collective", {}).get("kind") == "all_gather":
@@ -166,7 +170,7 @@ def test_bf16_autocast_around_the_step_follows_eager_autocast(model_name):
 def test_compile_with_adamw_compiles_once_over_30_steps():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    param, _ = _train_both("mlp", "adamw", "fused_allreduce", None, steps=30, compile=True)
+    param, _ = _train_both("mlp", "adamw", "fused_allreduce", None, steps=30, execution=Execution(compile=True))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert param <= 1e-5
 
@@ -179,12 +183,12 @@ CAPTURED_CASES = {  # label: (model, optimizer, mode, options, autocast)
     "tied_adamw": ("tied", "adamw", "fused_allreduce", {}, None),
     "none": ("mlp", "adamw", "none", {}, None),
     "local_sgd": ("mlp", "sgd", "local_sgd", {"k_steps": 3}, None),
-    "accumulate": ("mlp", "adamw", "fused_allreduce", {"accumulate_steps": 2}, None),
+    "accumulate": ("mlp", "adamw", "fused_allreduce", {"accumulation": Accumulation(steps=2)}, None),
     "clip_loss_scale_fp16": (
         "mlp",
         "sgd",
         "fused_allreduce",
-        {"max_grad_norm": 1.0, "loss_scale": "dynamic"},
+        {"clipping": Clipping(max_norm=1.0), "loss_scaling": LossScaling()},
         torch.float16,
     ),
     "zero1": ("tied", "adamw", "zero1", {}, None),
@@ -203,8 +207,16 @@ def _pair(model_name, opt_name, mode, options, **flags):
         OPTIMIZERS[opt_name](captured_model.parameters()),
     )
     loss_fn = nn.CrossEntropyLoss()
-    plain = transpile(plain_model, plain_opt, mode, loss_fn, compile=flags.get("compile", False), **options)
-    captured = transpile(captured_model, captured_opt, mode, loss_fn, **flags, **options)
+    plain = transpile(
+        plain_model,
+        plain_opt,
+        mode_config(mode, **options),
+        loss_fn,
+        execution=Execution(compile=flags.get("compile", False)),
+    )
+    captured = transpile(
+        captured_model, captured_opt, mode_config(mode, **options), loss_fn, execution=Execution(**flags)
+    )
     return (plain_model, plain_opt, plain), (captured_model, captured_opt, captured)
 
 
@@ -302,10 +314,10 @@ def test_cuda_graph_refuses_what_a_capture_cannot_hold():
 
     model = make_model("mlp").to(DEVICE)
     with pytest.raises(UnsupportedOptimizerError, match="generic path"):
-        transpile(model, torch.optim.RMSprop(model.parameters()), cuda_graph=True)
+        transpile(model, torch.optim.RMSprop(model.parameters()), execution=Execution(cuda_graph=True))
     with pytest.raises(ConfigurationError, match="model's tensors are on"):
         cpu_model = make_model("mlp")
-        transpile(cpu_model, torch.optim.SGD(cpu_model.parameters(), lr=0.1), cuda_graph=True)
+        transpile(cpu_model, torch.optim.SGD(cpu_model.parameters(), lr=0.1), execution=Execution(cuda_graph=True))
 
 
 def test_diloco_offloaded_global_weights_leave_the_device_between_syncs():
@@ -321,7 +333,7 @@ def test_diloco_offloaded_global_weights_leave_the_device_between_syncs():
         torch.manual_seed(0)
         model = make_model("mlp").to(DEVICE)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        step = transpile(model, opt, mode="diloco", loss_fn=nn.CrossEntropyLoss(), sync_every=3, offload_global=offload)
+        step = transpile(model, opt, DiLoCo(sync_every=3, offload_global=offload), loss_fn=nn.CrossEntropyLoss())
         gen = torch.Generator().manual_seed(1)
         for _ in range(7):  # two syncs, then one inner step
             step(*(t.to(DEVICE) for t in make_batch("mlp", 16, gen)))

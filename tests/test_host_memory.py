@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from bench.tiny_models import MLP, make_batch
-from transpiler import transpile
+from transpiler import Execution, StaticWorld, transpile
 from transpiler.errors import ConfigurationError
 from transpiler.graph.memory import largest_allocation_bytes, peak_transient_bytes
 from transpiler.runtime import host_memory
@@ -28,12 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 ON_GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
-def _step(hidden: int = 32, **options):
+def _step(hidden: int = 32, **settings):
     torch.manual_seed(0)
     model = MLP(hidden=hidden)
     batch = make_batch("mlp", 8, torch.Generator().manual_seed(0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return transpile(model, optimizer, "zero1", LOSS, batch, world_size=2, rank=0, **options)
+    execution = Execution(**settings)
+    return transpile(model, optimizer, "zero1", LOSS, batch, mesh=StaticWorld(size=2, rank=0), execution=execution)
 
 
 @pytest.fixture
@@ -96,8 +97,8 @@ def test_keep_freed_memory_false_sets_nothing(mallopt):
 
 
 def test_keep_freed_memory_must_be_a_bool():
-    with pytest.raises(ConfigurationError, match="keep_freed_memory must be True or False"):
-        _step(keep_freed_memory="yes")
+    with pytest.raises(ConfigurationError, match="'keep_freed_memory' of Execution wants a bool"):
+        _step(keep_freed_memory=2)
 
 
 @pytest.mark.skipif(not ON_GLIBC, reason="glibc's mallopt")
@@ -110,7 +111,7 @@ def test_a_freed_tensor_faults_no_pages_in_again_once_a_step_is_built():
         """
         import resource, torch
         from bench.tiny_models import MLP, make_batch
-        from transpiler import transpile
+        from transpiler import StaticWorld, mode_config, transpile
 
         def faults(times=16):
             counts = []

@@ -15,7 +15,7 @@ from importlinter.cli import lint_imports
 
 import passes
 import transpiler
-from transpiler import transpile
+from transpiler import DataParallel, LossScaling, transpile
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("transpiler", "passes")
@@ -147,7 +147,7 @@ def test_one_step_enters_the_run_loop_module_twice():
 
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    step = transpile(model, optimizer, mode="fused_allreduce", loss_fn=nn.CrossEntropyLoss(), loss_scale="dynamic")
+    step = transpile(model, optimizer, DataParallel(loss_scaling=LossScaling()), loss_fn=nn.CrossEntropyLoss())
     batch = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
     entered: list[str] = []
 
@@ -271,7 +271,7 @@ def test_any_module_can_be_imported_first():
         "import passes",
         "from passes import PASSES, FuseAllReduce",
         "import transpiler",
-        "from transpiler import transpile",
+        "from transpiler import DataParallel, LossScaling, transpile",
         *(f"import {name}" for name in project_modules()),
     ]
     assert "import passes.fuse_allreduce" in statements and "import transpiler.graph.program" in statements

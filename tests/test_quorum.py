@@ -50,7 +50,10 @@ from transpiler import (
     DataPosition,
     DiLoCo,
     FaultTolerance,
+    PassPipeline,
+    StaticWorld,
     StreamingDiLoCo,
+    mode_config,
     transpile,
 )
 
@@ -470,7 +473,15 @@ def test_streaming_diloco_groups_of_two_sync_fragment_by_fragment_and_heal(strea
     adamw = torch.optim.AdamW(model.parameters(), lr=0.01)
     options = {"replica_mode": "zero1", "fragments": FRAGMENTS, "sync_every": SYNC_EVERY}
     ft = FaultTolerance()
-    step = transpile(model, adamw, "streaming_diloco", LOSS, batch, world_size=RANKS, fault_tolerance=ft, **options)
+    step = transpile(
+        model,
+        adamw,
+        mode_config("streaming_diloco", **options),
+        LOSS,
+        batch,
+        fault_tolerance=ft,
+        mesh=StaticWorld(size=RANKS),
+    )
     fragment = fragments_of(step.programs["sync0"], FRAGMENTS)
     assert sorted(set(fragment.values())) == list(range(FRAGMENTS))
     synced = {f"sync{f}": {n for n, part in fragment.items() if part == f} for f in range(FRAGMENTS)}
@@ -706,13 +717,11 @@ def test_the_quorum_and_the_vote_are_nodes_where_the_step_needs_them(mode, ranks
     step = transpile(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
-        mode,
+        mode_config(mode, **extra),
         LOSS,
         inputs,
-        world_size=ranks,
-        rank=ranks - 1,
         fault_tolerance=ft,
-        **extra,
+        mesh=StaticWorld(size=ranks, rank=ranks - 1),
     )
     for variant, program in step.programs.items():
         nodes = list(program.graph.nodes)
@@ -765,9 +774,8 @@ def test_a_group_of_several_ranks_reduces_in_the_group_then_across_the_groups():
                 mode,
                 LOSS,
                 batch,
-                world_size=2,
-                rank=rank,
                 fault_tolerance=FaultTolerance(),
+                mesh=StaticWorld(size=2, rank=rank),
             )
             ops = collective_sequence(step.program.graph)
             across = [op for op in ops if op.group == "quorum"]
@@ -785,14 +793,27 @@ def test_a_group_of_several_ranks_reduces_in_the_group_then_across_the_groups():
     model = MLP()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigurationError, match="across=true sums over axis 'across', and this program has none"):
-        transpile(model, sgd, "scale-loss-grad,fuse-allreduce{across=true}", LOSS, batch, world_size=2)
+        transpile(
+            model,
+            sgd,
+            PassPipeline(spec="scale-loss-grad,fuse-allreduce{across=true}"),
+            LOSS,
+            batch,
+            mesh=StaticWorld(size=2),
+        )
     # Streaming DiLoCo, ZeRO-1 inside: the inner steps talk in the group only; each fragment's sync sums the
     # whole fragment on torchft's group, and the fragments cover the model once
     model = MLP()
     adamw = torch.optim.AdamW(model.parameters(), lr=0.01)
     options = {"replica_mode": "zero1", "fragments": 2, "sync_every": 4}
     step = transpile(
-        model, adamw, "streaming_diloco", LOSS, batch, world_size=2, fault_tolerance=FaultTolerance(), **options
+        model,
+        adamw,
+        mode_config("streaming_diloco", **options),
+        LOSS,
+        batch,
+        fault_tolerance=FaultTolerance(),
+        mesh=StaticWorld(size=2),
     )
     across = {
         variant: [math.prod(op.shape) for op in collective_sequence(program.graph) if op.group == "quorum"]
@@ -810,7 +831,10 @@ def test_the_participant_count_is_an_input_of_the_graph_and_needs_a_quorum():
     assert torch.equal(torch.reciprocal(counts), torch.tensor([1.0 / n for n in range(1, 100_001)]))
     model = torch.nn.Linear(4, 2)
     step = transpile(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), "scale-loss-grad{participants=true},fuse-allreduce", LOSS
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        PassPipeline(spec="scale-loss-grad{participants=true},fuse-allreduce"),
+        LOSS,
     )
     with pytest.raises(ConfigurationError, match="only a step under transpile\\(fault_tolerance=...\\) feeds"):
         step(torch.randn(3, 4), torch.randint(0, 2, (3,)))

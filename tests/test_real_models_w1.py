@@ -39,7 +39,7 @@ def test_bitwise_eager(name, mode):
     loss_fn = nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(3)
     batches = [make_batch(name, 8, gen) for _ in range(5)]
-    step = transpile(model, opt, mode=mode, loss_fn=loss_fn, example_inputs=batches[0])
+    step = transpile(model, opt, mode, loss_fn=loss_fn, example_inputs=batches[0])
     for i, batch in enumerate(batches):
         torch.manual_seed(100 + i)  # dropout draws from the global generator, in the same order in both
         ours = step(*batch)

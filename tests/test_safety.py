@@ -14,7 +14,16 @@ from torch import nn
 
 from bench.tiny_models import MLP, DropoutBN, make_batch
 from tests.helpers import assert_same_training_state, eager_step, eager_twin
-from transpiler import CheckpointError, ConfigurationError, UnsupportedOptimizerError, transpile
+from transpiler import (
+    CheckpointError,
+    ConfigurationError,
+    Execution,
+    LocalSGD,
+    StaticWorld,
+    UnsupportedOptimizerError,
+    mode_config,
+    transpile,
+)
 from transpiler.cli import main as cli_main
 from transpiler.errors import RetraceWarning
 
@@ -27,12 +36,12 @@ def _sgd(m):
     return torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
 
 
-def _pair(model_cls=DropoutBN, make_opt=_sgd, **options):
+def _pair(model_cls=DropoutBN, make_opt=_sgd, **settings):
     torch.manual_seed(0)
     model = model_cls()
     twin, twin_opt = eager_twin(model, make_opt)
     opt = make_opt(model)
-    step = transpile(model, opt, loss_fn=LOSS, **options)
+    step = transpile(model, opt, "fused_allreduce", loss_fn=LOSS, execution=Execution(**settings))
     return model, opt, step, twin, twin_opt
 
 
@@ -130,15 +139,15 @@ def test_step_under_no_grad_or_inference_mode(context):
 def test_options_are_typed_strictly(mode, options, message):
     model = MLP()
     with pytest.raises(ConfigurationError, match=message):
-        transpile(model, _sgd(model), mode=mode, loss_fn=LOSS, **options)
+        transpile(model, _sgd(model), mode_config(mode, **options), loss_fn=LOSS)
 
 
 def test_option_text_parses_as_its_type():
     model = MLP()
-    step = transpile(model, _sgd(model), mode="local_sgd", loss_fn=LOSS, average_state="false", k_steps="3")
+    step = transpile(model, _sgd(model), LocalSGD(adaptive=False, average_state="false", k_steps="3"), loss_fn=LOSS)
     assert step.schedule.k_steps == 3
     assert "average-state" not in step.mode_specs["sync"]
-    step = transpile(model, _sgd(model), mode="local_sgd", loss_fn=LOSS, average_state="true")
+    step = transpile(model, _sgd(model), LocalSGD(adaptive=False, average_state="true"), loss_fn=LOSS)
     assert "average-state=true" in step.mode_specs["sync"]
 
 
@@ -152,7 +161,7 @@ def test_cli_options_are_typed_the_same_way(capsys):
 def test_step_keywords_are_checked(kwargs, message):
     model = MLP()
     with pytest.raises(ConfigurationError, match=message):
-        transpile(model, _sgd(model), loss_fn=LOSS, **kwargs)
+        transpile(model, _sgd(model), "fused_allreduce", loss_fn=LOSS, execution=Execution(**kwargs))
 
 
 @pytest.mark.quick
@@ -190,7 +199,7 @@ def test_retracing_is_bounded_and_warned():
 def _trained(mode, make_opt=_sgd, model_cls=MLP, **options):
     torch.manual_seed(0)
     model = model_cls()
-    step = transpile(model, make_opt(model), mode=mode, loss_fn=LOSS, **options)
+    step = transpile(model, make_opt(model), mode_config(mode, **options), loss_fn=LOSS)
     for _ in range(2):
         step(*make_batch("mlp", 8, None))
     return step
@@ -235,6 +244,6 @@ def test_checkpoint_sets_only_declared_state():
 def test_checkpoint_world_size_must_match():
     ckpt = _trained("fused_allreduce").state_dict()
     model = MLP()
-    inspect_only = transpile(model, _sgd(model), loss_fn=LOSS, world_size=2, rank=0)
+    inspect_only = transpile(model, _sgd(model), loss_fn=LOSS, mesh=StaticWorld(size=2, rank=0))
     with pytest.raises(CheckpointError, match="world size: checkpoint 1, this step 2"):
         inspect_only.load_state_dict(ckpt)

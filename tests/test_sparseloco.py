@@ -33,7 +33,7 @@ from tests.helpers import COMPOSED, resumed_matches, trained
 from tests.sparseloco_worker import DENSE, ROUNDS, SPARSE, AuthorsSparseLoCo
 from tests.test_diloco_w1 import FACTORY
 from tests.worlds import run_in_world
-from transpiler import ConfigurationError, VerificationError, transpile
+from transpiler import ConfigurationError, SparseLoCo, VerificationError, mode_config, transpile
 from transpiler.cli import main as cli_main
 from transpiler.graph.verify import check_private_state_stays
 
@@ -131,8 +131,8 @@ def test_world1_is_the_authors_loop_with_one_replica():
     torch.manual_seed(0)
     model = MLP()
     paper = AuthorsSparseLoCo(model, 1, SPARSE)
-    step = transpile(model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01), "sparseloco", LOSS,
-                     sync_every=H, **SPARSE)  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    step = transpile(model, optimizer, mode_config("sparseloco", sync_every=H, **SPARSE), LOSS)
     gen = torch.Generator().manual_seed(3)
     for _ in range(2 * H):
         x, y = make_batch("mlp", 8, gen)
@@ -207,8 +207,8 @@ def test_a_tile_side_is_the_authors_split(n, chunk):
 @pytest.mark.quick
 def test_the_verifier_refuses_an_error_buffer_that_leaves_its_rank():
     model = MLP()
-    step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), "sparseloco", LOSS, sync_every=1,
-                     chunk_size=8, topk=2)  # fmt: skip
+    config = SparseLoCo(sync_every=1, chunk_size=8, topk=2)
+    step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), config, LOSS)
     step(*make_batch("mlp", 8, torch.Generator().manual_seed(0)))
     program = step.programs["sync"]
     check_private_state_stays(program, True)
@@ -245,7 +245,9 @@ def test_clear_errors(options, outer, match):
     model = MLP()
     kwargs = {"outer_optimizer": torch.optim.SGD(model.parameters(), lr=1.0)} if outer else {}
     with pytest.raises(ConfigurationError, match=match):
-        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), "sparseloco", LOSS, **options, **kwargs)
+        transpile(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), mode_config("sparseloco", **options), LOSS, **kwargs
+        )
 
 
 @pytest.mark.quick

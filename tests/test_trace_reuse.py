@@ -15,6 +15,8 @@ from bench.tiny_models import DropoutBN, make_batch
 from tests.helpers import eager_step, eager_twin
 from transpiler import (
     ConfigurationError,
+    DiLoCo,
+    LocalSGD,
     StepTrace,
     TraceCache,
     TraceMismatchError,
@@ -63,8 +65,8 @@ def test_modes_built_from_one_trace_are_fresh_traces_and_train_as_them(make_opt,
         model, opt = _model_and_optimizer(make_opt)
         fresh_model, fresh_opt = _model_and_optimizer(make_opt)
         twin, twin_opt = eager_twin(model, lambda m: make_opt(m.parameters()))
-        fresh = transpile(fresh_model, fresh_opt, mode=mode, loss_fn=LOSS, example_inputs=batches[0])
-        step = transpile(model, opt, mode=mode, loss_fn=LOSS, example_inputs=batches[0], trace=trace)
+        fresh = transpile(fresh_model, fresh_opt, mode, loss_fn=LOSS, example_inputs=batches[0])
+        step = transpile(model, opt, mode, loss_fn=LOSS, example_inputs=batches[0], trace=trace)
         assert step.program.graph_module.code == fresh.program.graph_module.code, mode
         assert step.program.history == fresh.program.history, mode
         for batch in [*batches, odd, batches[0]]:
@@ -213,9 +215,9 @@ def test_a_cache_keeps_its_traces_as_traced():
     batch = _batches(1)[0]
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
     cache = TraceCache()
-    transpile(*_model_and_optimizer(sgd), "diloco", LOSS, batch, trace=cache, sync_every=2)
-    step = transpile(*_model_and_optimizer(sgd), "local_sgd", LOSS, batch, trace=cache, k_steps=2)
-    fresh = transpile(*_model_and_optimizer(sgd), "local_sgd", LOSS, batch, k_steps=2)
+    transpile(*_model_and_optimizer(sgd), DiLoCo(sync_every=2), LOSS, batch, trace=cache)
+    step = transpile(*_model_and_optimizer(sgd), LocalSGD(k_steps=2), LOSS, batch, trace=cache)
+    fresh = transpile(*_model_and_optimizer(sgd), LocalSGD(k_steps=2), LOSS, batch)
     assert (cache.misses, cache.hits) == (1, 1)
     assert all(p.outer_update is None for p in step.programs.values())
     assert {v: p.graph_module.code for v, p in step.programs.items()} == {

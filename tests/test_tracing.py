@@ -8,7 +8,7 @@ from torch import nn
 
 from bench.tiny_models import MLP, SmallCNN, TiedLM, make_batch
 from tests.helpers import assert_same_training_state, eager_step, eager_twin
-from transpiler import transpile
+from transpiler import StaticWorld, mode_config, transpile
 
 pytestmark = pytest.mark.bitwise  # claims eager's or DDP's bits: run again under narrower kernels in .ci/run
 
@@ -32,7 +32,7 @@ def _train_both(model_name, make_opt, mode="none", steps=5, **options):
     loss_fn = nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(1)
     batches = [make_batch(model_name, 16, gen) for _ in range(steps)]
-    step = transpile(model, opt, mode=mode, loss_fn=loss_fn, example_inputs=batches[0], **options)
+    step = transpile(model, opt, mode_config(mode, **options), loss_fn=loss_fn, example_inputs=batches[0])
     for batch in batches:
         loss = step(*batch)
         assert torch.equal(loss, eager_step(twin, twin_opt, loss_fn, batch))
@@ -74,7 +74,7 @@ def test_param_groups_and_lr_scheduler():
     sched, twin_sched = (torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (opt, twin_opt))
     gen = torch.Generator().manual_seed(3)
     batches = [make_batch("mlp", 8, gen) for _ in range(6)]
-    step = transpile(model, opt, mode="fused_allreduce", loss_fn=nn.CrossEntropyLoss(), example_inputs=batches[0])
+    step = transpile(model, opt, "fused_allreduce", loss_fn=nn.CrossEntropyLoss(), example_inputs=batches[0])
     for batch in batches:
         step(*batch)
         eager_step(twin, twin_opt, nn.CrossEntropyLoss(), batch)
@@ -90,7 +90,7 @@ def test_roles_and_gradient_tags():
     step = transpile(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
-        mode="none",
+        "none",
         loss_fn=nn.CrossEntropyLoss(),
         example_inputs=make_batch("tied", 4, torch.Generator().manual_seed(0)),
     )
@@ -121,7 +121,7 @@ def test_unused_parameter_is_left_alone_like_eager():
     twin, twin_opt = eager_twin(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
     batch = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
-    step = transpile(model, opt, mode="allreduce", loss_fn=nn.CrossEntropyLoss(), example_inputs=batch)
+    step = transpile(model, opt, "allreduce", loss_fn=nn.CrossEntropyLoss(), example_inputs=batch)
     step(*batch)
     eager_step(twin, twin_opt, nn.CrossEntropyLoss(), batch)
     assert_same_training_state(model, opt, twin, twin_opt)
@@ -137,17 +137,17 @@ def test_unused_parameter_in_every_family(mode):
     model = WithUnused()
     before = model.unused.weight.detach().clone()
     batch = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
-    step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mode=mode, loss_fn=nn.CrossEntropyLoss())
+    step = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mode, loss_fn=nn.CrossEntropyLoss())
     for _ in range(2):
         step(*batch)
     assert torch.equal(model.unused.weight, before)
     transpile(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
-        mode=mode,
+        mode,
         loss_fn=nn.CrossEntropyLoss(),
         example_inputs=batch,
-        world_size=4,
+        mesh=StaticWorld(size=4),
     )  # the static multi-rank build verifies too
 
 
@@ -165,7 +165,7 @@ def test_model_returning_its_own_loss_and_new_batch_shapes():
     model = SelfLoss()
     twin, twin_opt = eager_twin(model, lambda m: torch.optim.Adam(m.parameters(), lr=0.01))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    step = transpile(model, opt, mode="fused_allreduce", loss_fn=None)
+    step = transpile(model, opt, "fused_allreduce", loss_fn=None)
     for n in (8, 8, 5):  # the last, smaller batch is traced again
         x, y = torch.randn(n, 3), torch.randn(n)
         assert torch.equal(step(x, y), twin(x, y).detach())
@@ -181,7 +181,7 @@ def test_state_dict_round_trip():
     model = MLP()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     batch = make_batch("mlp", 8, torch.Generator().manual_seed(0))
-    step = transpile(model, opt, mode="fused_allreduce", loss_fn=nn.CrossEntropyLoss(), example_inputs=batch)
+    step = transpile(model, opt, "fused_allreduce", loss_fn=nn.CrossEntropyLoss(), example_inputs=batch)
     step(*batch)
     saved = step.state_dict()
     after_one = [p.detach().clone() for p in model.parameters()]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from bench.tiny_models import MLP, make_batch
-from transpiler import ConfigurationError, transpile
+from transpiler import Accumulation, ConfigurationError, Execution, mode_config, transpile
 from transpiler.cli import main
 from transpiler.graph.basis import flat_weights, layout, load_basis
 
@@ -19,11 +19,9 @@ def train(tmp_path, steps=8, every=2, **options):
     step = transpile(
         model,
         opt,
-        "fused_allreduce",
+        mode_config("fused_allreduce", **options),
         nn.CrossEntropyLoss(),
-        save_trajectory=str(tmp_path),
-        trajectory_every=every,
-        **options,
+        execution=Execution(save_trajectory=str(tmp_path), trajectory_every=every),
     )
     gen = torch.Generator().manual_seed(1)
     seen = {}
@@ -46,7 +44,7 @@ def test_trajectory_saves_the_documented_layout_every_m_updates(tmp_path):
 
 
 def test_accumulation_micro_steps_are_not_updates(tmp_path):
-    train(tmp_path, steps=8, every=1, accumulate_steps=2)
+    train(tmp_path, steps=8, every=1, accumulation=Accumulation(steps=2))
     assert [torch.load(f, weights_only=True)["step"] for f in sorted(tmp_path.glob("*.pt"))] == [1, 2, 3, 4]
 
 
@@ -83,9 +81,15 @@ def test_trajectory_options_are_checked():
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigurationError, match="trajectory_every"):
-        transpile(model, opt, "fused_allreduce", nn.CrossEntropyLoss(), trajectory_every=0, save_trajectory="x")
+        transpile(
+            model,
+            opt,
+            "fused_allreduce",
+            nn.CrossEntropyLoss(),
+            execution=Execution(trajectory_every=0, save_trajectory="x"),
+        )
     with pytest.raises(ConfigurationError, match="only applies with save_trajectory"):
-        transpile(model, opt, "fused_allreduce", nn.CrossEntropyLoss(), trajectory_every=3)
+        transpile(model, opt, "fused_allreduce", nn.CrossEntropyLoss(), execution=Execution(trajectory_every=3))
 
 
 def test_a_basis_is_checked_against_the_model_it_is_loaded_into(tmp_path):

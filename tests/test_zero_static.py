@@ -17,7 +17,18 @@ from bench.tiny_models import MLP, Lamb, TiedLM, make_batch
 from passes.shard_optimizer import owned, unit_threshold
 from tests.helpers import eager_step
 from tests.test_boost_properties import assert_all_gathers_run_alone
-from transpiler import TraceCache, transpile
+from transpiler import (
+    Accumulation,
+    Clipping,
+    Execution,
+    LossScaling,
+    PassPipeline,
+    StaticWorld,
+    TraceCache,
+    ZeRO,
+    mode_config,
+    transpile,
+)
 from transpiler.build import StepBuilder
 from transpiler.errors import (
     CheckpointError,
@@ -82,7 +93,7 @@ def test_world_of_one_is_eager(mode, opt):
         "lamb": lambda ps: Lamb(ps, lr=1e-2),
     }[opt]
     optimizer, ref_opt = make(model.parameters()), make(reference.parameters())
-    step = transpile(model, optimizer, mode=mode, loss_fn=LOSS)
+    step = transpile(model, optimizer, mode, loss_fn=LOSS)
     gen = torch.Generator().manual_seed(1)
     for _ in range(6):
         batch = make_batch("tied", 8, gen)
@@ -106,16 +117,12 @@ def _world_programs(mode: str, world: int, optimizer=torch.optim.AdamW, **option
         step = transpile(
             model,
             optimizer(model.parameters()),
-            mode=mode,
+            mode_config(mode, bucket_cap_mb=0.004, first_bucket_mb=0.001, **options),
             loss_fn=LOSS,
             example_inputs=make_batch("mlp", 4, torch.Generator().manual_seed(0)),
-            world_size=world,
-            rank=rank,
-            bucket_cap_mb=0.004,
-            first_bucket_mb=0.001,
-            verify=rank == 0,
             trace=traces,
-            **options,
+            mesh=StaticWorld(size=world, rank=rank),
+            execution=Execution(verify=rank == 0),
         )
         programs.append(step.program)
     return programs
@@ -144,8 +151,9 @@ def test_the_handshake_sees_a_rank_that_updates_the_wrong_slice(mode):
         torch.manual_seed(0)
         model = MLP()
         batch = make_batch("mlp", 4, torch.Generator().manual_seed(0))
-        options = {"world_size": 2, "rank": rank, "bucket_cap_mb": 0.004, "first_bucket_mb": 0.001}
-        step = transpile(model, torch.optim.AdamW(model.parameters()), mode, LOSS, batch, **options)
+        config = mode_config(mode, bucket_cap_mb=0.004, first_bucket_mb=0.001)
+        world = StaticWorld(size=2, rank=rank)
+        step = transpile(model, torch.optim.AdamW(model.parameters()), config, LOSS, batch, mesh=world)
         setups[rank] = step.prepare(batch).setup
     assert differences(setups) == []
     assert setups[0].shards and setups[1].shard_place == ("world", 1)
@@ -197,13 +205,13 @@ def test_rendered_program_names_each_collective():
     assert "reduce_scatter_tensor" not in code and "all_to_all_single" in code and "all_gather_into_tensor" in code
 
 
-def _zero3_pair(**options):
+def _zero3_pair(example_inputs=None):
     torch.manual_seed(0)
     model = TiedLM()
     reference = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    return model, reference, ref_opt, transpile(model, optimizer, mode="zero3", loss_fn=LOSS, **options)
+    return model, reference, ref_opt, transpile(model, optimizer, "zero3", LOSS, example_inputs)
 
 
 @BITWISE
@@ -292,12 +300,16 @@ def test_zero3_default_buckets_are_one_layer_each():
     layers = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     largest = max(sum(p.numel() * p.element_size() for p in m.parameters()) for m in layers.values())
     example = make_batch("mlp", 4, torch.Generator().manual_seed(0))
-    step = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, world_size=2, rank=0)
+    step = transpile(
+        model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, mesh=StaticWorld(size=2, rank=0)
+    )
     modules = [{name.rpartition(".")[0] for name in bucket.names} for bucket in step.program.param_buckets]
     assert sorted(m for group in modules for m in group) == sorted(layers) and all(len(g) == 1 for g in modules)
     assert f"{largest / 2**20:.3g} MiB" in step.program.decisions["shard-optimizer"]
     other = MLP()
-    zero2 = transpile(other, torch.optim.AdamW(other.parameters()), "zero2", LOSS, example, world_size=2, rank=0)
+    zero2 = transpile(
+        other, torch.optim.AdamW(other.parameters()), "zero2", LOSS, example, mesh=StaticWorld(size=2, rank=0)
+    )
     reduce_scatters = [
         n for n in zero2.program.graph.nodes if n.meta.get("collective", {}).get("kind") == "reduce_scatter"
     ]
@@ -323,12 +335,19 @@ def test_prefetch_issues_nothing_ahead_on_the_cpu_and_takes_a_count():
         torch.manual_seed(0)
         model = Blocks()
         example = (torch.randn(4, 16), torch.randint(0, 10, (4,)))
-        options = {"world_size": 2, "rank": 0, "bucket_cap_mb": 0.004, "prefetch": prefetch}
-        step = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, **options)
+        config = ZeRO(stage=3, bucket_cap_mb=0.004, prefetch=prefetch)
+        step = transpile(model, torch.optim.AdamW(model.parameters()), config, LOSS, example, mesh=StaticWorld(size=2))
         graphs.append(step.program.graph.python_code("self").src)
     assert graphs[0] == graphs[1]
     with pytest.raises(ConfigurationError, match="prefetch"):
-        transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, world_size=2, prefetch=-1)
+        transpile(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            ZeRO(stage=3, prefetch=-1),
+            LOSS,
+            example,
+            mesh=StaticWorld(size=2),
+        )
 
 
 @settings(max_examples=50, deadline=None)
@@ -367,7 +386,9 @@ def test_cost_units_start_at_modules_worth_a_collective_and_hold_whole_modules(h
     torch.manual_seed(0)
     model = Blocks()
     example = (torch.randn(4, 16), torch.randint(0, 10, (4,)))
-    step = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, world_size=2, rank=0)
+    step = transpile(
+        model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, mesh=StaticWorld(size=2, rank=0)
+    )
     threshold, why = unit_threshold(link)
     assert step.program.decisions["shard-optimizer"] == why
     produced = [n for n, _ in reversed(list(model.named_parameters()))]  # the backward makes gradients last first
@@ -388,7 +409,12 @@ def test_a_number_for_bucket_cap_mb_overrides_the_measured_cost(monkeypatch):
     model = Blocks()
     example = (torch.randn(4, 16), torch.randint(0, 10, (4,)))
     given = transpile(
-        model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, world_size=2, rank=0, bucket_cap_mb=0.004
+        model,
+        torch.optim.AdamW(model.parameters()),
+        ZeRO(stage=3, bucket_cap_mb=0.004),
+        LOSS,
+        example,
+        mesh=StaticWorld(size=2, rank=0),
     )
     assert "shard-optimizer" not in given.program.decisions
 
@@ -408,19 +434,19 @@ def test_zero3_in_a_world_of_one_fills_units_to_the_bound():
     torch.manual_seed(0)
     model = Blocks()
     example = (torch.randn(4, 16), torch.randint(0, 10, (4,)))
-    step = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, world_size=1, rank=0)
+    step = transpile(
+        model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, mesh=StaticWorld(size=1, rank=0)
+    )
     assert len(step.program.param_buckets) == 1
     assert "in a world of one" in step.program.decisions["shard-optimizer"]
     other = Blocks()
     given = transpile(
         other,
         torch.optim.AdamW(other.parameters()),
-        "zero3",
+        ZeRO(stage=3, bucket_cap_mb="layer"),
         LOSS,
         example,
-        world_size=1,
-        rank=0,
-        bucket_cap_mb="layer",
+        mesh=StaticWorld(size=1, rank=0),
     )
     assert len(given.program.param_buckets) > 1
     assert given.program.decisions["shard-optimizer"].startswith("bucket_cap_mb=layer")
@@ -433,12 +459,12 @@ def test_zero3_updates_each_bucket_flat_or_all_as_multi_tensor_ops():
     parameter, here 61 modules in 42 units: each op reads a gradient slice of every bucket, so
     schedule-collectives moves every bucket's unpacking right before one op; it used to run out of float
     positions between two nodes there and put a sum after the slice that reads it (issue 42)."""
-    options = {"world_size": 2, "rank": 1, "bucket_cap_mb": "layer"}
     for dtype, blocks, units in ((torch.float32, 4, 10), (torch.bfloat16, 20, 42)):
         torch.manual_seed(0)
         model = Blocks(blocks).to(dtype)
         example = (torch.randn(4, 16, dtype=dtype), torch.randint(0, 10, (4,)))
-        program = transpile(model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, example, **options).program
+        config, world = ZeRO(stage=3, bucket_cap_mb="layer"), StaticWorld(size=2, rank=1)
+        program = transpile(model, torch.optim.AdamW(model.parameters()), config, LOSS, example, mesh=world).program
         assert len(program.param_buckets) == units
         flat = [b for b in program.flat_buffers if b.kind == "param"]
         if dtype == torch.float32:
@@ -459,7 +485,7 @@ def test_zero3_slices_are_views_of_one_flat_shard_per_unit_which_its_gathers_sen
     model, reference = MLP(), MLP()
     reference.load_state_dict(model.state_dict())
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    step = transpile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "zero3", LOSS, bucket_cap_mb="layer")
+    step = transpile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), ZeRO(stage=3, bucket_cap_mb="layer"), LOSS)
     gen = torch.Generator().manual_seed(1)
     for i in range(4):
         batch = make_batch("mlp", 8, gen)
@@ -505,7 +531,12 @@ def test_world_of_one_with_clipping_is_eager_clip_grad_norm():
     reference = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    step = transpile(model, optimizer, mode="zero2", loss_fn=LOSS, max_grad_norm=0.3, loss_scale=1024.0)
+    step = transpile(
+        model,
+        optimizer,
+        ZeRO(stage=2, clipping=Clipping(max_norm=0.3), loss_scaling=LossScaling(dynamic=False, init_scale=1024.0)),
+        loss_fn=LOSS,
+    )
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):
         batch = make_batch("mlp", 8, gen)
@@ -527,7 +558,7 @@ def test_a_sharded_update_must_be_gathered():
         transpile(
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
-            mode="scale-loss-grad,shard-optimizer",
+            PassPipeline(spec="scale-loss-grad,shard-optimizer"),
             loss_fn=LOSS,
             example_inputs=make_batch("mlp", 4, torch.Generator().manual_seed(0)),
         )
@@ -549,7 +580,7 @@ def test_refusals_say_what_to_do():
         transpile(
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
-            mode="zero2",
+            "zero2",
             loss_fn=LOSS,
             example_inputs=(torch.randn(3, 4), torch.tensor([0, 1, 0])),
         )
@@ -586,7 +617,7 @@ def test_checkpoint_round_trip_in_one_process_and_across_modes(tmp_path):
         torch.manual_seed(0)
         model = TiedLM()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        step = transpile(model, optimizer, mode=mode, loss_fn=LOSS)
+        step = transpile(model, optimizer, mode, loss_fn=LOSS)
         if load is not None:
             step.load_checkpoint(load)
         for batch in steps:
@@ -619,13 +650,16 @@ def test_checkpoint_round_trip_in_one_process_and_across_modes(tmp_path):
 def test_checkpoint_refusals_say_why(tmp_path):
     model = MLP()
     batch = make_batch("mlp", 4, torch.Generator().manual_seed(0))
-    local = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="local_sgd", loss_fn=LOSS)
+    local = transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), "local_sgd", loss_fn=LOSS)
     local(*batch)
     with pytest.raises(CheckpointError, match="state_dict"):
         local.save_checkpoint(tmp_path / "local")
     model = MLP()
     accumulating = transpile(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), mode="zero1", loss_fn=LOSS, accumulate_steps=2
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        ZeRO(stage=1, accumulation=Accumulation(steps=2)),
+        loss_fn=LOSS,
     )
     accumulating(*batch)
     with pytest.raises(CheckpointError, match="accumulation cycle"):
@@ -634,6 +668,6 @@ def test_checkpoint_refusals_say_why(tmp_path):
     accumulating.save_checkpoint(tmp_path / "boundary")
     with pytest.raises(CheckpointError, match="no checkpoint"):
         accumulating.load_checkpoint(tmp_path / "missing")
-    other = transpile(model, torch.optim.Adam(model.parameters()), mode="zero1", loss_fn=LOSS)
+    other = transpile(model, torch.optim.Adam(model.parameters()), "zero1", loss_fn=LOSS)
     with pytest.raises(CheckpointError, match="SGD"):
         other.load_checkpoint(tmp_path / "boundary")

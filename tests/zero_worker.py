@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness.launch import run_rank  # noqa: E402
 from bench.tiny_models import HFLoss, Lamb, Lion, make_batch, make_model  # noqa: E402
 from tests.helpers import capture_by_calling  # noqa: E402
-from transpiler import TraceCache, transpile  # noqa: E402
+from transpiler import Accumulation, Clipping, Execution, LossScaling, TraceCache, mode_config, transpile  # noqa: E402
 
 STEPS = 5
 PER_RANK = 4
@@ -102,10 +102,12 @@ def scenario(
     ddp_opt = make(ddp.parameters())
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     data = batches(model_name, world)
-    options = dict(CAPS, accumulate_steps=accumulate) if accumulate > 1 else dict(CAPS)
+    options = dict(CAPS, accumulation=Accumulation(steps=accumulate)) if accumulate > 1 else dict(CAPS)
     options.update(mode_options)
+    execution = Execution(cuda_graph=options.pop("cuda_graph", False))  # the scenario's one execution setting
     loss_fn = None if model_name == "gpt2" else torch.nn.CrossEntropyLoss()
-    step = transpile(ours, ours_opt, mode=mode, loss_fn=loss_fn, trace=traces, **options)
+    config = mode_config(mode, **options)
+    step = transpile(ours, ours_opt, config, loss_fn=loss_fn, trace=traces, execution=execution)
     record: dict = {"params": [], "state": [], "single": [], "ddp_single": []}
     for batch in data:
         micro = [tuple(t[shard][i::accumulate] for t in batch) for i in range(accumulate)]
@@ -174,10 +176,10 @@ def composed(
     ddp_opt = make(ddp.parameters())
     options = dict(CAPS)
     if scale:
-        options |= {"loss_scale": "dynamic", **SCALER}
+        options |= {"loss_scaling": LossScaling(**SCALER)}
     if clip is not None:
-        options |= {"max_grad_norm": clip[0], "norm_type": clip[1]}
-    step = transpile(ours, ours_opt, mode=mode, loss_fn=torch.nn.CrossEntropyLoss(), trace=traces, **options)
+        options |= {"clipping": Clipping(max_norm=clip[0], norm_type=clip[1])}
+    step = transpile(ours, ours_opt, mode_config(mode, **options), loss_fn=torch.nn.CrossEntropyLoss(), trace=traces)
     # our seed is S/W on each rank (as one process on the whole batch has it); DDP's backward carries the
     # scaler's S whole, so DDP with S/W runs the same fp16 backward and overflows on the same steps
     scaler = torch.amp.GradScaler("cpu", enabled=scale, **(SCALER | {"init_scale": SCALER["init_scale"] / world}))
@@ -218,7 +220,9 @@ def compiled(mode: str, rank: int, world: int, traces: TraceCache) -> dict:
     ours_opt, ddp_opt = OPTIMIZERS["adamw"](ours.parameters()), OPTIMIZERS["adamw"](ddp.parameters())
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda i: 1.0 / (1 + i)) for o in (ours_opt, ddp_opt)]
     loss_fn = torch.nn.CrossEntropyLoss()
-    step = transpile(ours, ours_opt, mode=mode, loss_fn=loss_fn, compile=True, trace=traces, **CAPS)
+    step = transpile(
+        ours, ours_opt, mode_config(mode, **CAPS), loss_fn=loss_fn, trace=traces, execution=Execution(compile=True)
+    )
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     record: dict = {"params": []}
     for batch in batches("mlp", world, steps=8):
@@ -248,7 +252,7 @@ def resume(rank: int, world: int, mode: str, traces: TraceCache) -> dict:
         optimizer = OPTIMIZERS["adamw"](model.parameters())
         loss_fn = torch.nn.CrossEntropyLoss()
         example = (data[0][0][shard], data[0][1][shard])
-        return model, optimizer, transpile(model, optimizer, mode, loss_fn, example, trace=traces, **CAPS)
+        return model, optimizer, transpile(model, optimizer, mode_config(mode, **CAPS), loss_fn, example, trace=traces)
 
     model, optimizer, step = fresh()
     for x, y in data[:3]:
@@ -278,7 +282,7 @@ def refusals(rank: int, world: int) -> dict:
             transpile(
                 model,
                 make(model.parameters()),
-                mode="zero1",
+                "zero1",
                 loss_fn=torch.nn.CrossEntropyLoss(),
                 example_inputs=make_batch("mlp", PER_RANK, torch.Generator().manual_seed(0)),
             )
@@ -381,7 +385,7 @@ def against_fsdp2(rank: int, world: int) -> dict:
     fully_shard(root_only, mesh=mesh)
     models = (ours, per_block, root_only, DDP(replicated))
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01, foreach=True) for m in models]
-    step = transpile(ours, optimizers[0], mode="zero3")
+    step = transpile(ours, optimizers[0], "zero3")
     shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     record: dict = {"zero3": [], "root_only": [], "ddp": []}
     for (ids,) in batches("gpt2", world):

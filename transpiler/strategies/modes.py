@@ -148,7 +148,7 @@ def as_config(value: ModeConfig | str) -> ModeConfig:
 def _unknown(mode: str, cls: type, names: list[str]) -> str:
     where = []
     for name in names:
-        takers = [m for m, (c, _) in MODES.items() if name in {f.name for f in dataclasses.fields(c)}]
+        takers = [m for m, (c, e) in MODES.items() if name in {f.name for f in dataclasses.fields(c)} - {*e.without}]
         where.append(f"'{name}' works with {', '.join(takers)}" if takers else f"'{name}' is no field of any mode")
     known = ", ".join(f.name for f in dataclasses.fields(cls)) or "none"
     return (
