@@ -219,8 +219,7 @@ def render(results: dict) -> str:
     lines += [f"- {name}: {r['auto']}" for name, r in results.items()]
     lines += [
         "",
-        'AdaSum (`mode="adasum"`, recursive halving with point-to-point exchanges, float64 statistics) in the '
-        "same run:",
+        "AdaSum (`AdaSum()`, recursive halving with point-to-point exchanges, float64 statistics) in the same run:",
         "",
         "| workload | DDP (ms) | adasum (ms) | adasum / DDP |",
         "|---|---:|---:|---:|",
@@ -230,7 +229,8 @@ def render(results: dict) -> str:
         lines.append(f"| {name} | {m['ddp']:.1f} | {m['adasum']:.1f} | {m['adasum'] / m['ddp']:.2f} |")
     lines += [
         "",
-        "Compiled (`transpile(..., compile=True)` against `torch.compile(DDP(model))`, same run; compile time is the "
+        "Compiled (`transpile(..., execution=Execution(compile=True))` against `torch.compile(DDP(model))`, same "
+        "run; compile time is the "
         "first call, on each rank while the other compiles too):",
         "",
         "| workload | DDP (ms) | DDP + torch.compile (ms) | fused, compile=True (ms) | compiled fused / DDP | "

@@ -1,16 +1,16 @@
 """Bytes per rank and step time: DDP, ``fused_allreduce``, ``zero1``, ``zero2`` and ``zero3``, at 2 and 4 processes.
 
     python -m bench.memory            # launches torchrun at W=2 and W=4 over gloo, writes docs/memory.md
-    python -m bench.memory --return-freed-memory   # the same with keep_freed_memory=False (its own table)
+    python -m bench.memory --return-freed-memory   # the same with Execution(keep_freed_memory=False) (its own table)
 
 Each rank builds every variant from the same weights (AdamW, the 5M-parameter MLP of bench/models.py), runs the
 variants interleaved round by round, and reports the median step time over rounds and the bytes it holds
 between steps, counted from the tensors held (``step.memory_report()``; for DDP the same counter over its
 parameters, its gradients, which are views of its buckets, and its optimizer state). It then times ``zero1``'s
 bucket collectives alone (all-reduce, reduce-scatter, all-gather), to say how much of zero's extra step time is
-communication. By default ``transpile()`` has glibc keep the memory a step frees (``keep_freed_memory=True``,
+communication. By default ``transpile()`` has glibc keep the memory a step frees (``Execution(keep_freed_memory=True)``,
 ``transpiler/runtime/host_memory.py``), which DDP in the same process then has too;
-``--return-freed-memory`` passes ``keep_freed_memory=False`` to every variant, so glibc returns large freed
+``--return-freed-memory`` passes ``Execution(keep_freed_memory=False)`` to every variant, so glibc returns large freed
 blocks to the kernel as it comes, and the buffers a step allocates (zero's all-to-all receive buffers,
 ``zero2``'s buckets) fault their pages in again. Nothing here is a test.
 """

@@ -6,7 +6,7 @@ Each rank builds every mode from the same weights (AdamW; plain SGD for ``demo``
 5M-parameter MLP of bench/models.py), warms it
 up for 3 steps, and profiles 5 more. ``wait_tensor`` is the time a rank blocks on its collectives (what the
 schedule did not overlap, and any skew between the ranks); the aten ops are the compute. The minor page faults
-per step count the memory the allocator took back from the kernel: with ``keep_freed_memory=False`` glibc
+per step count the memory the allocator took back from the kernel: with ``Execution(keep_freed_memory=False)`` glibc
 returns large freed blocks, so a buffer allocated each step faults its pages in again; the default keeps them
 (bench/host_memory.py compares the two). Nothing here is a test.
 """

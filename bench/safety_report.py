@@ -100,7 +100,8 @@ def main() -> None:
             "## Failures",
             "",
             "Ranks started with different settings share one world; each fault gets its own world with",
-            "`transpile(..., timeout=3)`. Seconds: from the call that fails to the error on that rank.",
+            "`transpile(..., execution=Execution(timeout=3))`. Seconds: from the call that fails to the error on that "
+            "rank.",
             "",
             "| case | error | seconds | what the error says (first detail line) |",
             "|---|---|---:|---|",

@@ -94,6 +94,32 @@ def test_lists(capsys):
     assert main(["modes"]) == 0
     modes = capsys.readouterr().out
     assert "fused_allreduce" in modes and "zero3" in modes and "flatten-update" in modes
+    assert "ZeRO(stage=3): ZeRO-3" in modes and "options: bucket_cap_mb=cost, first_bucket_mb=1.0" in modes
+
+
+@pytest.mark.quick
+def test_a_config_file_a_pipeline_and_dotted_options_build_what_the_mode_builds(tmp_path, capsys):
+    """``--config FILE`` (as ``config.to_json()`` writes it, ``-O`` on top), ``--mode`` with a feature's field
+    dotted, and ``--pipeline``: the same program for the same config; an option's old name still works, and says
+    its new one on stderr."""
+    from transpiler import Accumulation, Clipping, ZeRO
+
+    config = tmp_path / "zero2.json"
+    config.write_text(ZeRO(stage=2, accumulation=Accumulation(steps=2)).to_json())
+    assert main(["dump", FACTORY, "--config", str(config), "-O", "clipping.max_norm=0.5"]) == 0
+    from_file = capsys.readouterr().out
+    dotted = ["-O", "accumulation.steps=2", "-O", "clipping.max_norm=0.5"]
+    assert main(["dump", FACTORY, "--mode", "zero2", *dotted]) == 0
+    assert capsys.readouterr().out == from_file and "linalg_vector_norm" in from_file  # the clipping
+    assert main(["dump", FACTORY, "--mode", "zero2", "-O", "accumulate_steps=2", "-O", "max_grad_norm=0.5"]) == 0
+    old = capsys.readouterr()
+    assert old.out == from_file and "'accumulate_steps' is now accumulation.steps" in old.err
+    assert ZeRO(stage=2, accumulation=Accumulation(steps=2), clipping=Clipping(max_norm=0.5)).mode == "zero2"
+    spec = "broadcast-params,scale-loss-grad,allreduce-grads,reinplace-optimizer"
+    assert main(["dump", FACTORY, "--pipeline", spec]) == 0
+    assert "all_reduce" in capsys.readouterr().out
+    assert main(["dump", FACTORY, "--mode", "zero2", "--pipeline", spec]) == 2
+    assert "give one of --mode, --config and --pipeline" in capsys.readouterr().err
 
 
 def test_adasum_dump_shows_exchanges_with_their_partners(capsys):

@@ -129,14 +129,14 @@ def test_world1_is_the_eager_loop(case):
         twin,
         torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.01),
         outer_factory,
-        accumulate=options.get("accumulate_steps", 1),
-        clip=options.get("max_grad_norm", 0.0),
+        accumulate=options["accumulation"].steps if "accumulation" in options else 1,
+        clip=options["clipping"].max_norm if "clipping" in options else 0.0,
         delay=options.get("fragment_sync_delay", 0),
         alpha=options.get("fragment_update_alpha", 0.0),
     )
     if case == "autocast":
         autocast = torch.bfloat16
-    rounds = 4 * H * options.get("accumulate_steps", 1)
+    rounds = 4 * H * (options["accumulation"].steps if "accumulation" in options else 1)
     for x, y in data(rounds):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is not None):
             step(x, y)

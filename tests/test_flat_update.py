@@ -165,7 +165,8 @@ def test_bfloat16_add_with_alpha_stays_per_parameter():
     batch = (torch.randn(4, 6).bfloat16(), torch.randint(0, 3, (4,)))
     twin = copy.deepcopy(model)
     steps = []
-    for m, spec in ((model, "fused_allreduce"), (twin, "scale-loss-grad,fuse-allreduce,reinplace-optimizer")):
+    reference = PassPipeline(spec="scale-loss-grad,fuse-allreduce,reinplace-optimizer")
+    for m, spec in ((model, "fused_allreduce"), (twin, reference)):
         optimizer = torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=1e-2, foreach=False)
         steps.append(transpile(m, optimizer, spec, LOSS, batch, mesh=StaticWorld(size=1, rank=0)))
     for _ in range(2):

@@ -153,7 +153,7 @@ def test_option_text_parses_as_its_type():
 
 def test_cli_options_are_typed_the_same_way(capsys):
     assert cli_main(["dump", "bench/tiny_models.py:tiny_factory", "--mode", "local_sgd", "-O", "k_steps=2.7"]) == 2
-    assert "k_steps' of mode 'local_sgd' wants an int >= 1; got '2.7'" in capsys.readouterr().err
+    assert "option 'k_steps' of LocalSGD wants an int >= 1; got '2.7'" in capsys.readouterr().err
 
 
 @pytest.mark.quick

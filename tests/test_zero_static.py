@@ -249,6 +249,26 @@ def test_zero3_model_between_steps_holds_slices_and_gathered_gives_it_whole():
 
 
 @pytest.mark.quick
+def test_a_zero3_checkpoint_before_the_first_step_of_a_world_is_refused_in_words():
+    """Before the first step the startup has not broadcast rank 0's whole parameters, and a checkpoint would cut
+    them to this rank's slices first, which the startup could not broadcast: saving then is refused, saying what
+    to do (it used to pass, and the first step then failed in gloo with a size mismatch). A world of one has no
+    slices to cut, and saves."""
+    batch = make_batch("tied", 8, torch.Generator().manual_seed(1))
+    for size in (2, 1):
+        torch.manual_seed(0)
+        model = TiedLM()
+        step = transpile(
+            model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, batch, mesh=StaticWorld(size=size)
+        )
+        if size > 1:
+            with pytest.raises(CheckpointError, match="before the first step.*save after a step, or enter"):
+                step.state_dict()
+        else:
+            assert "model" in step.state_dict()
+
+
+@pytest.mark.quick
 def test_zero3_refusals_say_what_to_do():
     """Freezing a sharded parameter, and loading a state dict into a step that does not know its slices yet."""
     model, _, _, step = _zero3_pair()

@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import importlib.util
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from transpiler.strategies.modes import PassPipeline, as_config, config_from_dic
 from transpiler.strategies.modes_table import listing, markdown_table
 
 from .api import transpile
-from .errors import ConfigurationError, FactoryError, TranspilerError
+from .errors import ConfigurationError, FactoryError, RenamedWarning, TranspilerError
 
 
 def load_factory(spec: str) -> tuple:
@@ -320,7 +321,16 @@ def add_dump(sub: argparse._SubParsersAction) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RenamedWarning)
+            try:
+                return args.func(args)
+            finally:  # an old -O name or --mode with a spec: say the new spelling on stderr
+                for warning in caught:
+                    if issubclass(warning.category, RenamedWarning):
+                        print(f"transpiler: deprecated: {warning.message}", file=sys.stderr)
+                    else:
+                        warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     except TranspilerError as exc:
         print(f"transpiler: error: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Start the suite's rank processes as forks of a server that has imported torch and the package already.
 
 A rank started as ``python script.py`` spends 5 to 10 s of CPU importing torch, its tracing stack, this package and
-the libraries the checks use before its first line of work (docs/design.md, "The test suite and its time"). Each
+the libraries the checks use before its first line of work (docs/ci_runs.md). Each
 pytest process here starts one multiprocessing *forkserver*, which imports them once (``bench.harness.zygote_preload``),
 and every rank is a fork of it: with its own environment, arguments, working directory, log and (for a world's
 rank) stdin, running its script as ``__main__`` as the interpreter would (but for the script's own folder, which

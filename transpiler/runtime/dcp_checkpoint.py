@@ -98,7 +98,7 @@ def save(state: StepState, lent: LentParameters, path: str | Path) -> None:
     sharded_checkpoint = _sharded_checkpoint()
     ranks = _ranks(state)
     with failures_named(f"saving the checkpoint {path}", state.placement):
-        shards, whole = _shards(state) or {}, held_whole(state, lent)
+        shards, whole = _shards(state) or {}, held_whole(state, lent, saving=True)
         names = parameter_names(state.model)
         checkpoint = {
             "model": sharded_checkpoint.model_state(state.model, whole, shards, ranks),
@@ -168,7 +168,7 @@ def _load_in_step(state: StepState, lent: LentParameters, path: str | Path) -> N
     sharded_checkpoint = _sharded_checkpoint()
     ranks = _ranks(state)
     names = parameter_names(state.model)
-    shards, whole = _shards(state), held_whole(state, lent)
+    shards, whole = _shards(state), held_whole(state, lent, saving=False)
     model = sharded_checkpoint.model_state(state.model, whole, shards or {}, ranks)
     template, slices = sharded_checkpoint.load_template(
         path, model, state.model, state.optimizer, names, shards, ranks, whole

@@ -247,7 +247,7 @@ class DistributedStep:
         rank keeps its slice of what the parameters then hold (``writeback=False``: of what they held before).
         Every rank must enter it, since it all-gathers. In the other modes the parameters are whole already and
         it does nothing. Yields the model."""
-        return lending.gathered(self._state, self._lent, writeback)
+        return lending.gathered(self._state, self._lent, writeback, self._startup)
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """DiLoCo's global weights θ_global by parameter name, as the last sync left them (before the first, the

@@ -28,7 +28,7 @@ def state_dict(state: StepState, lent: LentParameters) -> dict:
     :func:`load_state_dict` reads them, from the build on (before the first step too: a group under a quorum
     serves its state to a healing peer then)."""
     if not state.lent:  # inside step.gathered() the model is whole, and its snapshot too
-        held_whole(state, lent)
+        held_whole(state, lent, saving=True)
     outer = state.outer_optimizer
     entries = {"outer_optimizer": outer.state_dict()} if outer is not None else {}
     land_in_flight(state.extra)
@@ -61,7 +61,7 @@ def load_state_dict(state: StepState, lent: LentParameters, snapshot: dict) -> N
             "which slices are its own when it is built: pass example_inputs= to transpile() (or call "
             "step.prepare(batch)) before step.load_state_dict(). step.load_checkpoint() needs neither."
         )
-    held_whole(state, lent)  # zero3: the model holds its slices, as the checkpoint does
+    held_whole(state, lent, saving=False)  # zero3: the model holds its slices, as the checkpoint does
     _check_fits(state, snapshot)
     state.model.load_state_dict(snapshot["model"])
     state.optimizer.load_state_dict(snapshot["optimizer"])
