@@ -10,6 +10,7 @@ import torch
 
 from bench.harness.launch import ROOT, launch
 from tests.worlds import run_in_world
+from transpiler import ZeRO
 
 SCRIPT = ROOT / "examples" / "train_digits.py"
 README = (ROOT / "README.md").read_text()
@@ -45,9 +46,11 @@ def test_each_four_process_mode_of_the_readme_reaches_its_accuracy(name, tmp_pat
 
 
 def test_digits_example_trains_evaluates_and_saves_under_zero3(tmp_path):
-    """Two epochs: this checks the script's zero3 path, not the README's accuracy (the tests above do)."""
-    saved = tmp_path / "model.pt"
-    argv = ["--mode", "zero3", "--epochs", "2", "--save-model", saved]
+    """Two epochs: this checks the script's zero3 path, not the README's accuracy (the tests above do); the mode
+    comes as a ``--config`` file, as a user saves it with ``config.to_json()``."""
+    saved, config = tmp_path / "model.pt", tmp_path / "zero3.json"
+    config.write_text(ZeRO(stage=3).to_json())
+    argv = ["--config", config, "--epochs", "2", "--save-model", saved]
     ranks = run_in_world(2, "tests.example_job:train", tmp_path, argv, timeout=120)
     assert accuracy_of(ranks) > 0.5, ranks[0]["stdout"][-2000:]
     plain = torch.nn.Sequential(
