@@ -164,7 +164,30 @@ def dcp_checkpoints(rank: int, world: int, root: str, stage: str) -> dict:
                 out["saved"] = held(model, optimizer, step)
     if stage == "w2":
         out["refuses"] = local_sgd_refuses(rank, world)
+        out["first"] = saved_before_the_first_step(rank, world, root)
     return out
+
+
+def saved_before_the_first_step(rank: int, world: int, root: str) -> dict:
+    """zero3, each rank's model initialised differently, save_checkpoint before any step: the checkpoint holds rank
+    0's weights (the startup ran first, as the first step would have run it), and a step then runs. Returns the
+    path, rank 0's initial weights (every rank makes them), this rank's own, and what it holds after that step."""
+    data, shard = batches("tied", world), slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    torch.manual_seed(100)
+    rank0 = {n: p.detach().clone() for n, p in build_model("tied").named_parameters()}
+    torch.manual_seed(100 + rank)
+    model = build_model("tied")
+    mine = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = data[0]
+    step = transpile(
+        model, OPTIMIZERS["adamw"](model.parameters()), "zero3", torch.nn.CrossEntropyLoss(), (x[shard], y[shard])
+    )
+    path = os.path.join(root, "dcp_before_the_first_step")
+    step.save_checkpoint(path)
+    step(x[shard], y[shard])
+    with step.gathered():
+        after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"path": path, "rank0": rank0, "mine": mine, "after": after}
 
 
 if __name__ == "__main__":

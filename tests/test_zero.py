@@ -163,6 +163,29 @@ def test_dcp_checkpoint_reads_into_a_plain_model(dcp_worlds, writer):
             assert torch.equal(value, expected[f"{names[p]}.{key}"]), (names[p], key)
 
 
+def test_a_zero3_checkpoint_saved_before_the_first_step_holds_rank_0s_weights(dcp_worlds):
+    """W=2, each rank's model initialised differently, ``save_checkpoint`` before any step: it runs the startup first
+    (rank 0's weights broadcast, as the first step would), so a plain model reads rank 0's initial weights from it,
+    and the step that follows runs (before the startup ran first, it failed in gloo) and leaves the ranks alike."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from bench.tiny_models import TiedLM
+
+    first = [r["first"] for r in dcp_worlds["w2"]]
+    rank0 = first[0]["rank0"]
+    assert all(torch.equal(first[0]["mine"][n], rank0[n]) for n in rank0)
+    assert not all(torch.equal(first[1]["mine"][n], rank0[n]) for n in rank0)  # rank 1 started elsewhere
+    model = TiedLM()
+    msd = get_model_state_dict(model)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": msd}, checkpoint_id=first[0]["path"])
+    set_model_state_dict(model, msd)
+    assert all(torch.equal(p, rank0[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(first[0]["after"][n], first[1]["after"][n]) for n in rank0)
+
+
 def test_dcp_refuses_a_mode_that_keeps_ranks_apart_and_the_world_goes_on(dcp_worlds):
     """local_sgd at W=2: save_checkpoint raises CheckpointError on every rank, saying why and what to do
     instead, before any collective: an all-reduce afterwards still sums both ranks."""

@@ -296,7 +296,11 @@ class DistributedStep:
         parameters); what is the same on every rank is written once. :meth:`load_checkpoint` reads it back at
         any world size, in any mode that keeps the ranks in step (``allreduce``, ``fused_allreduce``, ``zero1``,
         ``zero2``, ``zero3``), and a plain model and optimizer read it with
-        ``get_state_dict``/``dcp.load``/``set_state_dict`` (``docs/checkpoints.md``)."""
+        ``get_state_dict``/``dcp.load``/``set_state_dict`` (``docs/checkpoints.md``). Before the first step it runs
+        the startup first, as the step would (every rank is here): the checkpoint holds rank 0's weights."""
+        built = self._state.built
+        if built is not None and not self._state.started:
+            self._startup.ready(self._state, built)
         dcp_checkpoint.save(self._state, self._lent, path)
 
     def checkpoint_blocked(self) -> str | None:

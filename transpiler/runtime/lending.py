@@ -43,9 +43,10 @@ def gathered(state: StepState, lent: LentParameters, writeback: bool, startup: S
 
 def held_whole(state: StepState, lent: LentParameters, *, saving: bool) -> dict[str, tuple[int, ...]]:
     """ZeRO-3, once the step is built: the whole shape of each parameter, and the model now holds this rank's
-    slices of them (cut here if no step has yet). Empty in other modes. Saving before the first step of a world
-    of several ranks is refused: the startup, which broadcasts rank 0's whole parameters, has not run, and it
-    could not run on slices (a load replaces the startup, so it may come first)."""
+    slices of them (cut here if no step has yet). Empty in other modes. A snapshot before the first step of a
+    world of several ranks is refused: the startup, which broadcasts rank 0's whole parameters, has not run, and
+    it could not run on slices; ``save_checkpoint`` runs it first, as every rank calls it (a load replaces the
+    startup, so it may come first)."""
     built = state.built
     if built is None or not built.main.param_buckets:
         return {}
@@ -55,7 +56,8 @@ def held_whole(state: StepState, lent: LentParameters, *, saving: bool) -> dict[
         raise CheckpointError(
             "under zero3 a checkpoint holds this rank's slices of the parameters, and before the first step the "
             "model still holds them whole for the startup, which broadcasts rank 0's weights to every rank: "
-            "save after a step, or enter `with step.gathered():` once first (every rank; it runs the startup)."
+            "save after a step, or call step.save_checkpoint(path) or enter `with step.gathered():` once first "
+            "(every rank; each runs the startup)."
         )
     lent.hold(built.main, built.params)
     return {name: tuple(shape) for name, shape in built.whole.items()}
