@@ -250,10 +250,11 @@ def test_zero3_model_between_steps_holds_slices_and_gathered_gives_it_whole():
 
 @pytest.mark.quick
 def test_a_zero3_checkpoint_before_the_first_step_of_a_world_is_refused_in_words():
-    """Before the first step the startup has not broadcast rank 0's whole parameters, and a checkpoint would cut
-    them to this rank's slices first, which the startup could not broadcast: saving then is refused, saying what
-    to do (it used to pass, and the first step then failed in gloo with a size mismatch). A world of one has no
-    slices to cut, and saves."""
+    """Before the first step the startup has not broadcast rank 0's whole parameters, and a snapshot would cut
+    them to this rank's slices first, which the startup could not broadcast: ``state_dict()`` (which a rank may
+    call alone) is refused then, saying what to do (it used to pass, and the first step then failed in gloo with a
+    size mismatch); ``save_checkpoint`` runs the startup first (``test_zero.py``). A world of one has no slices to
+    cut, and saves."""
     batch = make_batch("tied", 8, torch.Generator().manual_seed(1))
     for size in (2, 1):
         torch.manual_seed(0)
@@ -262,7 +263,8 @@ def test_a_zero3_checkpoint_before_the_first_step_of_a_world_is_refused_in_words
             model, torch.optim.AdamW(model.parameters()), "zero3", LOSS, batch, mesh=StaticWorld(size=size)
         )
         if size > 1:
-            with pytest.raises(CheckpointError, match="before the first step.*save after a step, or enter"):
+            said = r"before the first step.*save after a step, or call step.save_checkpoint\(path\) or enter"
+            with pytest.raises(CheckpointError, match=said):
                 step.state_dict()
         else:
             assert "model" in step.state_dict()

@@ -12,7 +12,7 @@ from typing import Any
 from transpiler.runtime.execution import Execution
 from transpiler.runtime.process_group import StaticWorld
 from transpiler.strategies.mode_config import ModeConfig
-from transpiler.strategies.modes import PassPipeline, as_config, config_and_renames
+from transpiler.strategies.modes import as_config, config_and_renames, is_pipeline_spec
 
 from .errors import ConfigurationError, RenamedWarning
 
@@ -60,20 +60,10 @@ def _config_with(config: ModeConfig | str, options: dict[str, Any]) -> ModeConfi
             f"options {sorted(options)} go in the config: {type(config).__name__}(..., "
             f"{', '.join(f'{k}=...' for k in options)})."
         )
-    if isinstance(config, str) and isinstance(as_config_quietly(config), PassPipeline):
+    if is_pipeline_spec(config):
         raise ConfigurationError(
             f"options {sorted(options)} only apply to named modes; put pass options in the spec, "
             "e.g. PassPipeline(spec='fuse-allreduce{bucket-cap-mb=4}')."
         )
     made, _ = config_and_renames(config, options)
     return made
-
-
-def as_config_quietly(value: str) -> ModeConfig | None:
-    """``value`` as a config, or None for a name of no mode; no warning for a spec."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RenamedWarning)
-        try:
-            return as_config(value)
-        except ConfigurationError:
-            return None

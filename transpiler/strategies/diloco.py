@@ -15,7 +15,7 @@ from .checks import STREAMING_OUTER_SGD, Elementwise
 from .config import feature, knob, own
 from .data_parallel import prefix
 from .features import Accumulation, Clipping
-from .mode_config import ModeConfig, ModeName, Surroundings
+from .mode_config import ModeConfig, ModeName, Surroundings, not_under_quorum
 from .schedules import DiLoCoSchedule, Schedule, StreamingDiLoCoSchedule
 from .strategy import OptimizerCheck, OuterSGD, Recipe
 
@@ -164,21 +164,14 @@ class StreamingDiLoCo(Replicas):
     def refusal(self, surroundings: Surroundings) -> str | None:
         if surroundings.quorum_group is not None:
             if self.fragment_sync_delay:
-                return self._not_under_quorum(
+                return not_under_quorum(
                     "fragment_sync_delay", "leaves a fragment's exchange in flight from one step to a later one"
                 )
             if self.exchange_dtype != "float32":
-                return self._not_under_quorum(
+                return not_under_quorum(
                     "exchange_dtype", "sends each group's share of the sum to one rank of a fixed world (all-to-all)"
                 )
         return super().refusal(surroundings)
-
-    @staticmethod
-    def _not_under_quorum(name: str, why: str) -> str:
-        return (
-            f"{name} does not run under fault_tolerance yet: a quorum votes on each step, and {name} {why}. Drop it, "
-            "or drop fault_tolerance."
-        )
 
     def recipe(self) -> Recipe:
         schedule = StreamingDiLoCoSchedule(self.sync_every, self.fragments, self.fragment_sync_delay)

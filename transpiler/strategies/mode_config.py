@@ -149,6 +149,14 @@ _NOT_BESIDE_TENSOR_PARALLEL = {
 }
 
 
+def not_under_quorum(name: str, why: str) -> str:
+    """Why field ``name`` is refused under a torchft quorum: it ``why`` (a step the quorum could not vote on)."""
+    return (
+        f"{name} does not run under fault_tolerance yet: a quorum votes on each step, and {name} {why}. Drop it, or "
+        "drop fault_tolerance."
+    )
+
+
 def check_fit(config: ModeConfig, surroundings: Surroundings) -> None:
     """A ConfigurationError for a config that does not run in ``surroundings``, saying what does."""
     mode = config.mode
@@ -181,10 +189,7 @@ def check_fit(config: ModeConfig, surroundings: Surroundings) -> None:
             )
         for name, why in _NOT_UNDER_QUORUM.items():
             if getattr(config, name, None) is not None:
-                raise ConfigurationError(
-                    f"{name} does not run under fault_tolerance yet: a quorum votes on each step, and {name} {why}. "
-                    "Drop it, or drop fault_tolerance."
-                )
+                raise ConfigurationError(not_under_quorum(name, why))
     refused = config.refusal(surroundings)
     if refused is not None:
         raise ConfigurationError(refused)

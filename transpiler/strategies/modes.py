@@ -130,7 +130,7 @@ def as_config(value: ModeConfig | str) -> ModeConfig:
     """What ``transpile()`` takes as its config: a config, or a mode's name (its defaults)."""
     if isinstance(value, ModeConfig):
         return value
-    if isinstance(value, str) and value not in MODES and (any(c in value for c in ",{") or value in PASSES):
+    if is_pipeline_spec(value):
         warnings.warn(
             f"a pipeline spec as the mode is deprecated: write PassPipeline(spec={value!r}).",
             RenamedWarning,
@@ -143,6 +143,11 @@ def as_config(value: ModeConfig | str) -> ModeConfig:
         f"the config is a mode's config (ZeRO(stage=3), DataParallel()...) or a mode's name; got "
         f"{type(value).__name__}."
     )
+
+
+def is_pipeline_spec(value: object) -> bool:
+    """Whether ``value`` is a pipeline spec (passes by name) rather than a mode's name."""
+    return isinstance(value, str) and value not in MODES and (any(c in value for c in ",{") or value in PASSES)
 
 
 def _unknown(mode: str, cls: type, names: list[str]) -> str:
