@@ -46,7 +46,6 @@ from transpiler import (
     FaultTolerance,
     ModeConfig,
     NoQuorumError,
-    config_from_dict,
     load_config,
     mode_config,
     transpile,
@@ -170,8 +169,7 @@ def config_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Mode
         return mode_config(args.mode, **options)
     if args.mode != parser.get_default("mode"):
         parser.error("give --mode or --config, not both")
-    loaded = load_config(args.config)
-    return config_from_dict({**loaded.to_dict(), **options}) if options else loaded
+    return load_config(args.config, **options)
 
 
 def load_data(seed: int):

@@ -24,7 +24,7 @@ from transpiler.runtime.fault_tolerance import FaultTolerance
 from transpiler.runtime.process_group import StaticWorld
 from transpiler.strategies.data_parallel import NoSync
 from transpiler.strategies.mode_config import ModeConfig
-from transpiler.strategies.modes import PassPipeline, as_config, config_from_dict, load_config, mode_config
+from transpiler.strategies.modes import PassPipeline, as_config, load_config, mode_config
 from transpiler.strategies.modes_table import listing, markdown_table
 
 from .api import transpile
@@ -140,8 +140,7 @@ def config_of(args: argparse.Namespace) -> ModeConfig:
     if args.before:
         return NoSync()
     if args.config is not None:
-        loaded = load_config(args.config)
-        return config_from_dict({**loaded.to_dict(), **options}) if options else loaded
+        return load_config(args.config, **options)
     if args.pipeline is not None:
         if options:
             raise ConfigurationError("-O sets a mode's options; put a pipeline's pass options in its spec.")

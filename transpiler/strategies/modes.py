@@ -115,15 +115,17 @@ def config_from_dict(data: Mapping[str, Any]) -> ModeConfig:
     return mode_config(mode, **{k: v for k, v in data.items() if k != "mode"})
 
 
-def load_config(path: str | Path) -> ModeConfig:
-    """The config in the JSON file ``path`` (as :meth:`ModeConfig.to_json` writes it)."""
+def load_config(path: str | Path, /, **options: Any) -> ModeConfig:
+    """The config in the JSON file ``path`` (as :meth:`ModeConfig.to_json` writes it), with ``options`` on top (as
+    :func:`mode_config` takes them: a CLI's ``-O``)."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as exc:
         raise ConfigurationError(f"cannot read the config file {path}: {exc.strerror}.") from None
     except json.JSONDecodeError as exc:
         raise ConfigurationError(f"the config file {path} is not JSON: {exc}.") from None
-    return config_from_dict(data)
+    loaded = config_from_dict(data)
+    return config_from_dict({**loaded.to_dict(), **options}) if options else loaded
 
 
 def as_config(value: ModeConfig | str) -> ModeConfig:
