@@ -37,8 +37,8 @@ def pipelines(config: ModeConfig) -> dict[str, str]:
 
 
 def _default(name: str) -> ModeConfig:
-    cls, entry = MODES[name]
-    return cls.from_dict({"mode": name})
+    """Mode ``name``'s config with its defaults."""
+    return MODES[name][0].from_dict({"mode": name})
 
 
 def listing() -> str:
