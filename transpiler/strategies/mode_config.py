@@ -16,7 +16,6 @@ from typing import Any, ClassVar, TypeVar
 
 from transpiler.errors import ConfigurationError
 
-from .checks import WholeTensorRefused
 from .composition import Wrapping, compose
 from .config import PassKnobs
 from .strategy import Recipe, Strategy
@@ -107,7 +106,7 @@ class ModeConfig(PassKnobs):
         config = self if group is None else self.for_quorum(group)
         strategy = compose(config.recipe(), config.wrapping())
         if surroundings.tensor_parallel:
-            strategy = dataclasses.replace(strategy, checks=(*strategy.checks, WholeTensorRefused()))
+            strategy = strategy.beside_tensor_parallel()
         if group is None:
             return strategy
         two_level = self.two_levels_under_quorum or (self.mode in ("allreduce", "fused_allreduce") and group > 1)

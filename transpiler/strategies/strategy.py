@@ -17,6 +17,7 @@ import passes
 from transpiler.graph.pipeline import Pass, check_order
 from transpiler.graph.rank_layouts import AcrossGroups, Layout, OneDimension
 
+from .checks import WholeTensorRefused
 from .schedules import EveryStep, Schedule
 
 
@@ -99,6 +100,11 @@ class Strategy:
     def passes(self) -> Iterator[Pass]:
         for pipeline in self.variants.values():
             yield from pipeline
+
+    def beside_tensor_parallel(self) -> Strategy:
+        """This strategy beside torch's tensor-parallel plan: the programs are the same (the trace holds each rank's
+        shards), and an optimizer that needs whole tensors is refused (``WholeTensorRefused``)."""
+        return dataclasses.replace(self, checks=(*self.checks, WholeTensorRefused()))
 
     def under_quorum(self, *, vote: bool, wait: bool, two_level: bool) -> Strategy:
         """This strategy for one replica group under a torchft quorum (``transpile(fault_tolerance=...)``).
