@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # for readers and IDEs: ``passes.FuseAllReduce`` leads to its
     from .loss_scale import LossScale as LossScale
     from .overlap_quorum import OverlapQuorum as OverlapQuorum
     from .partial_average import PartialAverage as PartialAverage
+    from .recompute import Recompute as Recompute
     from .reinplace_optimizer import ReinplaceOptimizer as ReinplaceOptimizer
     from .scale_loss_grad import ScaleLossGrad as ScaleLossGrad
     from .schedule_collectives import ScheduleCollectives as ScheduleCollectives

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from transpiler.graph.pipeline import Pass
 
 WHERE = {
+    "recompute": "recompute:Recompute",
     "broadcast-params": "broadcast_params:BroadcastParams",
     "freeze-groups": "freeze_groups:FreezeGroups",
     "scale-loss-grad": "scale_loss_grad:ScaleLossGrad",

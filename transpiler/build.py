@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from passes.registry import PASSES
 from transpiler.graph.collectives import communication_plan
 from transpiler.graph.cost_model import CostModel, LinkCost
 from transpiler.graph.pipeline import Pass, Pipeline
@@ -101,7 +102,7 @@ class StepBuilder:
                 subgroups=self.subgroups,
                 axes=self.plan.axes,
             )
-            for variant, passes in self.plan.variants.items()
+            for variant, passes in budgeted(self.plan.variants, self.execution).items()
         }
         if self.outer is not None and self.execution.verify:
             every = self.plan.schedule.settings()["sync_every"]
@@ -200,6 +201,19 @@ def runners_for(programs: dict[str, StepProgram], *, compile: bool, cuda_graph: 
         wrap = CompiledProgram if compile else None
         return {v: CapturedProgram(p, v, pool, wrap, cuda_graph_module.CAPTURER) for v, p in programs.items()}
     return {v: CompiledProgram(p.graph_module, v) for v, p in programs.items()} if compile else {}
+
+
+def budgeted(variants: dict[str, list[Pass]], execution: Execution) -> dict[str, list[Pass]]:
+    """Each variant's passes, with ``recompute`` first where the execution settings give a memory budget: it
+    decides on the traced step, before any pass distributes it (``passes/recompute.py``)."""
+    if execution.memory_budget is None and execution.memory_budget_bytes is None:
+        return variants
+    if any(p.name == "recompute" for passes in variants.values() for p in passes):
+        raise ConfigurationError(
+            "the pipeline has its own 'recompute' pass and Execution gives a memory budget too: keep one of them."
+        )
+    first = PASSES["recompute"](budget=execution.memory_budget or 0.0, budget_bytes=execution.memory_budget_bytes or 0)
+    return {variant: [first, *passes] for variant, passes in variants.items()}
 
 
 def rewrite(

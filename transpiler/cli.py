@@ -172,7 +172,11 @@ def cmd_dump(args: argparse.Namespace) -> int:
         tuple(batch),
         mesh=StaticWorld(size=args.world_size, rank=args.rank),
         fault_tolerance=quorum,
-        execution=Execution(verify=not args.no_verify, on_pass=show if args.print_between_passes else None),
+        execution=Execution(
+            verify=not args.no_verify,
+            on_pass=show if args.print_between_passes else None,
+            memory_budget=args.memory_budget,
+        ),
     )
     variants = step.programs
     variant = args.variant or (next(reversed(variants)) if "step" not in variants else "step")
@@ -186,6 +190,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
         text = _schedule_table(step, args.schedule, config.mode)
     elif args.op_counts:
         text = _op_counts_table(variants[variant])
+    elif args.memory:
+        text = str(step.memory_estimate(variant))
     else:
         text = _render(variants[variant], args.format, diff=args.diff)
     if args.output:
@@ -297,6 +303,17 @@ def add_dump(sub: argparse._SubParsersAction) -> None:
         "--op-counts",
         action="store_true",
         help="instead of the graph: the ops it dispatches per step (work, views, copies) after tracing and each pass",
+    )
+    dump.add_argument(
+        "--memory",
+        action="store_true",
+        help="instead of the graph: the step's peak bytes by its schedule, by kind (step.memory_estimate())",
+    )
+    dump.add_argument(
+        "--memory-budget",
+        type=float,
+        metavar="FRACTION",
+        help="recompute forward values until the step's own tensors peak at this fraction of those without (0: least)",
     )
     dump.add_argument(
         "-O",

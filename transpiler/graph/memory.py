@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from .collectives import WAIT
+from .collectives import WAIT, is_collective
+from .program import StepProgram
 
 
 def _aliased_input(node: fx.Node) -> fx.Node | None:
@@ -30,6 +32,8 @@ def _aliased_input(node: fx.Node) -> fx.Node | None:
     if schema is None or not schema.returns or schema.returns[0].alias_info is None:
         return None
     alias_set = schema.returns[0].alias_info.before_set
+    if not alias_set and node.target.is_view:  # a list of views (``split``, ``unbind``): ``Tensor(a)[]``
+        alias_set = next((a.alias_info.before_set for a in schema.arguments if a.alias_info is not None), set())
     for argument, value in zip(schema.arguments, node.args):
         if argument.alias_info is not None and argument.alias_info.before_set & alias_set:
             return value if isinstance(value, fx.Node) else None
@@ -53,42 +57,106 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return []
 
 
+@dataclass(frozen=True)
+class Slot:
+    """One op of a schedule, as liveness sees it: the slots it reads (their positions), the slot whose storage
+    its result lives in (``alias``; None: it allocates ``size`` bytes, or makes no tensor), and its role."""
+
+    reads: tuple[int, ...]
+    alias: int | None
+    size: int
+    role: str = ""
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """What a schedule holds at once: its peak, where it is, and the bytes alive there by the role of the op that
+    allocated them (``forward`` values alive at a backward peak are the activations kept for it)."""
+
+    peak: int
+    at: int
+    by_role: dict[str, int]
+    after_forward: int  # the bytes alive once the forward (and the loss) has run: what it keeps for the backward
+
+
+def slots_of(nodes: list[fx.Node], counted: Callable[[fx.Node], bool] | None = None) -> list[Slot]:
+    """The schedule of ``nodes`` (a graph's, in order); with ``counted``, only the allocations of the nodes it
+    accepts have a size. Inputs and constants are held by the runtime: they are read, never counted. Each
+    output of an op with several (``native_batch_norm``'s output and statistics) is its own allocation, made
+    where it is taken out (``getitem``, right after the op) and alive while it is read: the tuple itself dies
+    at once in a GraphModule's code."""
+    index = {node: i for i, node in enumerate(nodes)}
+    out = []
+    for node in nodes:
+        reads = tuple(index[a] for a in node.all_input_nodes)
+        role = node.meta.get("role", "")
+        if node.op != "call_function" or _returns_nothing(node) or _makes_several(node):
+            out.append(Slot(reads, None, 0, role))
+            continue
+        alias = _aliased_input(node)
+        made_by = alias if alias is not None and _makes_several(alias) else node
+        if alias is not None and made_by is node:
+            out.append(Slot(reads, index[alias], 0, role))
+        else:
+            size = _bytes(node.meta.get("val")) if counted is None or counted(made_by) else 0
+            out.append(Slot(reads, None, size, role))
+    return out
+
+
+def _makes_several(node: fx.Node) -> bool:
+    """Whether ``node`` is an op that allocates several outputs, each taken out by a ``getitem``."""
+    return (
+        node.op == "call_function"
+        and isinstance(node.meta.get("val"), (tuple, list))
+        and not _returns_nothing(node)
+        and _aliased_input(node) is None
+    )
+
+
+FORWARD_ROLES = ("forward", "loss")
+
+
+def liveness(slots: list[Slot]) -> Liveness:
+    """Each allocation lives from its op to the last read of it or of any alias of it (a GraphModule's code drops
+    every value after its last reader); the most bytes alive at once, and what they are."""
+    root: list[int | None] = []
+    last: dict[int, int] = {}
+    for i, slot in enumerate(slots):
+        for r in slot.reads:
+            base = root[r]
+            if base is not None:
+                last[base] = i
+        if slot.alias is not None:
+            root.append(root[slot.alias])
+        elif slot.size:
+            root.append(i)
+            last.setdefault(i, i)
+        else:
+            root.append(None)
+    frees: dict[int, int] = {}
+    for base, end in last.items():
+        frees[end] = frees.get(end, 0) + slots[base].size
+    live = peak = at = after_forward = 0
+    forward_ends = max((i for i, s in enumerate(slots) if s.role in FORWARD_ROLES), default=-1)
+    for i, slot in enumerate(slots):
+        if root[i] == i:
+            live += slot.size
+        if live > peak:
+            peak, at = live, i
+        live -= frees.get(i, 0)
+        if i == forward_ends:
+            after_forward = live
+    by_role: dict[str, int] = {}
+    for base, end in last.items():
+        if base <= at <= end:
+            by_role[slots[base].role] = by_role.get(slots[base].role, 0) + slots[base].size
+    return Liveness(peak, at, by_role, after_forward)
+
+
 def peak_transient_bytes(graph: fx.Graph, counted: Callable[[fx.Node], bool] | None = None) -> int:
     """The most bytes of tensors the program itself allocated that are alive at once (inputs not counted);
     with ``counted``, of those allocated by the nodes it accepts (ZeRO-3's gathered buckets, say)."""
-    nodes = list(graph.nodes)
-    root: dict[fx.Node, fx.Node | None] = {}  # the allocating node whose storage a value lives in
-    size: dict[fx.Node, int] = {}
-    last: dict[fx.Node, int] = {}
-    for i, node in enumerate(nodes):
-        if node.op in ("placeholder", "get_attr"):
-            root[node] = None
-            continue
-        for arg in node.all_input_nodes:
-            base = root.get(arg)
-            if base is not None:
-                last[base] = i
-        if node.op != "call_function":
-            continue
-        if _returns_nothing(node):  # an in-place multi-tensor op: it writes its inputs, it allocates nothing
-            root[node] = None
-            continue
-        alias = _aliased_input(node)
-        if alias is not None:
-            root[node] = root.get(alias)
-        else:
-            root[node] = node
-            size[node] = _bytes(node.meta.get("val")) if counted is None or counted(node) else 0
-            last.setdefault(node, i)
-    frees: dict[int, int] = {}
-    for node, end in last.items():
-        frees[end] = frees.get(end, 0) + size.get(node, 0)
-    live = peak = 0
-    for i, node in enumerate(nodes):
-        live += size.get(node, 0) if root.get(node) is node else 0
-        peak = max(peak, live)
-        live -= frees.get(i, 0)
-    return peak
+    return liveness(slots_of(list(graph.nodes), counted)).peak
 
 
 def largest_allocation_bytes(graph: fx.Graph) -> int:
@@ -100,3 +168,80 @@ def largest_allocation_bytes(graph: fx.Graph) -> int:
         for value in _tensors(node.meta.get("val"))
     ]
     return max(sizes, default=0)
+
+
+_HELD = {"param": "parameters", "frozen": "parameters", "buffer": "parameters", "state": "optimizer_state"}
+_MADE = {"forward": "activations", "loss": "activations", "communication": "communication", "optimizer": "update"}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """A program's bytes by its schedule, before it runs: what the rank holds as the program's inputs and
+    constants (parameters and buffers, persistent gradient buckets, optimizer state, the state passes added, the
+    batch), and the program's own tensors at their peak, by what made the ones alive there: the forward's
+    activations kept for the backward, the backward's gradients and temporaries, communication buffers, the
+    update's temporaries. ``peak`` is their sum: the step's peak as the schedule predicts it."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    transpiler_state: int
+    batch: int
+    activations: int
+    backward: int
+    communication: int
+    update: int
+
+    @property
+    def held(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state + self.transpiler_state
+
+    @property
+    def transient(self) -> int:
+        """The program's own tensors at their peak (what a ``memory_budget`` bounds)."""
+        return self.activations + self.backward + self.communication + self.update
+
+    @property
+    def peak(self) -> int:
+        return self.held + self.batch + self.transient
+
+    def __str__(self) -> str:
+        mib = 1024 * 1024
+        rows = [
+            ("parameters and buffers", self.parameters),
+            ("gradient buckets", self.gradients),
+            ("optimizer state", self.optimizer_state),
+            ("transpiler state", self.transpiler_state),
+            ("batch", self.batch),
+            ("at the step's peak: activations kept", self.activations),
+            ("  backward gradients and temporaries", self.backward),
+            ("  communication buffers", self.communication),
+            ("  update temporaries", self.update),
+            ("peak of the step (estimated)", self.peak),
+        ]
+        return "\n".join(f"{name:<40} {value / mib:10.3f} MiB" for name, value in rows)
+
+
+def memory_estimate(program: StepProgram) -> MemoryEstimate:
+    """The estimate of a program, rewritten, from its ports, constants and schedule."""
+    graph = program.graph
+    flat = {buffer.port: buffer.kind for buffer in program.flat_buffers}  # flat parameters, flat state
+    held = dict.fromkeys(("parameters", "gradients", "optimizer_state", "transpiler_state", "batch"), 0)
+    for node in graph.nodes:
+        if node.op == "placeholder" and "port" in node.meta:
+            port = node.meta["port"]
+            kind = flat.get(port.name, str(port.kind)) if port.kind == "flat" else str(port.kind)
+            where = _HELD.get(kind, "batch" if kind == "batch" else "transpiler_state")
+            held[where] += _bytes(node.meta.get("val"))
+        elif node.op == "get_attr":
+            value = getattr(graph.owning_module, node.target, None)
+            held["gradients" if node.meta.get("bucket") is not None else "transpiler_state"] += _bytes(value)
+    nodes = list(graph.nodes)
+    slots = [
+        Slot(s.reads, s.alias, s.size, "communication" if is_collective(n) else s.role)
+        for s, n in zip(slots_of(nodes), nodes)
+    ]
+    made = dict.fromkeys(("activations", "backward", "communication", "update"), 0)
+    for role, size in liveness(slots).by_role.items():
+        made[_MADE.get(role, "backward")] += size
+    return MemoryEstimate(**held, **made)

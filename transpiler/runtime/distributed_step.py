@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from transpiler.errors import ConfigurationError
+from transpiler.graph.memory import MemoryEstimate, memory_estimate
 from transpiler.graph.program import StepProgram
 from transpiler.strategies.schedules import EveryStep, Schedule
 from transpiler.trace.environment import AutocastState, running_environment
@@ -268,6 +269,17 @@ class DistributedStep:
         the peak during the last step (``runtime/memory_report.py``). ``print(step.memory_report())`` shows
         them in MiB."""
         return memory_report(self._state, self._last_run)
+
+    def memory_estimate(self, variant: str | None = None) -> MemoryEstimate:
+        """The peak bytes of a step of this rank predicted from its program's schedule, before it runs, by kind
+        (``graph/memory.py``): what it holds as inputs, and its own tensors at their peak (activations kept,
+        backward temporaries, communication buffers, the update's). Of the variant that runs most often unless
+        ``variant`` names another; the programs are those of the example batch given to ``transpile()`` or of
+        the last step. ``print(step.memory_estimate())`` shows them in MiB."""
+        built = self._state.last()
+        if variant is not None and variant not in built.programs:
+            raise ConfigurationError(f"no program variant {variant!r}; this step has {sorted(built.programs)}.")
+        return memory_estimate(built.programs[variant] if variant else built.main)
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:

@@ -28,7 +28,10 @@ class Execution(Config):
     the step holds at once, as the CUDA caching allocator does (process-wide; ``runtime/host_memory.py``).
     ``verify``: the verifiers between passes and the static cross-rank checks. ``on_pass(spec, program)`` is
     called after every pass. ``save_trajectory=DIR``: rank 0 saves the flattened weights every
-    ``trajectory_every`` updates, for ``transpiler pca`` (``runtime/trajectory.py``)."""
+    ``trajectory_every`` updates, for ``transpiler pca`` (``runtime/trajectory.py``). ``memory_budget`` (a fraction
+    of the peak bytes of the step's own tensors without recompute; 0: the least reachable) or
+    ``memory_budget_bytes``: the ``recompute`` pass runs first in every program and recomputes forward values in
+    the backward until that peak fits, bitwise the same step (``passes/recompute.py``, docs/memory.md)."""
 
     compile: bool = own(False, help="compile each program with torch.compile on its first call")
     cuda_graph: bool = own(False, help="capture each program as a CUDA graph and replay it")
@@ -39,6 +42,14 @@ class Execution(Config):
     on_pass: Callable[[str, StepProgram], None] | None = dataclasses.field(default=None)
     save_trajectory: str | None = own(None, kind=str, help="rank 0 saves the flattened weights into this directory")
     trajectory_every: int = own(1, minimum=1, help="every this many optimizer updates")
+    memory_budget: float | None = own(
+        None,
+        kind=float,
+        minimum=0,
+        maximum=1,
+        help="the step's own peak bytes as a fraction of those without recompute",
+    )
+    memory_budget_bytes: int | None = own(None, kind=int, minimum=1, help="the step's own peak bytes, in bytes")
 
     def __post_init__(self) -> None:
         if isinstance(self.timeout, timedelta):
@@ -50,6 +61,8 @@ class Execution(Config):
             raise ConfigurationError(f"timeout must be positive and finite seconds, got {self.timeout!r}.")
         if self.on_pass is not None and not callable(self.on_pass):
             raise ConfigurationError(f"on_pass must be callable as on_pass(spec, program), got {self.on_pass!r}.")
+        if self.memory_budget is not None and self.memory_budget_bytes is not None:
+            raise ConfigurationError("give memory_budget (a fraction) or memory_budget_bytes, not both.")
         if self.trajectory_every != 1 and not self.save_trajectory:
             raise ConfigurationError("trajectory_every only applies with save_trajectory=DIR; give both or neither.")
 

@@ -1,0 +1,217 @@
+"""Peak memory against step time under a memory budget: the Pareto front of three ways to recompute.
+
+    python -m bench.memory_budget              # one process, a few minutes on 2 cores; writes docs/memory.md's section
+    python -m bench.memory_budget --no-compile # without the torch.compile rows (Inductor's compiles take most of it)
+
+For the bench's GPT and a ResNet-style CNN (``bench/models.py``, AdamW, one process, one thread), in one run:
+
+- ``transpile()`` with ``Execution(memory_budget=b)`` for b in 1.0, 0.7, 0.5, 0.3 and 0 (the least reachable);
+- the same model with ``torch.utils.checkpoint`` around every block, trained eagerly (no checkpoint: eager too);
+- ``torch.compile`` of the model with ``torch._functorch.config.activation_memory_budget`` at the same fractions,
+  the optimizer eager.
+
+Each row gives the measured peak (the profiler's allocation records over one step: what the step allocates beyond
+what was held before it, ``transpiler/runtime/allocations.py``), the transpiler's estimate where it has one
+(``step.memory_estimate().transient``), the median step time over interleaved rounds and the ops one step
+dispatches. Nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from bench.models import NarrowGPT, NarrowResNet
+from bench.op_count import count_ops
+from transpiler import ConfigurationError, Execution, NoSync, transpile
+from transpiler.runtime.allocations import allocated_peak
+
+ROOT = Path(__file__).resolve().parent.parent
+BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.0)
+ROUNDS = 7
+BEGIN, END = "<!-- memory budget -->", "<!-- end memory budget -->"
+MIB = 1024 * 1024
+
+
+def models() -> dict[str, tuple[nn.Module, tuple]]:
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (8, 129), generator=gen)
+    gpt = NarrowGPT(blocks=6, dim=64, heads=4, vocab=256, seq=128)
+    cnn = NarrowResNet(blocks=8, channels=16)
+    return {
+        "gpt": (gpt, (tokens[:, :-1].contiguous(), tokens[:, 1:].reshape(-1).contiguous())),
+        "cnn": (cnn, (torch.randn(32, 3, 16, 16, generator=gen), torch.randint(0, 10, (32,), generator=gen))),
+    }
+
+
+class PerBlock(nn.Module):
+    """``torch.utils.checkpoint`` around each block of ``model.blocks``."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def checkpointed(model: nn.Module) -> nn.Module:
+    model = copy.deepcopy(model)
+    model.blocks = nn.Sequential(*(PerBlock(b) for b in model.blocks))
+    return model
+
+
+def eager_step(model: nn.Module, batch: tuple, forward: Callable | None = None) -> Callable[[], None]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    loss_fn, run = nn.CrossEntropyLoss(), forward if forward is not None else model
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(run(batch[0]), batch[1]).backward()
+        optimizer.step()
+
+    return step
+
+
+def compiled_step(model: nn.Module, batch: tuple, budget: float) -> Callable[[], None]:
+    import torch._functorch.config as functorch_config
+
+    torch._dynamo.reset()
+    functorch_config.activation_memory_budget = budget
+    fn = torch.compile(model, dynamic=False)
+    step = eager_step(model, batch, fn)
+    step()  # compiles here, under this budget
+    return step
+
+
+def variants(model: nn.Module, batch: tuple, with_compile: bool) -> dict[str, tuple[Callable, int | None]]:
+    """Each row's step (warmed up) and the transpiler's estimate of its own tensors' peak (None: no estimate)."""
+    out: dict[str, tuple[Callable, int | None]] = {}
+    for budget in BUDGETS:
+        m = copy.deepcopy(model)
+        try:
+            step = transpile(
+                m,
+                torch.optim.AdamW(m.parameters(), lr=1e-3),
+                NoSync(),
+                nn.CrossEntropyLoss(),
+                batch,
+                execution=Execution(memory_budget=budget),
+            )
+        except ConfigurationError as error:
+            print(f"  transpile at budget {budget}: {error}", flush=True)
+            continue
+        step(*batch)
+        label = "transpile, budget " + ("least" if budget == 0 else f"{budget:g}")
+        out[label] = (lambda s=step: s(*batch), step.memory_estimate().transient)
+    out["eager"] = (eager_step(copy.deepcopy(model), batch), None)
+    out["eager, checkpoint per block"] = (eager_step(checkpointed(model), batch), None)
+    for budget in BUDGETS[:-1] if with_compile else ():
+        out[f"torch.compile, budget {budget:g}"] = (compiled_step(copy.deepcopy(model), batch, budget), None)
+    for step, _ in out.values():
+        step()
+    return out
+
+
+def measure(rows: dict[str, tuple[Callable, int | None]]) -> list[dict]:
+    peaks = {name: allocated_peak(step) for name, (step, _) in rows.items()}
+    ops = {name: count_ops(step) for name, (step, _) in rows.items() if not name.startswith("torch.compile")}
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(ROUNDS):
+        for name, (step, _) in rows.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["transpile, budget 1"]) if "transpile, budget 1" in times else None
+    return [
+        {
+            "row": name,
+            "peak": peaks[name],
+            "estimate": estimate,
+            "ms": statistics.median(times[name]) * 1e3,
+            "ratio": statistics.median(times[name]) / base if base else float("nan"),
+            "ops": ops.get(name),
+        }
+        for name, (_, estimate) in rows.items()
+    ]
+
+
+def table(name: str, rows: list[dict]) -> str:
+    lines = [
+        f"**{name}**\n",
+        "| row | measured peak (MiB) | estimate (MiB) | estimate / measured | step (ms) | × budget 1 | work ops |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        est = f"{r['estimate'] / MIB:.2f}" if r["estimate"] is not None else "–"
+        ratio = f"{r['estimate'] / r['peak']:.2f}" if r["estimate"] is not None and r["peak"] else "–"
+        ops = r["ops"].work if r["ops"] else "–"
+        lines.append(
+            f"| {r['row']} | {r['peak'] / MIB:.2f} | {est} | {ratio} | {r['ms']:.1f} | {r['ratio']:.2f} | {ops} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5))
+    for ax, (name, rows) in zip(axes, results.items()):
+        for family, marker in (("transpile", "o"), ("eager", "s"), ("torch.compile", "^")):
+            mine = [r for r in rows if r["row"].startswith(family)]
+            ax.plot([r["peak"] / MIB for r in mine], [r["ms"] for r in mine], marker=marker, label=family)
+            for r in mine:
+                ax.annotate(r["row"].split(", ")[-1], (r["peak"] / MIB, r["ms"]), fontsize=7)
+        ax.set(title=name, xlabel="measured peak of the step (MiB)", ylabel="step time (ms, median)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = {}
+    for name, (model, batch) in models().items():
+        print(f"{name}: building the rows", flush=True)
+        results[name] = measure(variants(model, batch, not args.no_compile))
+        print(table(name, results[name]), flush=True)
+    plot(results, ROOT / "docs" / "memory_budget.png")
+    section = (
+        f"{BEGIN}\n## Fitting the step in a memory budget: measured\n\n"
+        f"`python -m bench.memory_budget` on {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
+        f"(one thread), torch {torch.__version__}; medians of {ROUNDS} interleaved rounds.\n\n"
+        + "\n".join(table(n, r) for n, r in results.items())
+        + "\n![peak against step time](memory_budget.png)\n"
+        + END
+    )
+    doc = ROOT / "docs" / "memory.md"
+    text = doc.read_text()
+    start, end = text.find(BEGIN), text.find(END)
+    text = (
+        text[:start] + section + text[end + len(END) :]
+        if start >= 0 and end > start
+        else f"{text.rstrip()}\n\n{section}\n"
+    )
+    doc.write_text(text)
+    print(f"wrote {doc}")
+
+
+if __name__ == "__main__":
+    main()

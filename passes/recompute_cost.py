@@ -1,0 +1,68 @@
+"""What recomputing one forward op costs, and whether it may be recomputed at all: the recompute pass's price list.
+
+The price of an op is an estimate of its time on a roofline: its floating-point work at ``FLOPS`` or the bytes it
+reads and writes at ``BYTES_PER_SECOND``, whichever takes longer. Matmuls, convolutions and attention do work
+that grows faster than the bytes they touch (torch's own ``torch.utils.flop_counter`` formulas count it), so
+they are dear; element-wise ops, reductions and copies move bytes and are cheap per byte freed; views cost
+nothing. The two rates are nominal (a CPU core's order of magnitude): only the ratio ranks the ops, and the
+choice is checked by the schedule's peak, not by these times.
+
+An op is never recomputed when a second run could give other bits or other effects: ops that draw random
+numbers (``Tag.nondeterministic_seeded``: dropout, ``rand``), ops whose bits may change run to run
+(``Tag.nondeterministic_bitwise``: scatter-adds on a GPU), collectives and their waits, ops that write their
+inputs, and ops that make no tensor. Their outputs are kept instead, so a step's values do not depend on the
+budget.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from transpiler.graph.collectives import is_collective
+
+FLOPS = 50e9  # a core's order of magnitude, float32 with vector units
+BYTES_PER_SECOND = 10e9
+_UNREPEATABLE = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
+
+
+def repeatable(node: fx.Node) -> bool:
+    """Whether running ``node`` again gives the same tensors and nothing else happens."""
+    if node.op != "call_function" or is_collective(node):
+        return False
+    if node.target is operator.getitem:
+        return True
+    if not isinstance(node.target, torch._ops.OpOverload) or "out" in node.kwargs:
+        return False
+    if any(tag in node.target.tags for tag in _UNREPEATABLE):
+        return False
+    schema = node.target._schema
+    return not schema.is_mutable and bool(schema.returns) and _tensors(node.meta.get("val"))
+
+
+def recompute_seconds(node: fx.Node) -> float:
+    """The estimated time of running ``node`` once more (see the module docstring)."""
+    if node.target is operator.getitem or not isinstance(node.target, torch._ops.OpOverload) or node.target.is_view:
+        return 0.0
+    values = [a.meta.get("val") for a in node.all_input_nodes] + [node.meta.get("val")]
+    moved = sum(t.numel() * t.element_size() for v in values for t in _tensors(v))
+    formula = flop_registry.get(node.target.overloadpacket)
+    work = 0.0
+    if formula is not None:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+        try:
+            work = float(formula(*args, **kwargs, out_val=node.meta.get("val")))
+        except (TypeError, ValueError, RuntimeError):  # a formula that wants what this trace lacks: count bytes
+            work = 0.0
+    return max(work / FLOPS, moved / BYTES_PER_SECOND)
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []

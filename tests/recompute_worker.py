@@ -1,0 +1,37 @@
+"""The memory budget in a world of 2 ranks (tests/test_recompute.py): ``fused_allreduce`` and ``zero3`` with and
+without a budget, 10 AdamW steps each from the same weights, the weights and losses of every rank returned."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from transpiler import DataParallel, Execution, ZeRO, transpile
+
+from .recompute_models import MODELS
+
+STEPS = 10
+
+
+def trained(config, budget: float | None, rank: int) -> dict:
+    make, batch_of = MODELS["gpt"]
+    torch.manual_seed(0)
+    model = make()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = [batch_of(4, 100 * step + rank) for step in range(STEPS)]
+    step = transpile(
+        model, optimizer, config, nn.CrossEntropyLoss(), batches[0], execution=Execution(memory_budget=budget)
+    )
+    torch.manual_seed(1 + rank)  # the dropout masks: the same draws with and without a budget
+    losses = [step(*batch).detach().clone() for batch in batches]
+    with step.gathered(writeback=False) as whole:
+        weights = [p.detach().clone() for p in whole.parameters()]
+    return {"losses": losses, "weights": weights, "decision": step.program.decisions.get("recompute", "")}
+
+
+def budgets(rank: int, world: int) -> dict:
+    out = {}
+    for name, config in (("fused_allreduce", DataParallel()), ("zero3", ZeRO(stage=3))):
+        for budget in (None, 0.6, 0.0):
+            out[f"{name},{budget}"] = trained(config, budget, rank)
+    return out
