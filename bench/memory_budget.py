@@ -85,36 +85,53 @@ def eager_step(model: nn.Module, batch: tuple, forward: Callable | None = None) 
 
 
 def compiled_step(model: nn.Module, batch: tuple, budget: float) -> Callable[[], None]:
+    """The model compiled under ``activation_memory_budget=budget``, compiled here, at its first call. Dynamo is
+    never reset between rows: a reset throws away the rows compiled before, which then compile again at their
+    next call under whatever budget is set by then."""
     import torch._functorch.config as functorch_config
 
-    torch._dynamo.reset()
-    functorch_config.activation_memory_budget = budget
-    fn = torch.compile(model, dynamic=False)
-    step = eager_step(model, batch, fn)
-    step()  # compiles here, under this budget
+    # the compile caches would hand back a step compiled under another budget
+    torch._inductor.config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
+    step = eager_step(model, batch, torch.compile(model, dynamic=False))
+    with functorch_config.patch(activation_memory_budget=budget):
+        step()
     return step
+
+
+def transpiled(model: nn.Module, batch: tuple, budget: float, compile: bool = False):
+    """``transpile()`` of ``model`` (NoSync, AdamW) under ``memory_budget=budget``, run once."""
+    model = copy.deepcopy(model)
+    step = transpile(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        NoSync(),
+        nn.CrossEntropyLoss(),
+        batch,
+        execution=Execution(memory_budget=budget, compile=compile),
+    )
+    step(*batch)
+    return step, model
 
 
 def variants(model: nn.Module, batch: tuple, with_compile: bool) -> dict[str, tuple[Callable, int | None]]:
     """Each row's step (warmed up) and the transpiler's estimate of its own tensors' peak (None: no estimate)."""
     out: dict[str, tuple[Callable, int | None]] = {}
     for budget in BUDGETS:
-        m = copy.deepcopy(model)
         try:
-            step = transpile(
-                m,
-                torch.optim.AdamW(m.parameters(), lr=1e-3),
-                NoSync(),
-                nn.CrossEntropyLoss(),
-                batch,
-                execution=Execution(memory_budget=budget),
-            )
+            step, _ = transpiled(model, batch, budget)
         except ConfigurationError as error:
             print(f"  transpile at budget {budget}: {error}", flush=True)
             continue
-        step(*batch)
         label = "transpile, budget " + ("least" if budget == 0 else f"{budget:g}")
         out[label] = (lambda s=step: s(*batch), step.memory_estimate().transient)
+    for budget in (1.0, 0.5) if with_compile else ():
+        try:
+            step, _ = transpiled(model, batch, budget, compile=True)
+        except ConfigurationError as error:
+            print(f"  transpile compile=True at budget {budget}: {error}", flush=True)
+            continue
+        out[f"transpile compile=True, budget {budget:g}"] = (lambda s=step: s(*batch), None)
     out["eager"] = (eager_step(copy.deepcopy(model), batch), None)
     out["eager, checkpoint per block"] = (eager_step(checkpointed(model), batch), None)
     for budget in BUDGETS[:-1] if with_compile else ():
@@ -126,7 +143,7 @@ def variants(model: nn.Module, batch: tuple, with_compile: bool) -> dict[str, tu
 
 def measure(rows: dict[str, tuple[Callable, int | None]]) -> list[dict]:
     peaks = {name: allocated_peak(step) for name, (step, _) in rows.items()}
-    ops = {name: count_ops(step) for name, (step, _) in rows.items() if not name.startswith("torch.compile")}
+    ops = {name: count_ops(step) for name, (step, _) in rows.items() if "compile" not in name}
     times: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(ROUNDS):
         for name, (step, _) in rows.items():
@@ -171,7 +188,8 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5))
     for ax, (name, rows) in zip(axes, results.items()):
-        for family, marker in (("transpile", "o"), ("eager", "s"), ("torch.compile", "^")):
+        families = (("transpile,", "o"), ("transpile compile=True", "D"), ("eager", "s"), ("torch.compile", "^"))
+        for family, marker in families:
             mine = [r for r in rows if r["row"].startswith(family)]
             ax.plot([r["peak"] / MIB for r in mine], [r["ms"] for r in mine], marker=marker, label=family)
             for r in mine:
@@ -182,22 +200,37 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def compiled_parity(model: nn.Module, batch: tuple, steps: int = 10) -> str:
+    """``compile=True`` with and without a budget of 0.5: whether 10 AdamW steps end with the same bits."""
+    runs = {}
+    for budget in (1.0, 0.5):
+        step, trained = transpiled(model, batch, budget, compile=True)
+        losses = [step(*batch).detach().clone() for _ in range(steps - 1)]
+        runs[budget] = (losses, [p.detach().clone() for p in trained.parameters()])
+    (la, wa), (lb, wb) = runs[1.0], runs[0.5]
+    same = all(map(torch.equal, la, lb)) and all(map(torch.equal, wa, wb))
+    return f"compile=True, budget 0.5 against none, {steps} AdamW steps: {'bitwise' if same else 'DIFFERENT'}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results = {}
+    results, parity = {}, {}
     for name, (model, batch) in models().items():
         print(f"{name}: building the rows", flush=True)
         results[name] = measure(variants(model, batch, not args.no_compile))
         print(table(name, results[name]), flush=True)
+        if not args.no_compile:
+            parity[name] = compiled_parity(model, batch)
+            print(parity[name], flush=True)
     plot(results, ROOT / "docs" / "memory_budget.png")
     section = (
         f"{BEGIN}\n## Fitting the step in a memory budget: measured\n\n"
         f"`python -m bench.memory_budget` on {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
         f"(one thread), torch {torch.__version__}; medians of {ROUNDS} interleaved rounds.\n\n"
-        + "\n".join(table(n, r) for n, r in results.items())
+        + "\n".join(table(n, r) + (f"\n{parity[n]}.\n" if n in parity else "") for n, r in results.items())
         + "\n![peak against step time](memory_budget.png)\n"
         + END
     )

@@ -57,7 +57,7 @@ class Recompute(Pass):
         if self.budget >= 1.0 and not self.budget_bytes:
             return False
         merged = merge_recomputation(graph)
-        plan = RecomputePlan(list(graph.nodes))
+        plan = RecomputePlan(list(graph.nodes), program.op_scratch)
         target = self.budget_bytes or math.floor(self.budget * plan.baseline.peak)
         chosen, reached = plan.choose(target)
         if reached.peak > target and (self.budget > 0 or self.budget_bytes):
@@ -85,10 +85,10 @@ def _mib(size: int) -> str:
 class RecomputePlan:
     """A traced step's schedule, and the forward values it could recompute instead of keeping."""
 
-    def __init__(self, nodes: list[fx.Node]) -> None:
+    def __init__(self, nodes: list[fx.Node], scratch: dict[str, int] | None = None) -> None:
         self.nodes = nodes
         self.index = {n: i for i, n in enumerate(nodes)}
-        self.slots = slots_of(nodes)
+        self.slots = slots_of(nodes, scratch=scratch)
         self.forward_end = max((i for i, n in enumerate(nodes) if n.meta.get("role") in FORWARD_ROLES), default=-1)
         self.baseline = liveness(self.slots)
         self.groups = self._candidates()
@@ -99,9 +99,9 @@ class RecomputePlan:
         return i if self.slots[i].size else None
 
     def _candidates(self) -> list[tuple[int, ...]]:
-        """Each forward allocation the backward reads (itself or through a view), with its views: the units kept
-        or recomputed together, dearest per byte last. One read by the output, or made by an op that may not
-        run again, is kept."""
+        """Each forward allocation the backward reads (itself or through a view), with its views and the
+        forward-only values it is made from (:meth:`_made_from`): the units kept or recomputed together, dearest
+        per byte last. One read by the output, or made by an op that may not run again, is kept."""
         members: dict[int, list[int]] = {}
         for i in range(self.forward_end + 1):
             root = self._root(i) if self.nodes[i].op == "call_function" else None
@@ -110,6 +110,9 @@ class RecomputePlan:
         for root, group in members.items():  # one output of several: recomputed by its op, all outputs at once
             if self.nodes[root].target is operator.getitem:
                 group.insert(0, self.index[self.nodes[root].args[0]])
+        read_late = {
+            i for i in range(self.forward_end + 1) if any(self.index[u] > self.forward_end for u in self.nodes[i].users)
+        }
         groups = []
         for root, group in members.items():
             readers = [u for i in group for u in self.nodes[i].users]
@@ -117,25 +120,55 @@ class RecomputePlan:
                 continue  # dies in the forward
             if any(u.op == "output" for u in readers) or not all(repeatable(self.nodes[i]) for i in group):
                 continue
-            cost = sum(recompute_seconds(self.nodes[i]) for i in group)
-            groups.append((cost / self.slots[root].size, tuple(sorted(group))))
+            unit = self._made_from(group, read_late)
+            cost = sum(recompute_seconds(self.nodes[i]) for i in unit)
+            groups.append((cost / self.slots[root].size, tuple(sorted(unit))))
         groups.sort(key=lambda pair: pair[0])
         return [group for _, group in groups]
+
+    def _made_from(self, group: list[int], read_late: set[int]) -> set[int]:
+        """``group`` and the forward values it is made from that the backward does not read: recomputing the
+        group alone would keep those alive for its copy instead, and free nothing (a residual ``add`` reads a
+        projection the forward drops at once). The walk stops at values the backward reads anyway, at the
+        step's inputs, and at ops that may not run again (their outputs are kept)."""
+        unit, stack = set(group), list(group)
+        while stack:
+            for value in self.nodes[stack.pop()].all_input_nodes:
+                j = self.index[value]
+                if value.op != "call_function" or j in unit or j in read_late or not repeatable(value):
+                    continue
+                unit.add(j)
+                stack.append(j)
+        return unit
 
     def choose(self, target: int) -> tuple[frozenset[int], Liveness]:
         """The forward ops to recompute (positions) and the liveness that gives, greedily: each group in rank order
         is left unkept where that lowers the peak, or the bytes the forward leaves for the backward at the same
-        peak, until the peak is at most ``target``."""
-        chosen: frozenset[int] = frozenset()
+        peak, until the peak is at most ``target``. Then the groups taken are tried again, dearest first, and
+        kept after all where the peak stays within the target (or the least reached): a group that only helped
+        on the way there costs time for nothing."""
+        taken: list[tuple[int, ...]] = []
         best = self.baseline
         for group in self.groups:
             if best.peak <= target:
                 break
-            trial = chosen | set(group)
-            outcome = liveness(self.schedule(trial)[0])
+            outcome = self.outcome(taken + [group])
             if (outcome.peak, outcome.after_forward) < (best.peak, best.after_forward):
-                chosen, best = frozenset(trial), outcome
-        return chosen, best
+                taken, best = taken + [group], outcome
+        bound = max(target, best.peak)
+        for group in sorted(taken, key=self.cost, reverse=True):
+            rest = [g for g in taken if g is not group]
+            outcome = self.outcome(rest)
+            if outcome.peak <= bound:
+                taken, best = rest, outcome
+        return frozenset(i for g in taken for i in g), best
+
+    def outcome(self, groups: list[tuple[int, ...]]) -> Liveness:
+        """The liveness of the step with ``groups`` recomputed."""
+        return liveness(self.schedule(frozenset(i for g in groups for i in g))[0])
+
+    def cost(self, group: tuple[int, ...]) -> float:
+        return sum(recompute_seconds(self.nodes[i]) for i in group)
 
     def placements(self, chosen: frozenset[int]) -> dict[int, int]:
         """Where each recomputed op's copy goes: right before the first op after the forward that reads it, or
@@ -146,6 +179,10 @@ class RecomputePlan:
             later += [place[self.index[u]] for u in self.nodes[i].users if self.index[u] in place]
             if later:
                 place[i] = min(later)
+        for i in list(place):  # an output of several right after its op's copy: the tuple dies at once
+            node = self.nodes[i]
+            if node.target is operator.getitem and self.index[node.args[0]] in place:
+                place[i] = place[self.index[node.args[0]]]
         return place
 
     def schedule(self, chosen: frozenset[int]) -> tuple[list[Slot], dict[int, int]]:
@@ -166,11 +203,11 @@ class RecomputePlan:
                 s = self.slots[c]
                 alias = None if s.alias is None else moved(s.alias, True)
                 copy_index[c] = len(slots)
-                slots.append(Slot(tuple(moved(r, True) for r in s.reads), alias, s.size, "recompute"))
+                slots.append(Slot(tuple(moved(r, True) for r in s.reads), alias, s.size, "recompute", s.scratch))
             late = i > self.forward_end
             alias = None if slot.alias is None else moved(slot.alias, late)
             new_index[i] = len(slots)
-            slots.append(Slot(tuple(moved(r, late) for r in slot.reads), alias, slot.size, slot.role))
+            slots.append(Slot(tuple(moved(r, late) for r in slot.reads), alias, slot.size, slot.role, slot.scratch))
         return slots, place
 
     def rewrite(self, graph: fx.Graph, chosen: frozenset[int]) -> int:

@@ -30,7 +30,7 @@ from transpiler.graph.verify import (
     check_shards,
     shard_place,
 )
-from transpiler.runtime import cost_probe, host_memory
+from transpiler.runtime import cost_probe, host_memory, op_scratch
 from transpiler.runtime import cuda_graph as cuda_graph_module
 from transpiler.runtime.compile import CompiledProgram
 from transpiler.runtime.cuda_graph import CapturedProgram
@@ -91,6 +91,8 @@ class StepBuilder:
         if self.outer is not None:
             traced.outer_update, outer_plan = trace_outer_update(self.outer, state)
         traced.cost_model = self._cost_model(batch)
+        if self.execution.memory_budget is not None or self.execution.memory_budget_bytes is not None:
+            traced.op_scratch = op_scratch.measure(traced.graph)  # what the recompute pass weighs its choice by
         traced.link_cost = self._link_cost()
         programs = {
             variant: rewrite(

@@ -66,6 +66,7 @@ class Slot:
     alias: int | None
     size: int
     role: str = ""
+    scratch: int = 0  # bytes the op holds only while it runs (a convolution backward's workspace)
 
 
 @dataclass(frozen=True)
@@ -79,28 +80,62 @@ class Liveness:
     after_forward: int  # the bytes alive once the forward (and the loss) has run: what it keeps for the backward
 
 
-def slots_of(nodes: list[fx.Node], counted: Callable[[fx.Node], bool] | None = None) -> list[Slot]:
+def slots_of(
+    nodes: list[fx.Node], counted: Callable[[fx.Node], bool] | None = None, scratch: dict[str, int] | None = None
+) -> list[Slot]:
     """The schedule of ``nodes`` (a graph's, in order); with ``counted``, only the allocations of the nodes it
     accepts have a size. Inputs and constants are held by the runtime: they are read, never counted. Each
     output of an op with several (``native_batch_norm``'s output and statistics) is its own allocation, made
     where it is taken out (``getitem``, right after the op) and alive while it is read: the tuple itself dies
-    at once in a GraphModule's code."""
+    at once in a GraphModule's code. ``scratch`` (:func:`scratch_key` -> bytes, measured by the runtime) adds
+    what an op holds only while it runs."""
     index = {node: i for i, node in enumerate(nodes)}
     out = []
     for node in nodes:
         reads = tuple(index[a] for a in node.all_input_nodes)
         role = node.meta.get("role", "")
-        if node.op != "call_function" or _returns_nothing(node) or _makes_several(node):
-            out.append(Slot(reads, None, 0, role))
+        held = scratch.get(scratch_key(node) or "", 0) if scratch else 0
+        if _makes_several(node):  # its outputs exist together while it runs, then each as its getitem keeps it
+            out.append(Slot(reads, None, 0, role, held + _bytes(node.meta.get("val"))))
+            continue
+        if node.op != "call_function" or _returns_nothing(node):
+            out.append(Slot(reads, None, 0, role, held))
             continue
         alias = _aliased_input(node)
         made_by = alias if alias is not None and _makes_several(alias) else node
         if alias is not None and made_by is node:
-            out.append(Slot(reads, index[alias], 0, role))
+            out.append(Slot(reads, index[alias], 0, role, held))
         else:
             size = _bytes(node.meta.get("val")) if counted is None or counted(made_by) else 0
-            out.append(Slot(reads, None, size, role))
+            out.append(Slot(reads, None, size, role, held))
     return out
+
+
+# ops that hold memory of their own while they run (oneDNN's convolution and norm kernels, attention): measured
+# once per call signature by the runtime (``runtime/op_scratch.py``), the rest allocate only their outputs
+SCRATCH_FAMILIES = ("convolution", "batch_norm", "layer_norm", "group_norm", "scaled_dot_product", "attention")
+
+
+def scratch_key(node: fx.Node) -> str | None:
+    """What identifies an op's scratch: its name and every argument (tensors by shape, stride and dtype), or None
+    for an op outside :data:`SCRATCH_FAMILIES`."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    if not any(family in target.__name__ for family in SCRATCH_FAMILIES):
+        return None
+
+    def describe(value: object) -> str:
+        if isinstance(value, fx.Node):
+            v = value.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                return f"T{tuple(v.shape)}{tuple(v.stride())}{v.dtype}{v.device.type}"
+            return repr(v)
+        if isinstance(value, (list, tuple)):
+            return "[" + ",".join(map(describe, value)) + "]"
+        return repr(value)
+
+    return f"{target}({describe(node.args)};{describe(dict(sorted(node.kwargs.items())))})"
 
 
 def _makes_several(node: fx.Node) -> bool:
@@ -141,8 +176,8 @@ def liveness(slots: list[Slot]) -> Liveness:
     for i, slot in enumerate(slots):
         if root[i] == i:
             live += slot.size
-        if live > peak:
-            peak, at = live, i
+        if live + slot.scratch > peak:
+            peak, at = live + slot.scratch, i
         live -= frees.get(i, 0)
         if i == forward_ends:
             after_forward = live
@@ -150,6 +185,8 @@ def liveness(slots: list[Slot]) -> Liveness:
     for base, end in last.items():
         if base <= at <= end:
             by_role[slots[base].role] = by_role.get(slots[base].role, 0) + slots[base].size
+    if slots and slots[at].scratch:
+        by_role["scratch"] = slots[at].scratch
     return Liveness(peak, at, by_role, after_forward)
 
 
@@ -171,7 +208,13 @@ def largest_allocation_bytes(graph: fx.Graph) -> int:
 
 
 _HELD = {"param": "parameters", "frozen": "parameters", "buffer": "parameters", "state": "optimizer_state"}
-_MADE = {"forward": "activations", "loss": "activations", "communication": "communication", "optimizer": "update"}
+_MADE = {
+    "forward": "activations",
+    "loss": "activations",
+    "communication": "communication",
+    "optimizer": "update",
+    "scratch": "scratch",
+}
 
 
 @dataclass(frozen=True)
@@ -191,6 +234,7 @@ class MemoryEstimate:
     backward: int
     communication: int
     update: int
+    scratch: int = 0
 
     @property
     def held(self) -> int:
@@ -199,7 +243,7 @@ class MemoryEstimate:
     @property
     def transient(self) -> int:
         """The program's own tensors at their peak (what a ``memory_budget`` bounds)."""
-        return self.activations + self.backward + self.communication + self.update
+        return self.activations + self.backward + self.communication + self.update + self.scratch
 
     @property
     def peak(self) -> int:
@@ -217,13 +261,15 @@ class MemoryEstimate:
             ("  backward gradients and temporaries", self.backward),
             ("  communication buffers", self.communication),
             ("  update temporaries", self.update),
+            ("  the op's own scratch (measured)", self.scratch),
             ("peak of the step (estimated)", self.peak),
         ]
         return "\n".join(f"{name:<40} {value / mib:10.3f} MiB" for name, value in rows)
 
 
 def memory_estimate(program: StepProgram) -> MemoryEstimate:
-    """The estimate of a program, rewritten, from its ports, constants and schedule."""
+    """The estimate of a program, rewritten, from its ports, constants and schedule, with the scratch of its ops
+    the runtime measured (``program.op_scratch``)."""
     graph = program.graph
     flat = {buffer.port: buffer.kind for buffer in program.flat_buffers}  # flat parameters, flat state
     held = dict.fromkeys(("parameters", "gradients", "optimizer_state", "transpiler_state", "batch"), 0)
@@ -238,10 +284,10 @@ def memory_estimate(program: StepProgram) -> MemoryEstimate:
             held["gradients" if node.meta.get("bucket") is not None else "transpiler_state"] += _bytes(value)
     nodes = list(graph.nodes)
     slots = [
-        Slot(s.reads, s.alias, s.size, "communication" if is_collective(n) else s.role)
-        for s, n in zip(slots_of(nodes), nodes)
+        Slot(s.reads, s.alias, s.size, "communication" if is_collective(n) else s.role, s.scratch)
+        for s, n in zip(slots_of(nodes, scratch=program.op_scratch), nodes)
     ]
-    made = dict.fromkeys(("activations", "backward", "communication", "update"), 0)
+    made = dict.fromkeys(("activations", "backward", "communication", "update", "scratch"), 0)
     for role, size in liveness(slots).by_role.items():
         made[_MADE.get(role, "backward")] += size
     return MemoryEstimate(**held, **made)

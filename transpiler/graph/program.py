@@ -100,6 +100,7 @@ class StepProgram:
     sources: dict[str, str] = field(default_factory=dict)  # data files baked into the graph -> content digest
     cost_model: CostModel | None = None  # measured at startup when a pass asks (bucket_cap_mb="auto")
     link_cost: LinkCost | None = None  # measured at startup when a pass asks (zero3's bucket_cap_mb="cost")
+    op_scratch: dict[str, int] = field(default_factory=dict)  # an op's scratch bytes by its call (graph/memory.py)
     decisions: dict[str, str] = field(default_factory=dict)  # pass -> what it chose from measurements, in words
     shards: dict[str, tuple[int, int]] = field(default_factory=dict)  # param -> flat [lo, hi) this rank updates
     param_buckets: list[ParamBucket] = field(default_factory=list)  # parameters held as shards (ZeRO-3)

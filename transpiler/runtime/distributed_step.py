@@ -27,7 +27,7 @@ from transpiler.graph.program import StepProgram
 from transpiler.strategies.schedules import EveryStep, Schedule
 from transpiler.trace.environment import AutocastState, running_environment
 
-from . import dcp_checkpoint, feed, global_weights, lending, snapshots
+from . import dcp_checkpoint, feed, global_weights, lending, op_scratch, snapshots
 from .data_position import DataPosition
 from .failures import run_named
 from .memory_report import LastRun, MemoryReport, memory_report
@@ -279,7 +279,9 @@ class DistributedStep:
         built = self._state.last()
         if variant is not None and variant not in built.programs:
             raise ConfigurationError(f"no program variant {variant!r}; this step has {sorted(built.programs)}.")
-        return memory_estimate(built.programs[variant] if variant else built.main)
+        program = built.programs[variant] if variant else built.main
+        program.op_scratch.update(op_scratch.measure(program.graph))
+        return memory_estimate(program)
 
     # ----------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
