@@ -1,28 +1,34 @@
 """Peak memory against step time under a memory budget: the Pareto front of three ways to recompute.
 
-    python -m bench.memory_budget              # one process, a few minutes on 2 cores; writes docs/memory.md's section
-    python -m bench.memory_budget --no-compile # without the torch.compile rows (Inductor's compiles take most of it)
+    python -m bench.memory_budget              # about 15 minutes on 2 cores; writes docs/memory.md's section
+    python -m bench.memory_budget --no-compile # without the compiled rows (Inductor's compiles take most of it)
 
 For the bench's GPT and a ResNet-style CNN (``bench/models.py``, AdamW, one process, one thread), in one run:
 
 - ``transpile()`` with ``Execution(memory_budget=b)`` for b in 1.0, 0.7, 0.5, 0.3 and 0 (the least reachable);
 - the same model with ``torch.utils.checkpoint`` around every block, trained eagerly (no checkpoint: eager too);
+- ``transpile(..., compile=True)`` at budgets 1 and 0.5 (compiled against compiled), and whether 10 AdamW steps of
+  the two end with the same bits;
 - ``torch.compile`` of the model with ``torch._functorch.config.activation_memory_budget`` at the same fractions,
-  the optimizer eager.
+  the optimizer eager, each row in a process of its own beside ``transpile`` at budget 1 (its ratio's reference).
 
 Each row gives the measured peak (the profiler's allocation records over one step: what the step allocates beyond
 what was held before it, ``transpiler/runtime/allocations.py``), the transpiler's estimate where it has one
-(``step.memory_estimate().transient``), the median step time over interleaved rounds and the ops one step
-dispatches. Nothing here is a test.
+(``step.memory_estimate().transient``), the median step time over interleaved rounds, its ratio (the median over
+rounds of its time over ``transpile`` at budget 1 in the same round) and the ops one step dispatches. Nothing
+here is a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -85,18 +91,49 @@ def eager_step(model: nn.Module, batch: tuple, forward: Callable | None = None) 
 
 
 def compiled_step(model: nn.Module, batch: tuple, budget: float) -> Callable[[], None]:
-    """The model compiled under ``activation_memory_budget=budget``, compiled here, at its first call. Dynamo is
-    never reset between rows: a reset throws away the rows compiled before, which then compile again at their
-    next call under whatever budget is set by then."""
+    """The model compiled under ``activation_memory_budget=budget`` (compiled here, at its first call), in a
+    process of its own (:func:`compile_row`): in one process, torch.compile's caches gave every row one budget
+    (with ``torch._dynamo.reset()`` between rows, the last row's; without, the first's)."""
     import torch._functorch.config as functorch_config
 
-    # the compile caches would hand back a step compiled under another budget
-    torch._inductor.config.fx_graph_cache = False
+    torch._inductor.config.fx_graph_cache = False  # a cached compile could carry another budget's partition
     functorch_config.enable_autograd_cache = False
+    functorch_config.activation_memory_budget = budget
     step = eager_step(model, batch, torch.compile(model, dynamic=False))
-    with functorch_config.patch(activation_memory_budget=budget):
-        step()
+    step()
     return step
+
+
+def compile_row(name: str, budget: float) -> dict:
+    """One torch.compile row, measured in this process beside ``transpile`` at budget 1 (the ratio's reference)."""
+    model, batch = models()[name]
+    reference, _ = transpiled(model, batch, 1.0)
+    rows = {
+        "reference": (lambda: reference(*batch), None),
+        "compiled": (compiled_step(copy.deepcopy(model), batch, budget), None),
+    }
+    measured = {r["row"]: r for r in measure(rows, base="reference")}
+    return {
+        "peak": measured["compiled"]["peak"],
+        "ms": measured["compiled"]["ms"],
+        "ratio": measured["compiled"]["ratio"],
+    }
+
+
+def compile_rows(name: str) -> list[dict]:
+    """The torch.compile rows of ``name``, each from a process of its own (see :func:`compiled_step`)."""
+    out = []
+    for budget in BUDGETS[:-1]:
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.memory_budget", "--compile-row", name, str(budget)],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        out.append({"row": f"torch.compile, budget {budget:g}", "estimate": None, "ops": None, **row})
+    return out
 
 
 def transpiled(model: nn.Module, batch: tuple, budget: float, compile: bool = False):
@@ -134,14 +171,12 @@ def variants(model: nn.Module, batch: tuple, with_compile: bool) -> dict[str, tu
         out[f"transpile compile=True, budget {budget:g}"] = (lambda s=step: s(*batch), None)
     out["eager"] = (eager_step(copy.deepcopy(model), batch), None)
     out["eager, checkpoint per block"] = (eager_step(checkpointed(model), batch), None)
-    for budget in BUDGETS[:-1] if with_compile else ():
-        out[f"torch.compile, budget {budget:g}"] = (compiled_step(copy.deepcopy(model), batch, budget), None)
     for step, _ in out.values():
         step()
     return out
 
 
-def measure(rows: dict[str, tuple[Callable, int | None]]) -> list[dict]:
+def measure(rows: dict[str, tuple[Callable, int | None]], base: str = "transpile, budget 1") -> list[dict]:
     peaks = {name: allocated_peak(step) for name, (step, _) in rows.items()}
     ops = {name: count_ops(step) for name, (step, _) in rows.items() if "compile" not in name}
     times: dict[str, list[float]] = {name: [] for name in rows}
@@ -150,14 +185,15 @@ def measure(rows: dict[str, tuple[Callable, int | None]]) -> list[dict]:
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["transpile, budget 1"]) if "transpile, budget 1" in times else None
     return [
         {
             "row": name,
             "peak": peaks[name],
             "estimate": estimate,
             "ms": statistics.median(times[name]) * 1e3,
-            "ratio": statistics.median(times[name]) / base if base else float("nan"),
+            "ratio": statistics.median([t / b for t, b in zip(times[name], times[base])])
+            if base in times
+            else float("nan"),
             "ops": ops.get(name),
         }
         for name, (_, estimate) in rows.items()
@@ -215,12 +251,18 @@ def compiled_parity(model: nn.Module, batch: tuple, steps: int = 10) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
+    parser.add_argument("--compile-row", nargs=2, metavar=("MODEL", "BUDGET"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.compile_row:  # one torch.compile row, in a process of its own (compile_rows)
+        print(json.dumps(compile_row(args.compile_row[0], float(args.compile_row[1]))))
+        return
     results, parity = {}, {}
     for name, (model, batch) in models().items():
         print(f"{name}: building the rows", flush=True)
         results[name] = measure(variants(model, batch, not args.no_compile))
+        if not args.no_compile:
+            results[name] += compile_rows(name)
         print(table(name, results[name]), flush=True)
         if not args.no_compile:
             parity[name] = compiled_parity(model, batch)

@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness.launch import run_rank  # noqa: E402
 from bench.models import TinyLlama, llama_tp_plan  # noqa: E402
 from passes.diloco_outer_step import fragments_of  # noqa: E402
-from transpiler import mode_config, transpile  # noqa: E402
+from transpiler import Execution, mode_config, transpile  # noqa: E402
+from transpiler.graph.collectives import is_collective  # noqa: E402
 
 STEPS = 10
 H = 3  # DiLoCo's inner steps per round
@@ -71,11 +72,13 @@ def local(p: torch.Tensor) -> torch.Tensor:
     return (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
 
 
-def traced(base, mesh, sp: bool, data, mode: str, **options) -> dict:
+def traced(base, mesh, sp: bool, data, mode: str, execution: Execution | None = None, **options) -> dict:
     model = planned(base, mesh, sp)
     dpr = mesh["dp"].get_local_rank()
     config = mode_config(mode, **options)
-    step = transpile(model, adamw(model.parameters()), config, loss_fn, data[0][dpr], mesh=mesh["dp"])
+    step = transpile(
+        model, adamw(model.parameters()), config, loss_fn, data[0][dpr], mesh=mesh["dp"], execution=execution
+    )
     outputs = []
     if mode == "zero3":  # the model runs eagerly on its whole shards inside step.gathered(), before a step too
         with step.gathered() as whole, torch.no_grad():
@@ -89,6 +92,9 @@ def traced(base, mesh, sp: bool, data, mode: str, **options) -> dict:
     record = {"losses": losses, "params": params, "outputs": outputs}
     if step.outer_optimizer is not None:
         record["global"] = {n: t.clone() for n, t in step.global_parameters().items()}
+    if execution is not None:  # the recomputed ops (a tensor-parallel plan's collectives are never among them)
+        copies = [n for n in step.program.graph.nodes if "recomputed_from" in n.meta]
+        record["recomputed"] = (len(copies), sum(map(is_collective, copies)))
     if mode == "streaming_diloco":  # the parameters of each fragment, in order
         of = fragments_of(step.programs["sync0"], options["fragments"])
         record["fragments"] = [[n for n in params if of[n] == p] for p in range(options["fragments"])]
@@ -237,6 +243,7 @@ def parity(rank: int, world: int, dp: str) -> dict:
     out: dict = {"dp": dp, "tp": world // dp}
     for sp in (False, True):
         runs = {mode: traced(base, mesh, sp, data, mode) for mode in MODES}
+        runs["zero3, least memory"] = traced(base, mesh, sp, data, "zero3", Execution(memory_budget=0.0))
         runs["eager averaged"] = eager_averaged(base, mesh, sp, data)
         runs["eager fsdp2"] = eager_fsdp2(base, mesh, sp, data)
         runs["diloco"] = traced(base, mesh, sp, data, "diloco", sync_every=H)

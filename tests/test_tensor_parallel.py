@@ -62,6 +62,17 @@ def test_every_mode_equals_eager_tp_with_its_gradients_averaged_over_dp(parity, 
 
 
 @pytest.mark.parametrize("layout", ["plain", "sp"])
+def test_a_memory_budget_under_a_plan_recomputes_no_collective_and_keeps_the_bits(parity, layout):
+    """``Execution(memory_budget=0)`` with ``zero3`` across dp and the plan across tp: bitwise the same run."""
+    world, ranks = parity
+    for rank, record in enumerate(ranks):
+        runs = record[layout]
+        copies, collectives = runs["zero3, least memory"]["recomputed"]
+        assert copies > 0 and collectives == 0, (rank, layout, copies, collectives)
+        assert_same(runs["zero3, least memory"], runs["zero3"], f"rank {rank} of {world}, {layout}, budget")
+
+
+@pytest.mark.parametrize("layout", ["plain", "sp"])
 def test_zero3_model_runs_eagerly_inside_gathered_as_eager_tp(parity, layout):
     """Inside ``with step.gathered() as model:`` the model runs on its whole shards (before the first step too),
     and its output is eager TP's bit for bit: the slice guard looks at each shard, not at the DTensor the plan's
