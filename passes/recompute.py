@@ -79,7 +79,7 @@ class Recompute(Pass):
 
 
 def _mib(size: int) -> str:
-    return f"{size / MIB:.2f} MiB"
+    return f"{size / MIB:.3f} MiB"
 
 
 class RecomputePlan:
@@ -165,7 +165,7 @@ class RecomputePlan:
 
     def outcome(self, groups: list[tuple[int, ...]]) -> Liveness:
         """The liveness of the step with ``groups`` recomputed."""
-        return liveness(self.schedule(frozenset(i for g in groups for i in g))[0])
+        return liveness(self.schedule(frozenset(i for g in groups for i in g)))
 
     def cost(self, group: tuple[int, ...]) -> float:
         return sum(recompute_seconds(self.nodes[i]) for i in group)
@@ -185,8 +185,8 @@ class RecomputePlan:
                 place[i] = place[self.index[node.args[0]]]
         return place
 
-    def schedule(self, chosen: frozenset[int]) -> tuple[list[Slot], dict[int, int]]:
-        """The slots of the step with ``chosen`` recomputed, and where each copy sits in them."""
+    def schedule(self, chosen: frozenset[int]) -> list[Slot]:
+        """The slots of the step with ``chosen`` recomputed, each copy where :meth:`placements` puts it."""
         place = self.placements(chosen)
         before: dict[int, list[int]] = {}
         for i, at in sorted(place.items()):
@@ -208,7 +208,7 @@ class RecomputePlan:
             alias = None if slot.alias is None else moved(slot.alias, late)
             new_index[i] = len(slots)
             slots.append(Slot(tuple(moved(r, late) for r in slot.reads), alias, slot.size, slot.role, slot.scratch))
-        return slots, place
+        return slots
 
     def rewrite(self, graph: fx.Graph, chosen: frozenset[int]) -> int:
         """Put the copies of ``chosen`` into ``graph`` and have every later reader read them; the originals only

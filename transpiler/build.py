@@ -91,7 +91,8 @@ class StepBuilder:
         if self.outer is not None:
             traced.outer_update, outer_plan = trace_outer_update(self.outer, state)
         traced.cost_model = self._cost_model(batch)
-        if self.execution.memory_budget is not None or self.execution.memory_budget_bytes is not None:
+        variants = budgeted(self.plan.variants, self.execution)
+        if any(p.name == "recompute" for passes in variants.values() for p in passes):
             traced.op_scratch = op_scratch.measure(traced.graph)  # what the recompute pass weighs its choice by
         traced.link_cost = self._link_cost()
         programs = {
@@ -104,7 +105,7 @@ class StepBuilder:
                 subgroups=self.subgroups,
                 axes=self.plan.axes,
             )
-            for variant, passes in budgeted(self.plan.variants, self.execution).items()
+            for variant, passes in variants.items()
         }
         if self.outer is not None and self.execution.verify:
             every = self.plan.schedule.settings()["sync_every"]
