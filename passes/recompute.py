@@ -191,23 +191,19 @@ class RecomputePlan:
         before: dict[int, list[int]] = {}
         for i, at in sorted(place.items()):
             before.setdefault(at, []).append(i)
-        new_index: dict[int, int] = {}
-        copy_index: dict[int, int] = {}
+        early = [0] * len(self.slots)  # where an original op now sits, as the forward reads it
+        late = [0] * len(self.slots)  # ... and as the backward and the copies read it: its copy, if it has one
         slots: list[Slot] = []
-
-        def moved(j: int, reader_is_late: bool) -> int:
-            return copy_index[j] if reader_is_late and j in copy_index else new_index[j]
-
         for i, slot in enumerate(self.slots):
             for c in before.get(i, ()):
                 s = self.slots[c]
-                alias = None if s.alias is None else moved(s.alias, True)
-                copy_index[c] = len(slots)
-                slots.append(Slot(tuple(moved(r, True) for r in s.reads), alias, s.size, "recompute", s.scratch))
-            late = i > self.forward_end
-            alias = None if slot.alias is None else moved(slot.alias, late)
-            new_index[i] = len(slots)
-            slots.append(Slot(tuple(moved(r, late) for r in slot.reads), alias, slot.size, slot.role, slot.scratch))
+                late[c] = len(slots)
+                alias = None if s.alias is None else late[s.alias]
+                slots.append(Slot(tuple(map(late.__getitem__, s.reads)), alias, s.size, "recompute", s.scratch))
+            where = late if i > self.forward_end else early
+            early[i] = late[i] = len(slots)
+            alias = None if slot.alias is None else where[slot.alias]
+            slots.append(Slot(tuple(map(where.__getitem__, slot.reads)), alias, slot.size, slot.role, slot.scratch))
         return slots
 
     def rewrite(self, graph: fx.Graph, chosen: frozenset[int]) -> int:

@@ -76,6 +76,20 @@ def test_op_counts_say_what_each_pass_changed(capsys):
     assert before - after >= 9 * 149 and int(rows["reinplace-optimizer"][2]) < int(rows["flatten-update"][2])
 
 
+def test_memory_shows_the_estimate_and_a_budget_lowers_it(capsys):
+    """``--memory``: the step's peak by kind before it runs; ``--memory-budget 0`` recomputes until the least."""
+    factory = "bench/models.py:narrow_gpt_factory"
+    peaks = {}
+    for budget in ([], ["--memory-budget", "0"]):
+        assert main(["dump", factory, "--memory", *budget]) == 0
+        out = capsys.readouterr()
+        rows = {line[:40].strip(): float(line[40:].split()[0]) for line in out.out.splitlines()}
+        assert "optimizer state" in rows and "at the step's peak: activations kept" in rows
+        peaks[bool(budget)] = rows["peak of the step (estimated)"]
+        assert ("# recompute: budget" in out.err) == bool(budget)
+    assert peaks[True] < peaks[False]
+
+
 @pytest.mark.quick
 def test_lists(capsys):
     assert main(["passes"]) == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -57,10 +58,10 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return []
 
 
-@dataclass(frozen=True)
-class Slot:
+class Slot(NamedTuple):
     """One op of a schedule, as liveness sees it: the slots it reads (their positions), the slot whose storage
-    its result lives in (``alias``; None: it allocates ``size`` bytes, or makes no tensor), and its role."""
+    its result lives in (``alias``; None: it allocates ``size`` bytes, or makes no tensor), and its role. A
+    named tuple: the recompute pass builds a schedule per candidate it weighs."""
 
     reads: tuple[int, ...]
     alias: int | None

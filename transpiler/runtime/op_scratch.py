@@ -11,6 +11,11 @@ each shape once, and a rebuild nothing.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
 import torch
 import torch.fx as fx
 
@@ -29,9 +34,25 @@ def measure(graph: fx.Graph) -> dict[str, int]:
         if key is None:
             continue
         if key not in _MEASURED:
-            _MEASURED[key] = _scratch_of(node)
+            with _native_stderr_quiet():
+                _MEASURED[key] = _scratch_of(node)
         out[key] = _MEASURED[key]
     return out
+
+
+@contextlib.contextmanager
+def _native_stderr_quiet() -> Iterator[None]:
+    """The process's standard error (file descriptor 2) sent nowhere: the profiler's native code writes a line
+    as it starts and one as it stops, which a user of ``transpiler dump`` should not see for every op measured."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as nowhere:
+            os.dup2(nowhere.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _scratch_of(node: fx.Node) -> int:
