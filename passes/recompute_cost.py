@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from transpiler.graph.collectives import is_collective
+from transpiler.graph.memory import tensors_of
 
 FLOPS = 50e9  # a core's order of magnitude, float32 with vector units
 BYTES_PER_SECOND = 10e9
@@ -40,7 +41,7 @@ def repeatable(node: fx.Node) -> bool:
     if any(tag in node.target.tags for tag in _UNREPEATABLE):
         return False
     schema = node.target._schema
-    return not schema.is_mutable and bool(schema.returns) and _tensors(node.meta.get("val"))
+    return not schema.is_mutable and bool(schema.returns) and tensors_of(node.meta.get("val"))
 
 
 def recompute_seconds(node: fx.Node) -> float:
@@ -48,7 +49,7 @@ def recompute_seconds(node: fx.Node) -> float:
     if node.target is operator.getitem or not isinstance(node.target, torch._ops.OpOverload) or node.target.is_view:
         return 0.0
     values = [a.meta.get("val") for a in node.all_input_nodes] + [node.meta.get("val")]
-    moved = sum(t.numel() * t.element_size() for v in values for t in _tensors(v))
+    moved = sum(t.numel() * t.element_size() for v in values for t in tensors_of(v))
     formula = flop_registry.get(node.target.overloadpacket)
     work = 0.0
     if formula is not None:
@@ -58,11 +59,3 @@ def recompute_seconds(node: fx.Node) -> float:
         except (TypeError, ValueError, RuntimeError):  # a formula that wants what this trace lacks: count bytes
             work = 0.0
     return max(work / FLOPS, moved / BYTES_PER_SECOND)
-
-
-def _tensors(value: object) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []

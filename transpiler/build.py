@@ -91,9 +91,7 @@ class StepBuilder:
         if self.outer is not None:
             traced.outer_update, outer_plan = trace_outer_update(self.outer, state)
         traced.cost_model = self._cost_model(batch)
-        variants = budgeted(self.plan.variants, self.execution)
-        if any(p.name == "recompute" for passes in variants.values() for p in passes):
-            traced.op_scratch = op_scratch.measure(traced.graph)  # what the recompute pass weighs its choice by
+        fit_budget(traced, self.plan.variants, self.execution)
         traced.link_cost = self._link_cost()
         programs = {
             variant: rewrite(
@@ -105,7 +103,7 @@ class StepBuilder:
                 subgroups=self.subgroups,
                 axes=self.plan.axes,
             )
-            for variant, passes in variants.items()
+            for variant, passes in self.plan.variants.items()
         }
         if self.outer is not None and self.execution.verify:
             every = self.plan.schedule.settings()["sync_every"]
@@ -206,17 +204,23 @@ def runners_for(programs: dict[str, StepProgram], *, compile: bool, cuda_graph: 
     return {v: CompiledProgram(p.graph_module, v) for v, p in programs.items()} if compile else {}
 
 
-def budgeted(variants: dict[str, list[Pass]], execution: Execution) -> dict[str, list[Pass]]:
-    """Each variant's passes, with ``recompute`` first where the execution settings give a memory budget: it
-    decides on the traced step, before any pass distributes it (``passes/recompute.py``)."""
-    if execution.memory_budget is None and execution.memory_budget_bytes is None:
-        return variants
-    if any(p.name == "recompute" for passes in variants.values() for p in passes):
+def fit_budget(traced: StepProgram, variants: dict[str, list[Pass]], execution: Execution) -> None:
+    """Where the execution settings give a memory budget, run the ``recompute`` pass on the traced step, once,
+    before any variant's pipeline distributes it: every variant and every rank starts from the same choice
+    (``passes/recompute.py``). The scratch of the step's ops, which that choice weighs, is measured first, also for
+    a pipeline that names the pass itself."""
+    budget = execution.memory_budget is not None or execution.memory_budget_bytes is not None
+    named = any(p.name == "recompute" for passes in variants.values() for p in passes)
+    if budget and named:
         raise ConfigurationError(
             "the pipeline has its own 'recompute' pass and Execution gives a memory budget too: keep one of them."
         )
-    first = PASSES["recompute"](budget=execution.memory_budget or 0.0, budget_bytes=execution.memory_budget_bytes or 0)
-    return {variant: [first, *passes] for variant, passes in variants.items()}
+    if budget or named:
+        traced.op_scratch = op_scratch.measure(traced.graph)
+    if budget:
+        fraction, size = execution.memory_budget, execution.memory_budget_bytes
+        fit = PASSES["recompute"](budget=fraction or 0.0, budget_bytes=size or 0)
+        Pipeline([fit], list(DEFAULT_VERIFIERS), verify=execution.verify, on_pass=execution.on_pass).run(traced)
 
 
 def rewrite(

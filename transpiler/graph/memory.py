@@ -47,20 +47,22 @@ def _returns_nothing(node: fx.Node) -> bool:
 
 
 def _bytes(value: object) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(value))
+    return sum(t.numel() * t.element_size() for t in tensors_of(value))
 
 
-def _tensors(value: object) -> list[torch.Tensor]:
+def tensors_of(value: object) -> list[torch.Tensor]:
+    """The tensors in a node's value (one, or those of a tuple or list of them, nested)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in tensors_of(v)]
     return []
 
 
 class Slot(NamedTuple):
     """One op of a schedule, as liveness sees it: the slots it reads (their positions), the slot whose storage
-    its result lives in (``alias``; None: it allocates ``size`` bytes, or makes no tensor), and its role. A
+    its result lives in (``alias``; None: it allocates ``size`` bytes, or makes no tensor), and its role (a
+    collective's is ``communication``). A
     named tuple: the recompute pass builds a schedule per candidate it weighs."""
 
     reads: tuple[int, ...]
@@ -94,7 +96,7 @@ def slots_of(
     out = []
     for node in nodes:
         reads = tuple(index[a] for a in node.all_input_nodes)
-        role = node.meta.get("role", "")
+        role = "communication" if is_collective(node) else node.meta.get("role", "")
         held = scratch.get(scratch_key(node) or "", 0) if scratch else 0
         if _makes_several(node):  # its outputs exist together while it runs, then each as its getitem keeps it
             out.append(Slot(reads, None, 0, role, held + _bytes(node.meta.get("val"))))
@@ -203,7 +205,7 @@ def largest_allocation_bytes(graph: fx.Graph) -> int:
         _bytes(value)
         for node in graph.nodes
         if node.op == "call_function" and _aliased_input(node) is None
-        for value in _tensors(node.meta.get("val"))
+        for value in tensors_of(node.meta.get("val"))
     ]
     return max(sizes, default=0)
 
@@ -251,21 +253,27 @@ class MemoryEstimate:
         return self.held + self.batch + self.transient
 
     def __str__(self) -> str:
-        mib = 1024 * 1024
-        rows = [
-            ("parameters and buffers", self.parameters),
-            ("gradient buckets", self.gradients),
-            ("optimizer state", self.optimizer_state),
-            ("transpiler state", self.transpiler_state),
-            ("batch", self.batch),
-            ("at the step's peak: activations kept", self.activations),
-            ("  backward gradients and temporaries", self.backward),
-            ("  communication buffers", self.communication),
-            ("  update temporaries", self.update),
-            ("  the op's own scratch (measured)", self.scratch),
-            ("peak of the step (estimated)", self.peak),
-        ]
-        return "\n".join(f"{name:<40} {value / mib:10.3f} MiB" for name, value in rows)
+        return mib_table(
+            [
+                ("parameters and buffers", self.parameters),
+                ("gradient buckets", self.gradients),
+                ("optimizer state", self.optimizer_state),
+                ("transpiler state", self.transpiler_state),
+                ("batch", self.batch),
+                ("at the step's peak: activations kept", self.activations),
+                ("  backward gradients and temporaries", self.backward),
+                ("  communication buffers", self.communication),
+                ("  update temporaries", self.update),
+                ("  the op's own scratch (measured)", self.scratch),
+                ("peak of the step (estimated)", self.peak),
+            ],
+            width=40,
+        )
+
+
+def mib_table(rows: list[tuple[str, int]], width: int) -> str:
+    """Named byte counts as lines of MiB, the names padded to ``width`` (``memory_report()``, the estimate)."""
+    return "\n".join(f"{name:<{width}} {value / (1024 * 1024):10.3f} MiB" for name, value in rows)
 
 
 def memory_estimate(program: StepProgram) -> MemoryEstimate:
@@ -283,12 +291,7 @@ def memory_estimate(program: StepProgram) -> MemoryEstimate:
         elif node.op == "get_attr":
             value = getattr(graph.owning_module, node.target, None)
             held["gradients" if node.meta.get("bucket") is not None else "transpiler_state"] += _bytes(value)
-    nodes = list(graph.nodes)
-    slots = [
-        Slot(s.reads, s.alias, s.size, "communication" if is_collective(n) else s.role, s.scratch)
-        for s, n in zip(slots_of(nodes, scratch=program.op_scratch), nodes)
-    ]
     made = dict.fromkeys(("activations", "backward", "communication", "update", "scratch"), 0)
-    for role, size in liveness(slots).by_role.items():
+    for role, size in liveness(slots_of(list(graph.nodes), scratch=program.op_scratch)).by_role.items():
         made[_MADE.get(role, "backward")] += size
     return MemoryEstimate(**held, **made)

@@ -30,7 +30,7 @@ class Execution(Config):
     called after every pass. ``save_trajectory=DIR``: rank 0 saves the flattened weights every
     ``trajectory_every`` updates, for ``transpiler pca`` (``runtime/trajectory.py``). ``memory_budget`` (a fraction
     of the peak bytes of the step's own tensors without recompute; 0: the least reachable) or
-    ``memory_budget_bytes``: the ``recompute`` pass runs first in every program and recomputes forward values in
+    ``memory_budget_bytes``: the ``recompute`` pass runs once on the traced step and recomputes forward values in
     the backward until that peak fits, bitwise the same step (``passes/recompute.py``, docs/memory.md)."""
 
     compile: bool = own(False, help="compile each program with torch.compile on its first call")

@@ -18,13 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from transpiler.errors import ConfigurationError
-from transpiler.graph.memory import peak_transient_bytes
+from transpiler.graph.memory import mib_table, peak_transient_bytes
 from transpiler.graph.ports import ACCUMULATOR
 from transpiler.graph.program import StepProgram
 
 from .step_state import StepState
-
-MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -64,7 +62,7 @@ class MemoryReport:
             ("held between steps", self.held),
             (f"peak in the last step ({self.peak_source})", self.peak),
         ]
-        return "\n".join(f"{name:<44} {value / MIB:10.3f} MiB" for name, value in rows)
+        return mib_table(rows, width=44)
 
 
 class StorageCounter:
