@@ -3,13 +3,13 @@
 Requires: a traced step (roles ``forward``/``loss`` before the backward), before any pass that distributes it, so
 every mode, ZeRO-3's re-gathers included, sees the recomputed ops as backward ops that read the parameters.
 Guarantees: the program's own tensors at their peak, counted by its schedule (``graph/memory.py``), are at most
-the budget: ``budget`` times their peak without recompute, or ``budget-bytes``; ``budget=0`` asks for the least
-this step can reach. A forward value the backward reads is either kept from the forward, as traced, or
-recomputed by a copy of the ops that made it, placed right before the backward first reads it; the copies read
-kept values, the parameters and the batch. Every recomputed op is one that gives the same bits again
-(``recompute_cost.repeatable``: never dropout or another random op, never a collective), on the same inputs, so
-the step's values are bitwise those without recompute at every budget. A budget the step cannot reach is a
-:class:`~transpiler.errors.ConfigurationError` that names the least it can.
+the budget: ``memory-budget`` times their peak without recompute, or ``memory-budget-bytes``;
+``memory-budget=0`` asks for the least this step can reach. A forward value the backward reads is either kept
+from the forward, as traced, or recomputed by a copy of the ops that made it, placed right before the backward
+first reads it; the copies read kept values, the parameters and the batch. Every recomputed op is one that
+gives the same bits again (``recompute_cost.repeatable``: never dropout or another random op, never a
+collective), on the same inputs, so the step's values are bitwise those without recompute at every budget.
+A budget the step cannot reach is a :class:`~transpiler.errors.ConfigurationError` that names the least it can.
 
 The choice, in the spirit of AOTAutograd's knapsack over the joint graph but judged by the peak of the schedule
 itself: the kept values are ranked by what recomputing them costs per byte it frees (``recompute_cost``:
@@ -42,29 +42,29 @@ MIB = 1024 * 1024
 class Recompute(Pass):
     name = "recompute"
     summary = "recompute forward values in the backward until the step's own tensors fit a memory budget"
-    budget: float = option(
+    memory_budget: float = option(
         1.0,
         minimum=0.0,
         maximum=1.0,
         help="the step's own peak bytes, as a fraction of those without recompute (0: the least it can reach)",
     )
-    budget_bytes: int = option(0, minimum=0, help="the step's own peak bytes, in bytes (0: use budget)")
+    memory_budget_bytes: int = option(0, minimum=0, help="the step's own peak bytes, in bytes (0: use memory_budget)")
 
     def run(self, program: StepProgram) -> bool:
         graph = program.graph
         if any("recomputed_from" in n.meta for n in graph.nodes):
             return False
-        if self.budget >= 1.0 and not self.budget_bytes:
+        if self.memory_budget >= 1.0 and not self.memory_budget_bytes:
             return False
         merged = merge_recomputation(graph)
         plan = RecomputePlan(list(graph.nodes), program.op_scratch)
-        target = self.budget_bytes or math.floor(self.budget * plan.baseline.peak)
+        target = self.memory_budget_bytes or math.floor(self.memory_budget * plan.baseline.peak)
         chosen, reached = plan.choose(target)
-        if reached.peak > target and (self.budget > 0 or self.budget_bytes):
+        if reached.peak > target and (self.memory_budget > 0 or self.memory_budget_bytes):
             raise ConfigurationError(
                 f"the step's own tensors cannot fit {_mib(target)} by recompute: the least they reach is "
                 f"{_mib(reached.peak)} ({reached.peak / max(plan.baseline.peak, 1):.2f} of {_mib(plan.baseline.peak)} "
-                "without recompute). Raise the budget, give budget=0 for that least, or shard more (zero3, a "
+                "without recompute). Raise the budget, give memory_budget=0 for that least, or shard more (zero3, a "
                 "tensor-parallel plan)."
             )
         copies = plan.rewrite(graph, chosen)

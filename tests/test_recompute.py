@@ -107,7 +107,7 @@ def test_a_model_that_checkpoints_itself_keeps_its_choice_until_a_budget_is_give
 def test_a_budget_the_step_cannot_reach_names_the_least_it_can():
     torch.manual_seed(0)
     model, batch = DroppingGPT(), gpt_batch(4, 0)
-    with pytest.raises(ConfigurationError, match=r"cannot fit .* the least they reach is .* budget=0"):
+    with pytest.raises(ConfigurationError, match=r"cannot fit .* the least they reach is .* memory_budget=0"):
         transpile(
             model,
             torch.optim.AdamW(model.parameters()),
@@ -124,7 +124,7 @@ def test_a_budget_the_step_cannot_reach_names_the_least_it_can():
         transpile(
             model,
             torch.optim.AdamW(model.parameters()),
-            PassPipeline(spec="recompute{budget=0.5}"),
+            PassPipeline(spec="recompute{memory-budget=0.5}"),
             LOSS,
             batch,
             execution=Execution(memory_budget=0.5),

@@ -219,7 +219,7 @@ def fit_budget(traced: StepProgram, variants: dict[str, list[Pass]], execution: 
         traced.op_scratch = op_scratch.measure(traced.graph)
     if budget:
         fraction, size = execution.memory_budget, execution.memory_budget_bytes
-        fit = PASSES["recompute"](budget=fraction or 0.0, budget_bytes=size or 0)
+        fit = PASSES["recompute"](memory_budget=fraction or 0.0, memory_budget_bytes=size or 0)
         Pipeline([fit], list(DEFAULT_VERIFIERS), verify=execution.verify, on_pass=execution.on_pass).run(traced)
 
 
