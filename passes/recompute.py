@@ -14,7 +14,11 @@ A budget the step cannot reach is a :class:`~transpiler.errors.ConfigurationErro
 The choice, in the spirit of AOTAutograd's knapsack over the joint graph but judged by the peak of the schedule
 itself: the kept values are ranked by what recomputing them costs per byte it frees (``recompute_cost``:
 element-wise ops first, matmuls and attention last), and taken one by one while the budget is not met, each
-kept out only where the peak, or else what the forward leaves for the backward, goes down. A model that
+kept out only where the peak, or else what the forward leaves for the backward, goes down. On a residual model
+that greedy stalls: a recomputed residual stream chains (each block's copy reads the one before, so the backward
+makes them all at once), so the same search also starts from keeping only every s-th cut value of the forward
+(the residual stream between blocks, found as the loss's dominators), as checkpointing per block or per sqrt(n)
+blocks would, and the cheapest start that fits wins. A model that
 checkpoints itself (``torch.utils.checkpoint``) recomputes in its traced backward; with a budget, those copies
 are first merged back into the forward values they repeat, and this pass decides again.
 """
@@ -25,12 +29,14 @@ import math
 import operator
 from dataclasses import dataclass
 
+import networkx as nx
 import torch.fx as fx
 
 from transpiler.errors import ConfigurationError
 from transpiler.graph.memory import FORWARD_ROLES, Liveness, Slot, liveness, slots_of
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
+from transpiler.graph.ports import PortKind, is_input
 from transpiler.graph.program import StepProgram
 
 from .recompute_cost import recompute_seconds, repeatable
@@ -142,16 +148,41 @@ class RecomputePlan:
         return unit
 
     def choose(self, target: int) -> tuple[frozenset[int], Liveness]:
-        """The forward ops to recompute (positions) and the liveness that gives, greedily: each group in rank order
-        is left unkept where that lowers the peak, or the bytes the forward leaves for the backward at the same
-        peak, until the peak is at most ``target``. Then the groups taken are tried again, dearest first, and
-        kept after all where the peak stays within the target (or the least reached): a group that only helped
-        on the way there costs time for nothing."""
-        taken: list[tuple[int, ...]] = []
-        best = self.baseline
+        """The forward ops to recompute (positions) and the liveness that gives: the best of several searches
+        (:meth:`search`), each from its own start. The first starts with every value kept; the others keep
+        only every s-th cut value of the forward (:meth:`cut_groups`: the block boundaries, s = 1, 2, 4, ...) and
+        recompute the rest, as checkpointing per block or every sqrt(n) blocks would. The best fits the target
+        at the least recompute cost, or, where none fits, reaches the lowest peak."""
+        cuts = self.cut_groups()
+        starts: list[list[tuple[int, ...]]] = [[]]
+        stride = 1
+        while stride <= len(cuts):
+            kept = set(cuts[::stride])
+            starts.append([g for g in self.groups if g not in kept])
+            stride *= 2
+        found = [self.search(start, target) for start in starts]
+
+        def rank(pair: tuple[list[tuple[int, ...]], Liveness]) -> tuple:
+            taken, reached = pair
+            cost = sum(map(self.cost, taken))
+            return (0, 0, cost) if reached.peak <= target else (1, reached.peak, cost)
+
+        taken, reached = min(found, key=rank)
+        return frozenset(i for g in taken for i in g), reached
+
+    def search(self, start: list[tuple[int, ...]], target: int) -> tuple[list[tuple[int, ...]], Liveness]:
+        """From the groups ``start`` recomputes, greedily: each other group in rank order is left unkept where that
+        lowers the peak, or the bytes the forward leaves for the backward at the same peak, until the peak is at
+        most ``target``. Then the groups taken are tried again, dearest first, and kept after all where the peak
+        stays within the target (or the least reached): a group that only helped on the way there, or that the
+        start took, costs time for nothing."""
+        taken, started = list(start), set(start)
+        best = self.outcome(taken)
         for group in self.groups:
             if best.peak <= target:
                 break
+            if group in started:
+                continue
             outcome = self.outcome(taken + [group])
             if (outcome.peak, outcome.after_forward) < (best.peak, best.after_forward):
                 taken, best = taken + [group], outcome
@@ -161,7 +192,29 @@ class RecomputePlan:
             outcome = self.outcome(rest)
             if outcome.peak <= bound:
                 taken, best = rest, outcome
-        return frozenset(i for g in taken for i in g), best
+        return taken, best
+
+    def cut_groups(self) -> list[tuple[int, ...]]:
+        """The groups holding a cut value of the forward, in forward order: one that every path from a batch input
+        to the loss runs through (a dominator of the loss), such as the residual stream between two blocks. Kept,
+        such values hold the recomputation of what lies between them to one segment at a time."""
+        flow = nx.DiGraph()
+        sources = []
+        for i in range(self.forward_end + 1):
+            node = self.nodes[i]
+            if is_input(node, PortKind.BATCH):
+                sources.append(i)
+            flow.add_edges_from((self.index[a], i) for a in node.all_input_nodes)
+            if node.meta.get("role") == "loss":
+                flow.add_edge(i, "loss")
+        cuts: set[int] = set()
+        for source in sources:  # per input: the label reaches the loss by a path of its own
+            dominator = nx.immediate_dominators(flow, source) if source in flow else {}
+            at = dominator.get("loss", source)
+            while at != source:
+                cuts.add(at)
+                at = dominator[at]
+        return sorted((g for g in self.groups if cuts.intersection(g)), key=max)
 
     def outcome(self, groups: list[tuple[int, ...]]) -> Liveness:
         """The liveness of the step with ``groups`` recomputed."""
@@ -191,10 +244,11 @@ class RecomputePlan:
         before: dict[int, list[int]] = {}
         for i, at in sorted(place.items()):
             before.setdefault(at, []).append(i)
-        early = [0] * len(self.slots)  # where an original op now sits, as the forward reads it
-        late = [0] * len(self.slots)  # ... and as the backward and the copies read it: its copy, if it has one
-        slots: list[Slot] = []
-        for i, slot in enumerate(self.slots):
+        first = min(before, default=len(self.slots))  # the slots before the first copy stay as they are
+        early = list(range(first)) + [0] * (len(self.slots) - first)  # where an op now sits, as the forward reads it
+        late = list(early)  # ... and as the backward and the copies read it: its copy, if it has one
+        slots: list[Slot] = self.slots[:first]
+        for i, slot in enumerate(self.slots[first:], first):
             for c in before.get(i, ()):
                 s = self.slots[c]
                 late[c] = len(slots)

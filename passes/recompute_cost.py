@@ -34,8 +34,8 @@ def repeatable(node: fx.Node) -> bool:
     """Whether running ``node`` again gives the same tensors and nothing else happens."""
     if node.op != "call_function" or is_collective(node):
         return False
-    if node.target is operator.getitem:
-        return True
+    if node.target is operator.getitem:  # taken out of its op's outputs: as repeatable as that op (a copy read
+        return isinstance(node.args[0], fx.Node) and repeatable(node.args[0])  # alone would keep them all alive)
     if not isinstance(node.target, torch._ops.OpOverload) or "out" in node.kwargs:
         return False
     if any(tag in node.target.tags for tag in _UNREPEATABLE):

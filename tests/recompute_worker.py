@@ -1,12 +1,13 @@
 """The memory budget in a world of 2 ranks (tests/test_recompute.py): ``fused_allreduce`` and ``zero3`` with and
-without a budget, 10 AdamW steps each from the same weights, the weights and losses of every rank returned."""
+without a budget (0.6 and the least), and the other families' modes (LocalSGD, DiLoCo, AdaSum) without one
+and at the least: 10 AdamW steps each from the same weights, the weights and losses of every rank returned."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from transpiler import DataParallel, Execution, ZeRO, transpile
+from transpiler import AdaSum, DataParallel, DiLoCo, Execution, LocalSGD, ZeRO, transpile
 
 from .recompute_models import MODELS
 
@@ -29,9 +30,14 @@ def trained(config, budget: float | None, rank: int) -> dict:
     return {"losses": losses, "weights": weights, "decision": step.program.decisions.get("recompute", "")}
 
 
+MODES = {
+    "fused_allreduce": (DataParallel(), (None, 0.6, 0.0)),
+    "zero3": (ZeRO(stage=3), (None, 0.6, 0.0)),
+    "local_sgd": (LocalSGD(k_steps=3), (None, 0.0)),
+    "diloco": (DiLoCo(sync_every=3), (None, 0.0)),
+    "adasum": (AdaSum(), (None, 0.0)),
+}
+
+
 def budgets(rank: int, world: int) -> dict:
-    out = {}
-    for name, config in (("fused_allreduce", DataParallel()), ("zero3", ZeRO(stage=3))):
-        for budget in (None, 0.6, 0.0):
-            out[f"{name},{budget}"] = trained(config, budget, rank)
-    return out
+    return {f"{name},{b}": trained(config, b, rank) for name, (config, bs) in MODES.items() for b in bs}
