@@ -8,7 +8,8 @@ nothing. The two rates are nominal (a CPU core's order of magnitude): only the r
 choice is checked by the schedule's peak, not by these times.
 
 An op is never recomputed when a second run could give other bits or other effects: ops that draw random
-numbers (``Tag.nondeterministic_seeded``: dropout, ``rand``), ops whose bits may change run to run
+numbers (``Tag.nondeterministic_seeded``: dropout, ``rand``; attention is tagged so for its dropout and is
+recomputed at ``dropout_p=0``), ops whose bits may change run to run
 (``Tag.nondeterministic_bitwise``: scatter-adds on a GPU), collectives and their waits, ops that write their
 inputs, and ops that make no tensor. Their outputs are kept instead, so a step's values do not depend on the
 budget.
@@ -27,7 +28,6 @@ from transpiler.graph.memory import tensors_of
 
 FLOPS = 50e9  # a core's order of magnitude, float32 with vector units
 BYTES_PER_SECOND = 10e9
-_UNREPEATABLE = (torch.Tag.nondeterministic_seeded, torch.Tag.nondeterministic_bitwise)
 
 
 def repeatable(node: fx.Node) -> bool:
@@ -38,10 +38,23 @@ def repeatable(node: fx.Node) -> bool:
         return isinstance(node.args[0], fx.Node) and repeatable(node.args[0])  # alone would keep them all alive)
     if not isinstance(node.target, torch._ops.OpOverload) or "out" in node.kwargs:
         return False
-    if any(tag in node.target.tags for tag in _UNREPEATABLE):
+    if torch.Tag.nondeterministic_bitwise in node.target.tags:
+        return False
+    if torch.Tag.nondeterministic_seeded in node.target.tags and not _draws_nothing(node):
         return False
     schema = node.target._schema
     return not schema.is_mutable and bool(schema.returns) and tensors_of(node.meta.get("val"))
+
+
+def _draws_nothing(node: fx.Node) -> bool:
+    """Whether a seeded op runs without drawing: attention (``_scaled_dot_product_*``) at ``dropout_p=0``, tagged
+    seeded for the dropout it can apply."""
+    arguments = node.target._schema.arguments
+    at = next((i for i, a in enumerate(arguments) if a.name == "dropout_p"), None)
+    if at is None:
+        return False
+    p = node.args[at] if at < len(node.args) else node.kwargs.get("dropout_p", arguments[at].default_value)
+    return p == 0
 
 
 def recompute_seconds(node: fx.Node) -> float:
