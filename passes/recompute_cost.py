@@ -1,18 +1,17 @@
 """What recomputing one forward op costs, and whether it may be recomputed at all: the recompute pass's price list.
 
 The price of an op is an estimate of its time on a roofline: its floating-point work at ``FLOPS`` or the bytes it
-reads and writes at ``BYTES_PER_SECOND``, whichever takes longer. Matmuls, convolutions and attention do work
-that grows faster than the bytes they touch (torch's own ``torch.utils.flop_counter`` formulas count it), so
-they are dear; element-wise ops, reductions and copies move bytes and are cheap per byte freed; views cost
-nothing. The two rates are nominal (a CPU core's order of magnitude): only the ratio ranks the ops, and the
-choice is checked by the schedule's peak, not by these times.
+reads and writes at ``BYTES_PER_SECOND``, whichever takes longer. Matmuls, convolutions and attention do work that
+grows faster than the bytes they touch (torch's own ``torch.utils.flop_counter`` formulas count it; its attention
+formula also for the CPU kernels, which its registry lacks), so they are dear; element-wise ops, reductions and
+copies move bytes and are cheap per byte freed; views cost nothing. The two rates are nominal (a CPU core's order of
+magnitude): only the ratio ranks the ops, and the choice is checked by the schedule's peak, not by these times.
 
-An op is never recomputed when a second run could give other bits or other effects: ops that draw random
-numbers (``Tag.nondeterministic_seeded``: dropout, ``rand``; attention is tagged so for its dropout and is
-recomputed at ``dropout_p=0``), ops whose bits may change run to run
-(``Tag.nondeterministic_bitwise``: scatter-adds on a GPU), collectives and their waits, ops that write their
-inputs, and ops that make no tensor. Their outputs are kept instead, so a step's values do not depend on the
-budget.
+An op is never recomputed when a second run could give other bits or other effects: ops that draw random numbers
+(``Tag.nondeterministic_seeded``: dropout, ``rand``; attention is tagged so for its dropout and is recomputed at
+``dropout_p=0``), ops whose bits may change run to run (``Tag.nondeterministic_bitwise``: scatter-adds on a GPU),
+collectives and their waits, ops that write their inputs, and ops that make no tensor. Their outputs are kept
+instead, so a step's values do not depend on the budget.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from transpiler.graph.collectives import is_collective
 from transpiler.graph.memory import tensors_of
@@ -65,7 +64,10 @@ def recompute_seconds(node: fx.Node) -> float:
     moved = sum(t.numel() * t.element_size() for v in values for t in tensors_of(v))
     formula = flop_registry.get(node.target.overloadpacket)
     work = 0.0
-    if formula is not None:
+    if formula is None and "scaled_dot_product" in node.target.__name__:  # the CPU kernels have no formula there
+        q, k, v = (a.meta["val"].shape for a in node.args[:3])
+        work = float(sdpa_flop_count(q, k, v))
+    elif formula is not None:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
         try:
             work = float(formula(*args, **kwargs, out_val=node.meta.get("val")))
