@@ -76,9 +76,22 @@ def test_op_counts_say_what_each_pass_changed(capsys):
     assert before - after >= 9 * 149 and int(rows["reinplace-optimizer"][2]) < int(rows["flatten-update"][2])
 
 
-def test_memory_shows_the_estimate_and_a_budget_lowers_it(capsys):
-    """``--memory``: the step's peak by kind before it runs; ``--memory-budget 0`` recomputes until the least."""
-    factory = "bench/models.py:narrow_gpt_factory"
+DEEP_MLP = """import torch
+from torch import nn
+
+
+def make():
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(4)))
+    return model, torch.optim.AdamW(model.parameters()), nn.MSELoss(), (torch.randn(256, 32), torch.randn(256, 32))
+"""
+
+
+def test_memory_shows_the_estimate_and_a_budget_lowers_it(capsys, tmp_path):
+    """``--memory``: the step's peak by kind before it runs; ``--memory-budget 0`` recomputes until the least. A
+    deep MLP on 256 samples, whose activations outweigh its weights (about 6 s; the bench's narrow GPT took 50)."""
+    (tmp_path / "deep_mlp.py").write_text(DEEP_MLP)
+    factory = f"{tmp_path / 'deep_mlp.py'}:make"
     peaks = {}
     for budget in ([], ["--memory-budget", "0"]):
         assert main(["dump", factory, "--memory", *budget]) == 0
