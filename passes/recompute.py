@@ -18,9 +18,9 @@ kept out only where the peak, or else what the forward leaves for the backward, 
 that greedy stalls: a recomputed residual stream chains (each block's copy reads the one before, so the backward
 makes them all at once), so the same search also starts from keeping only every s-th cut value of the forward
 (the residual stream between blocks, found as the loss's dominators), as checkpointing per block or per sqrt(n)
-blocks would, and the cheapest start that fits wins. A model that
-checkpoints itself (``torch.utils.checkpoint``) recomputes in its traced backward; with a budget, those copies
-are first merged back into the forward values they repeat, and this pass decides again.
+blocks would, and the cheapest start that fits wins. A model that checkpoints itself (``torch.utils.checkpoint``)
+recomputes in its traced backward; with a budget, those copies are first merged back into the forward values
+they repeat, and this pass decides again.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 A budget changes where forward values are made, never their bits: the claim is ``torch.equal`` on weights and
 losses against the same step without a budget, with dropout in every block (a recomputed random op would draw
 new masks and fail it). The estimate is checked against what the step really allocates, from the profiler's
-allocation records (``runtime/allocations.py``). Cost: about 110 s here, the world of 2 included (AMD EPYC, 2 cores).
+allocation records (``runtime/allocations.py``). Cost: about 110 s, the world of 2 (62 s) included (AMD EPYC, 2 cores).
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def _one_sgd_step(model: nn.Module, batch: tuple, budget: float | None) -> list[
 
 def test_a_budget_is_bitwise_under_every_family_of_modes_at_two_ranks(tmp_path):
     """Each mode's passes see the copies as backward ops: ZeRO-3 gathers their parameters again, the
-    low-communication modes sync what the backward made. Cost: about 45 s (AMD EPYC, 2 cores)."""
+    low-communication modes sync what the backward made. Cost: 62 s alone (AMD EPYC, 2 cores)."""
     ranks = run_in_world(2, "tests.recompute_worker:budgets", tmp_path, timeout=300)
     for rank in ranks:
         for mode, (_, budgets) in MODES.items():
