@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # for readers and IDEs: ``passes.FuseAllReduce`` leads to its
     from .shard_optimizer import ShardOptimizer as ShardOptimizer
     from .shard_params import ShardParams as ShardParams
     from .sparse_allreduce import SparseAllReduce as SparseAllReduce
+    from .split_stages import SplitStages as SplitStages
 
 _CLASSES = {where.partition(":")[2]: name for name, where in WHERE.items()}  # class name -> pass name
 

@@ -155,32 +155,47 @@ def before_output(program: StepProgram) -> Cursor:
     return Cursor(program.graph, program.graph.output_node().prev)
 
 
-def seed_end(program: StepProgram) -> fx.Node:
-    """The loss-gradient seed as the backward reads it: the end of the ``loss_grad`` chain, where the forward and
-    the loss are done and the backward starts."""
-    chain = [n for n in program.graph.nodes if n.meta.get("role") == "loss_grad"]
-    if not chain:
+def seed_ends(program: StepProgram) -> list[fx.Node]:
+    """The loss-gradient seeds as the backward reads them: the end of each ``loss_grad`` chain (one per microbatch
+    of a pipeline's last stage, one in any other step), where the forward and the loss are done and the backward
+    starts. A pipeline stage before the last has none: the gradients it receives carry the seed's scaling."""
+    ends = [
+        n
+        for n in program.graph.nodes
+        if n.meta.get("role") == "loss_grad" and not any(u.meta.get("role") == "loss_grad" for u in n.users)
+    ]
+    stage = program.stage
+    if not ends and (stage is None or stage.rank == stage.world_size - 1):
         raise ValueError("the step has no loss-gradient seed node (role 'loss_grad')")
-    return next(n for n in chain if not any(u.meta.get("role") == "loss_grad" for u in n.users))
+    return ends
 
 
-def scale_seed(program: StepProgram, factor: float | fx.Node, *, inverse: bool = False, **meta) -> fx.Node:
-    """Multiply the loss-gradient seed (after any scaling already there) by ``factor`` (``inverse``: by
-    ``reciprocal(factor)``, a node); returns the new seed.
+def seed_end(program: StepProgram) -> fx.Node:
+    """The first loss-gradient seed (see :func:`seed_ends`)."""
+    return seed_ends(program)[0]
+
+
+def scale_seed(program: StepProgram, factor: float | fx.Node, *, inverse: bool = False, **meta) -> list[fx.Node]:
+    """Multiply each loss-gradient seed (after any scaling already there) by ``factor`` (``inverse``: by
+    ``reciprocal(factor)``, a node); returns the new seeds.
 
     The seed is ``ones_like(loss)`` with role ``loss_grad``; each scaling adds one ``mul`` at the end of that
     chain, so passes that scale it (1/world size, 1/accumulation steps, the loss scale) compose in any order.
     """
-    end = seed_end(program)
-    if isinstance(factor, fx.Node):
+    ends = seed_ends(program)
+    if isinstance(factor, fx.Node) and ends:
         cursor = Cursor(program.graph, factor)
         if inverse:  # in the factor's dtype, as 1/world_size is a float32 constant for a float32 seed
             factor = cursor.emit(torch.ops.aten.reciprocal.default, (factor,), role="loss_grad")
-        if factor.meta["val"].dtype != end.meta["val"].dtype:
-            dtype = end.meta["val"].dtype
+        if factor.meta["val"].dtype != ends[0].meta["val"].dtype:
+            dtype = ends[0].meta["val"].dtype
             factor = cursor.emit(torch.ops.aten._to_copy.default, (factor,), {"dtype": dtype}, role="loss_grad")
-    scaled = Cursor(program.graph, end).emit(torch.ops.aten.mul.Tensor, (end, factor), role="loss_grad", **meta)
-    end.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    scaled = []
+    for end in ends:
+        scaled.append(
+            Cursor(program.graph, end).emit(torch.ops.aten.mul.Tensor, (end, factor), role="loss_grad", **meta)
+        )
+        end.replace_all_uses_with(scaled[-1], delete_user_cb=lambda user: user is not scaled[-1])
     return scaled
 
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from transpiler.graph.pipeline import Pass
 
 WHERE = {
+    "split-stages": "split_stages:SplitStages",
     "recompute": "recompute:Recompute",
     "broadcast-params": "broadcast_params:BroadcastParams",
     "freeze-groups": "freeze_groups:FreezeGroups",

@@ -281,13 +281,14 @@ def test_the_old_keywords_build_the_same_programs_as_the_configs():
         transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), "scale-loss-grad,allreduce-grads", nn.MSELoss())
 
 
-def test_transpile_takes_ten_parameters_and_no_option_by_name():
+def test_transpile_takes_eleven_parameters_and_no_option_by_name():
+    """Ten since issue 73, and the pipeline's dimension (issue 75): each a typed object, never an option by name."""
     signature = inspect.signature(transpile)
     named = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    assert len(named) <= 10
+    assert len(named) <= 11
     assert [p.name for p in named] == [
         "model", "optimizer", "config", "loss_fn", "example_inputs", "mesh", "fault_tolerance", "execution",
-        "trace", "outer_optimizer",
+        "trace", "outer_optimizer", "pipeline",
     ]  # fmt: skip
 
 

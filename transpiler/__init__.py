@@ -37,6 +37,7 @@ from .strategies.features import Accumulation, Clipping, Compression, Freeze, Lo
 from .strategies.local_updates import LocalSGD, PartialSync
 from .strategies.mode_config import ModeConfig
 from .strategies.modes import PassPipeline, config_from_dict, load_config, mode_config
+from .strategies.pipeline_parallel import PipelineParallel
 from .trace.signature import StepTrace
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "NoSync",
     "PartialSync",
     "PassPipeline",
+    "PipelineParallel",
     "PipelineSpecError",
     "RankMismatchError",
     "RenamedWarning",

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from transpiler.graph.program import Axis
 from transpiler.runtime import cuda_graph as cuda_graph_module
 from transpiler.runtime.distributed_step import DistributedStep
 from transpiler.runtime.execution import Execution
@@ -20,6 +21,7 @@ from transpiler.runtime.process_group import (
     Placement,
     StaticWorld,
     mesh_placement,
+    pipeline_placement,
     resolve_placement,
     subgroup_names,
 )
@@ -27,6 +29,7 @@ from transpiler.runtime.quorum import InspectedQuorum, Quorum
 from transpiler.runtime.trajectory import TrajectoryWriter
 from transpiler.strategies.mode_config import ModeConfig, Surroundings
 from transpiler.strategies.modes import as_config
+from transpiler.strategies.pipeline_parallel import PipelineParallel
 from transpiler.strategies.strategy import Strategy
 from transpiler.trace.environment import AutocastState
 from transpiler.trace.optimizers import as_optimizer
@@ -54,6 +57,7 @@ def transpile(
     execution: Execution | None = None,
     trace: StepTrace | TraceCache | None = None,
     outer_optimizer: torch.optim.Optimizer | None = None,
+    pipeline: PipelineParallel | None = None,
     **deprecated: Any,
 ) -> DistributedStep:
     """Trace one training step and rewrite it into this rank's distributed program.
@@ -74,15 +78,14 @@ def transpile(
     traced ahead by :func:`trace_training_step` (checked to be this step's; a ``TraceMismatchError`` names the
     first difference), or a :class:`TraceCache` that serves every build. ``outer_optimizer``: the outer optimizer
     of ``DiLoCo`` and ``StreamingDiLoCo`` (the paper's Nesterov SGD at lr 0.7 by default), over the same parameters.
-
-    The keywords of before issue 73 (``mode=``, ``bucket_cap_mb=4``, ``compile=True``, ``world_size=``...) still
-    work, with a ``RenamedWarning`` that writes the call anew (docs/migrating.md).
+    ``pipeline=PipelineParallel(stages=..., microbatches=...)``: each rank runs one stage (docs/strategies/pipeline.md).
+    The keywords of before issue 73 (``mode=``...) still work, with a ``RenamedWarning`` (docs/migrating.md).
     """
     config, execution, mesh = keywords_of_before(config, execution, mesh, deprecated)
     optimizer = checked_arguments(model, optimizer, fault_tolerance, trace)
     config = as_config(config)
     planned = mesh is not None and not isinstance(mesh, StaticWorld) or tensor_parallel_planned(model)
-    placement = place(mesh, execution, planned)
+    placement, stage = place(mesh, execution, planned, pipeline, trace, fault_tolerance)
     surroundings = Surroundings(
         tensor_parallel=planned,
         quorum_group=placement.world_size if fault_tolerance is not None else None,
@@ -100,7 +103,9 @@ def transpile(
     plan = strategy.for_rank(placement.world_size, placement.rank)
     across = seats.across(plan.axes) if seats is not None else {}  # a group of several ranks: torchft's group
     subgroups = subgroup_names(placement, [g for g in plan.groups if g not in across]) | across
-    builder = StepBuilder(model, optimizer, loss_fn, outer, strategy, plan, placement, subgroups, execution, trace)
+    builder = StepBuilder(
+        model, optimizer, loss_fn, outer, strategy, plan, placement, subgroups, execution, trace, pipeline, stage
+    )
     step = DistributedStep(
         model,
         optimizer,
@@ -145,9 +150,23 @@ def tensor_parallel_planned(model: torch.nn.Module) -> bool:
     return has_dtensor_parameters(model) or tensor_parallel_of(model) is not None
 
 
-def place(mesh: Mesh | None, execution: Execution, planned: bool) -> Placement:
+def place(
+    mesh: Mesh | None,
+    execution: Execution,
+    planned: bool,
+    pipeline: PipelineParallel | None = None,
+    trace: object = None,
+    fault_tolerance: FaultTolerance | None = None,
+) -> tuple[Placement, Axis | None]:
     """This rank's place: across a device mesh's dimension (a tensor-parallel plan), a static world, or the
-    process group torch.distributed was given (a world of one without one)."""
+    process group torch.distributed was given (a world of one without one); and its stage of a pipeline."""
+    if pipeline is not None:
+        return place_pipeline(pipeline, mesh, execution, planned, trace, fault_tolerance)
+    return place_mode(mesh, execution, planned), None
+
+
+def place_mode(mesh: Mesh | None, execution: Execution, planned: bool) -> Placement:
+    """The mode's place without a pipeline."""
     if planned:
         return mesh_placement(mesh, execution.timeout_delta)
     if mesh is not None and not isinstance(mesh, StaticWorld):
@@ -157,6 +176,30 @@ def place(mesh: Mesh | None, execution: Execution, planned: bool) -> Placement:
         )
     size, rank = (mesh.size, mesh.rank) if mesh is not None else (None, None)
     return resolve_placement(size, rank, execution.timeout_delta)
+
+
+def place_pipeline(
+    pipeline: PipelineParallel,
+    mesh: Mesh | None,
+    execution: Execution,
+    planned: bool,
+    trace: object,
+    fault_tolerance: FaultTolerance | None,
+) -> tuple[Placement, Axis]:
+    """Under a pipeline: the mode's placement (a world of one) and this rank's stage; an error for what does not
+    combine with one yet."""
+    if not isinstance(pipeline, PipelineParallel):
+        raise ConfigurationError(f"pipeline must be a transpiler.PipelineParallel, got {type(pipeline).__name__}.")
+    refused = {
+        "a device mesh (data or tensor parallel beside the pipeline)": planned,
+        "trace=": trace is not None,
+        "fault_tolerance=": fault_tolerance is not None,
+    }
+    for what, given in refused.items():
+        if given:
+            raise ConfigurationError(f"a pipeline with {what} is not supported yet; the pipeline spans the world.")
+    size, rank = (mesh.size, mesh.rank) if isinstance(mesh, StaticWorld) else (None, None)
+    return pipeline_placement(pipeline.stages, size, rank, execution.timeout_delta)
 
 
 def seat(

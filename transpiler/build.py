@@ -38,6 +38,7 @@ from transpiler.runtime.execution import Execution
 from transpiler.runtime.handshake import Setup, describe_model, describe_optimizer
 from transpiler.runtime.process_group import Placement
 from transpiler.runtime.program_cache import Built, batch_key
+from transpiler.strategies.pipeline_parallel import PipelineParallel
 from transpiler.strategies.schedules import ACCUMULATE, Schedule
 from transpiler.strategies.strategy import RankPlan, Strategy
 from transpiler.trace.environment import AutocastState
@@ -69,6 +70,8 @@ class StepBuilder:
     execution: Execution = field(default_factory=Execution)
     # ``transpile(trace=...)``: a trace made ahead, for the first build; or a cache that serves every build
     reuse: StepTrace | TraceCache | None = None
+    pipeline: PipelineParallel | None = None  # a pipeline's stages, microbatches and schedule
+    stage: Axis | None = None  # this rank's place in the pipeline (axis 'pp')
     # learnt by earlier builds: a sharded mode's slices of this rank (None: no mode shards), the whole shape of
     # each parameter ZeRO-3 holds as a slice, and the cost model measured per batch shape
     shards: dict[str, tuple[int, int]] | None = field(init=False)
@@ -80,8 +83,13 @@ class StepBuilder:
 
     def __call__(self, batch: tuple, autocast: AutocastState) -> Built:
         check_frozen_whole(self.model, self.whole)
-        args = (self.model, self.optimizer, self.loss_fn, batch, autocast, self.shards, self.whole)
-        if isinstance(self.reuse, TraceCache):
+        traced_batch = microbatch_of(batch, self.pipeline.microbatches) if self.pipeline is not None else batch
+        args = (self.model, self.optimizer, self.loss_fn, traced_batch, autocast, self.shards, self.whole)
+        if self.pipeline is not None:
+            trace, state, plan = trace_step(*args, split_points=self.pipeline.points_for(self.model))
+            split_stage(trace.program, self.pipeline, self.stage, self.execution)
+            plan.held = frozenset(p.name for p in trace.program.outputs if p.kind == "param")
+        elif isinstance(self.reuse, TraceCache):
             trace, state, plan = self.reuse.signed(*args)
         else:
             trace, state, plan = trace_step(*args, reuse=self.reuse)
@@ -221,6 +229,29 @@ def fit_budget(traced: StepProgram, variants: dict[str, list[Pass]], execution: 
         fraction, size = execution.memory_budget, execution.memory_budget_bytes
         fit = PASSES["recompute"](memory_budget=fraction or 0.0, memory_budget_bytes=size or 0)
         Pipeline([fit], list(DEFAULT_VERIFIERS), verify=execution.verify, on_pass=execution.on_pass).run(traced)
+
+
+def microbatch_of(batch: tuple, microbatches: int) -> tuple:
+    """The first of ``microbatches`` equal parts of each tensor of ``batch`` along dim 0 (a pipeline traces one);
+    an error for a batch that does not cut into equal parts."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] % microbatches == 0 for t in batch):
+        shapes = [list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in batch]
+        raise ConfigurationError(
+            f"a pipeline cuts every tensor of the batch into {microbatches} equal microbatches along dim 0; the "
+            f"batch's shapes are {shapes}. Make the batch size a multiple of {microbatches}."
+        )
+    return tuple(t.tensor_split(microbatches)[0] for t in batch)
+
+
+def split_stage(traced: StepProgram, pipeline: PipelineParallel, stage: Axis, execution: Execution) -> None:
+    """Cut this rank's stage out of the step traced on one microbatch (``passes/split_stages.py``), before any
+    mode's passes: they see one stage's program, its gradients the means over the microbatches."""
+    if execution.memory_budget is not None or execution.memory_budget_bytes is not None:
+        raise ConfigurationError("a memory budget with a pipeline is not supported yet; leave memory_budget out.")
+    split = PASSES["split-stages"](microbatches=pipeline.microbatches, schedule=pipeline.schedule)
+    traced.axes = {"pp": stage}
+    Pipeline([split], list(DEFAULT_VERIFIERS), verify=execution.verify, on_pass=execution.on_pass).run(traced)
+    traced.axes = {}
 
 
 def rewrite(

@@ -110,6 +110,7 @@ class StepProgram:
     outer_update: OuterUpdate | None = None  # the outer optimizer's update, traced for a pass to inline (DiLoCo)
     axes: dict[str, Axis] = field(default_factory=dict)  # a 2-D layout's dimensions, by name (none: one dimension)
     shard_axis: str = "world"  # the ranks whose ``shards`` tile every parameter (ZeRO inside a DiLoCo replica)
+    stage: Axis | None = None  # the pipeline stage this program runs, among the stages (split-stages)
 
     @property
     def graph(self) -> fx.Graph:

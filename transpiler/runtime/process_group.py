@@ -22,6 +22,7 @@ from torch._C._distributed_c10d import ProcessGroup, _register_process_group
 
 from transpiler.errors import ConfigurationError
 from transpiler.graph.config import Config, own
+from transpiler.graph.program import Axis
 
 LOCAL_GROUP = "transpiler-local"
 STATIC_GROUP = "world"  # named in graphs built with world_size>1 and no process group (CLI, static checks)
@@ -162,6 +163,23 @@ def mesh_placement(mesh: object, timeout: timedelta | None) -> Placement:
     if size == 1:
         return Placement(1, 0, LOCAL_GROUP, True, group_timeout(group))
     return Placement(size, mesh.get_local_rank(), group.group_name, True, group_timeout(group))
+
+
+def pipeline_placement(
+    stages: int, size: int | None, rank: int | None, timeout: timedelta | None
+) -> tuple[Placement, Axis]:
+    """A pipeline over the whole world (its size must be ``stages``; ``size``/``rank``: a static world's): the
+    mode's placement, a world of one (each stage alone holds its parameters), and the axis 'pp', whose rank is
+    this rank's stage."""
+    world = resolve_placement(size, rank, timeout)
+    if world.world_size != stages:
+        raise ConfigurationError(
+            f"a pipeline of {stages} stages runs on {stages} ranks, one per stage; the world has "
+            f"{world.world_size}. Launch {stages} processes (torchrun --nproc-per-node {stages}), or set stages="
+            f"{world.world_size}."
+        )
+    group = LOCAL_GROUP if world.live else STATIC_GROUP
+    return Placement(1, 0, group, world.live, world.timeout), Axis(stages, world.rank, world.group_name)
 
 
 _subgroups: dict[tuple[tuple[int, ...], timedelta], str] = {}

@@ -11,7 +11,7 @@ outputs are listed as :class:`~transpiler.program.Port` s.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -28,6 +28,7 @@ from .environment import AUTOCAST_OFF, AutocastState
 from .functional import trace_functional, twin_updates
 from .optimizers import GenericPlan, OptimizerPlan
 from .signature import StepSignature, StepTrace, step_signature
+from .stage_marks import marked_stages
 from .step_inputs import LossFn, ModelState, StepInputs, step_inputs
 from .tensor_parallel import as_local, check_update, tensor_parallel_of
 
@@ -41,6 +42,7 @@ def trace_step(
     shards: Mapping[str, tuple[int, int]] | None = None,
     whole_shapes: Mapping[str, tuple[int, ...]] | None = None,
     reuse: StepTrace | Mapping[StepSignature, StepTrace] | None = None,
+    split_points: Sequence[str] = (),
 ) -> tuple[StepTrace, ModelState, OptimizerPlan]:
     """Trace forward, loss, backward and optimizer update of one step into a StepProgram; the forward and the
     loss under ``autocast`` (the caller's), the backward and the update without it, as eager autocast runs.
@@ -50,10 +52,14 @@ def trace_step(
     each parameter the model holds as a 1-D slice between steps: it is traced on an uninitialised stand-in of
     that shape. ``reuse``: a trace of a step with the same signature (``signature.py``), copied instead of
     tracing again (a :class:`TraceMismatchError` names the first difference); or traces by signature, of which
-    the one with this step's signature, if any, is copied. The trace returned is the caller's to change."""
+    the one with this step's signature, if any, is copied. The trace returned is the caller's to change.
+    ``split_points``: a pipeline's, marked in the trace where each stage starts (``stage_marks.py``); such a trace
+    is never reused."""
     inputs = step_inputs(model, optimizer, loss_fn, batch, shards, whole_shapes)
     state, plan = inputs.state, inputs.plan
     signature = step_signature(model, plan, loss_fn, inputs.params, inputs.opt_states, batch, autocast)
+    if split_points:
+        reuse = None
     known = reuse if isinstance(reuse, StepTrace) or reuse is None else reuse.get(signature)
     if known is not None:
         difference = signature.first_difference(known.signature)
@@ -65,7 +71,8 @@ def trace_step(
         plan.adopt(known.learnt)
         return StepTrace(known.program.clone(), signature, known.learnt), state, plan
     step_fn = StepFunction(model, loss_fn, autocast, inputs)
-    functional = _traced(step_fn, inputs, batch)
+    with marked_stages(model, split_points):
+        functional = _traced(step_fn, inputs, batch)
     ports = (
         [Port("param", n) for n in state.names]
         + [Port("frozen", n) for n in state.frozen_names]

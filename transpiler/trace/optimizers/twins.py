@@ -61,6 +61,9 @@ class OptimizerPlan:
             )
         self.optimizer = optimizer
         self.names = names
+        # the parameters this rank's programs update (a pipeline stage's); None: all. The per-step scalars read the
+        # step counts and momentum buffers of these only: the others never step here
+        self.held: frozenset[str] | None = None
         position = {id(p): i for i, p in enumerate(params)}
         self.groups: list[GroupPlan] = []
         seen: set[int] = set()
@@ -188,7 +191,7 @@ class OptimizerPlan:
                 values.append(-lr)
                 if "buf_decay" in g.slots:
                     first = ahead == 0 and any(
-                        self.optimizer.state[self.params[i]].get("momentum_buffer") is None for i in g.param_positions
+                        self.optimizer.state[self.params[i]].get("momentum_buffer") is None for i in self._held(g)
                     )
                     values += [0.0, 1.0] if first else [float(group["momentum"]), 1.0 - float(group["dampening"])]
                 continue
@@ -201,12 +204,15 @@ class OptimizerPlan:
                 values.append(1 - lr * group["weight_decay"])
         return values
 
+    def _held(self, g: GroupPlan) -> list[int]:
+        return [i for i in g.param_positions if self.held is None or self.names[i] in self.held]
+
     def _group_step(self, g: GroupPlan) -> float:
         """The step count of a group's parameters, which must agree. Read once where they are lanes of one flat
         buffer (``runtime/flat_storage.py`` checks that the lanes agree before every step), else from one stacked
         read of them all (a per-parameter ``.item()`` cost each step an op per parameter, and a device sync each
         on a GPU); a parameter with no state yet (a flat step creates it, as eager does) counts 0."""
-        counts = [self.optimizer.state[self.params[i]].get("step") for i in g.param_positions]
+        counts = [self.optimizer.state[self.params[i]].get("step") for i in self._held(g)]
         lanes = counts[0]._base if counts and counts[0] is not None else None
         if lanes is not None and all(t is not None and t._base is lanes for t in counts):
             return float(counts[0])

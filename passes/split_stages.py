@@ -1,0 +1,240 @@
+"""``split-stages``: this rank's stage of a pipeline, cut from the whole traced step, over its microbatches.
+
+Requires: a step traced on one microbatch with its split points marked (``transpiler::stage_input``; the
+tracer's ``split_points``), and the program's axis ``pp`` (its size the number of stages, its rank this stage).
+Guarantees: the program holds only this stage's forward, backward and update, and its inputs and outputs only this
+stage's parameters, state and buffers (the batch and the optimizer's scalars stay). The batch comes in whole and is
+cut along dim 0 into ``microbatches`` equal parts (``tensor_split``, as ``torch.distributed.pipelining`` cuts it);
+the stage runs its actions in the schedule's order (``graph/stage_orders.py``), receiving each forward's input from
+the stage before and each backward's output gradient from the stage after (``transpiler::recv``), sending what the
+other stages read (``transpiler::send``, waited for at the end). Each microbatch's gradient of a parameter is added
+in microbatch order and the sum divided once by ``microbatches``: ``torch.distributed.pipelining``'s arithmetic
+(each microbatch's loss backpropagated unscaled, ``scale_grads``), so the update reads the mean over microbatches
+as one gradient node per parameter (``grad_of``) for the passes after it. The loss is the mean of the microbatches'
+losses, made on the last stage and summed over the pipeline's group (the other stages add zero), so every rank
+returns it. A buffer (BatchNorm's statistics) goes from one microbatch's forward to the next.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from transpiler.errors import ConfigurationError
+from transpiler.graph.edit import emit, fake_mode
+from transpiler.graph.options import option
+from transpiler.graph.pipeline import Pass
+from transpiler.graph.ports import PortKind
+from transpiler.graph.program import StepProgram
+from transpiler.graph.stage_ops import RECV, SEND, STAGE_INPUT, STAGE_INPUT_GRAD, WAIT_SENDS
+from transpiler.graph.stage_orders import ORDERS, Action, stage_order
+
+from .stage_cut import StageCut, cut_stages
+
+FORWARD_ROLES = ("forward", "loss", "loss_grad")
+KEPT_EVERYWHERE = (PortKind.BATCH, PortKind.SCALAR, PortKind.LOSS)
+c10d = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class SplitStages(Pass):
+    name = "split-stages"
+    summary = "this rank's pipeline stage of the traced step, over microbatches in a schedule's order"
+    microbatches: int = option(1, minimum=1, help="equal parts the batch is cut into along dim 0")
+    schedule: str = option("1f1b", choices=tuple(ORDERS), help="the order of the stage's forwards and backwards")
+
+    def run(self, program: StepProgram) -> bool:
+        axis = program.axes.get("pp")
+        if axis is None:
+            raise ConfigurationError("split-stages needs the program's axis 'pp' (a pipeline's stages).")
+        if any(n.target is SEND for n in program.graph.nodes):
+            return False
+        order = stage_order(self.schedule, axis.world_size, self.microbatches, axis.rank)
+        cut = cut_stages(program, axis.world_size)
+        StageBuilder(program, cut, axis.rank, axis.group_name, self.microbatches).build(order)
+        program.stage = axis
+        program.decisions["split-stages"] = (
+            f"stage {axis.rank} of {axis.world_size}, {self.microbatches} microbatches, {self.schedule}: "
+            + " ".join(f"{kind}{i}" for kind, i in order)
+        )
+        return True
+
+
+class StageBuilder:
+    """Writes one stage's program into a new graph, action by action, then puts it in place of the old one."""
+
+    def __init__(self, program: StepProgram, cut: StageCut, stage: int, group: str, microbatches: int) -> None:
+        self.program, self.cut, self.stage, self.group, self.m = program, cut, stage, group, microbatches
+        self.old = program.graph
+        self.new = fx.Graph()
+        self.last = stage == cut.stages - 1
+        self.step_env: dict[fx.Node, fx.Node] = {}
+        self.envs: list[dict[fx.Node, fx.Node]] = [{} for _ in range(microbatches)]
+        self.pieces: dict[fx.Node, fx.Node] = {}  # a batch input -> its tensor_split
+        self.sums: dict[fx.Node, fx.Node] = {}  # a gradient node of this stage -> its running sum
+        self.tokens: list[fx.Node] = []
+        mine = [n for n in self.old.nodes if n.op not in ("placeholder", "output") and cut.held_by(n, stage)]
+        per = cut.per_microbatch
+        self.forward = [n for n in mine if n in per and n.meta.get("role") in FORWARD_ROLES]
+        self.backward = [n for n in mine if n in per and n.meta.get("role") == "backward"]
+        self.once = [n for n in mine if n not in per and n.meta.get("role") != "optimizer"]
+        self.update = [n for n in mine if n not in per and n.meta.get("role") == "optimizer"]
+        self.grads = [n for n in self.backward if "grad_of" in n.meta]
+        outputs = self.old.output_node().args[0]
+        self.buffers = {
+            ph: value
+            for ph in self.old.nodes
+            if ph.op == "placeholder" and ph.meta["port"].kind == PortKind.BUFFER
+            for port, value in zip(program.outputs, outputs)
+            if port == ph.meta["port"] and isinstance(value, fx.Node) and value in per
+        }
+
+    def build(self, order: list[Action]) -> None:
+        self._placeholders()
+        self._copy(self.once, self.step_env, None)
+        for kind, i in order:
+            self._copy(self.forward if kind == "F" else self.backward, self.envs[i], i)
+            if kind == "B":
+                self._accumulate(i)
+        self._finish()
+
+    # -------------------------------------------------------------- inputs
+    def _placeholders(self) -> None:
+        outputs = dict(zip(self.program.outputs, self.old.output_node().args[0]))
+        kept = []
+        for node in self.old.nodes:
+            if node.op != "placeholder":
+                continue
+            port = node.meta["port"]
+            if port.kind not in KEPT_EVERYWHERE and not (
+                self.cut.held_by(node, self.stage) or self.cut.owner.get(port) == self.stage and port in outputs
+            ):
+                continue
+            copy = self.new.placeholder(node.name)
+            copy.meta.update(node.meta)
+            if port.kind == PortKind.BATCH:
+                val = node.meta["val"]
+                with fake_mode(self.old):
+                    copy.meta["val"] = torch.empty((val.shape[0] * self.m, *val.shape[1:]), dtype=val.dtype)
+            self.step_env[node] = copy
+            kept.append(port)
+        self.program.inputs = kept
+
+    def _item(self, pieces: fx.Node, i: int) -> fx.Node:
+        return emit(self.new, operator.getitem, (pieces, i), role="forward", microbatch=i)
+
+    # -------------------------------------------------------------- actions
+    def _copy(self, nodes: list[fx.Node], env: dict[fx.Node, fx.Node], i: int | None) -> None:
+        """Copy ``nodes`` in order, reading ``env`` (this microbatch's values), then the step's."""
+
+        def read(node: fx.Node) -> fx.Node:
+            if node in env:
+                return env[node]
+            if i is not None and node in self.buffers and i > 0:
+                return self.envs[i - 1][self.buffers[node]]
+            if i is not None and node.op == "placeholder" and node.meta["port"].kind == PortKind.BATCH:
+                env[node] = self._item_of(node, i)
+                return env[node]
+            return self.step_env[node]
+
+        for node in nodes:
+            if node.target is STAGE_INPUT and node.args[1] == self.stage:
+                env[node] = self._recv(node, self.stage - 1, i, 0)
+                continue
+            if node.target is STAGE_INPUT_GRAD and node.args[1] == self.stage + 1:
+                env[node] = self._recv(node, self.stage + 1, i, 1)
+                continue
+            copy = self.new.node_copy(node, read)
+            copy.meta.pop("grad_of", None)
+            if i is not None:
+                copy.meta["microbatch"] = i
+            env[node] = copy
+            self._send_if_read_elsewhere(node, copy, i)
+
+    def _item_of(self, node: fx.Node, i: int) -> fx.Node:
+        if node not in self.pieces:
+            self.pieces[node] = emit(
+                self.new, torch.ops.aten.tensor_split.sections, (self.step_env[node], self.m), role="forward"
+            )
+        return self._item(self.pieces[node], i)
+
+    def _send_if_read_elsewhere(self, node: fx.Node, copy: fx.Node, i: int | None) -> None:
+        """After a value the next stage starts from (or the gradient the stage before reads), post its send."""
+        for user in node.users:
+            if user.target is STAGE_INPUT and user.args[1] == self.stage + 1:
+                self._send(copy, self.stage + 1, i, 0)
+            elif user.target is STAGE_INPUT_GRAD and user.args[1] == self.stage:
+                self._send(copy, self.stage - 1, i, 1)
+
+    def _send(self, value: fx.Node, peer: int, i: int | None, direction: int) -> None:
+        token = emit(self.new, SEND, (value, self.group, peer, 2 * (i or 0) + direction), role="communication")
+        token.meta["microbatch"] = i
+        self.tokens.append(token)
+
+    def _recv(self, mark: fx.Node, peer: int, i: int | None, direction: int) -> fx.Node:
+        val = mark.meta["val"]
+        node = emit(
+            self.new,
+            RECV,
+            (list(val.shape), val.dtype, val.device, self.group, peer, 2 * (i or 0) + direction),
+            role="communication",
+        )
+        node.meta["microbatch"] = i
+        return node
+
+    def _accumulate(self, i: int) -> None:
+        """Add microbatch ``i``'s gradients to the running sums, in microbatch order."""
+        for grad in self.grads:
+            value = self.envs[i][grad]
+            self.sums[grad] = (
+                value
+                if grad not in self.sums
+                else emit(self.new, torch.ops.aten.add.Tensor, (self.sums[grad], value), role="backward")
+            )
+
+    # -------------------------------------------------------------- the end
+    def _finish(self) -> None:
+        update_env = dict(self.step_env)
+        for grad, total in self.sums.items():
+            mean = emit(self.new, torch.ops.aten.div.Tensor, (total, self.m), role="backward")
+            mean.meta["grad_of"] = grad.meta["grad_of"]
+            update_env[grad] = mean
+        for node in self.update:
+            update_env[node] = self.new.node_copy(node, lambda a: update_env[a])
+        loss = self._loss()
+        last_env = self.envs[-1]
+        values = []
+        outputs = []
+        for port, value in zip(self.program.outputs, self.old.output_node().args[0]):
+            if port.kind == PortKind.LOSS:
+                values.append(loss)
+                outputs.append(port)
+            elif self.cut.owner.get(port) == self.stage:
+                values.append(last_env.get(value, update_env.get(value)) if isinstance(value, fx.Node) else value)
+                outputs.append(port)
+        if self.tokens:
+            emit(self.new, WAIT_SENDS, (self.tokens,), role="communication")
+        self.new.output(tuple(values))
+        self.program.outputs = outputs
+        names = {p.name for p in outputs if p.kind == PortKind.PARAM}
+        self.program.param_groups = {n: g for n, g in self.program.param_groups.items() if n in names}
+        self.program.graph_module = fx.GraphModule(self.program.graph_module, self.new)
+
+    def _loss(self) -> fx.Node:
+        """The mean of the microbatches' losses (the last stage's; zero elsewhere), summed over the group."""
+        loss_node = next(v for p, v in zip(self.program.outputs, self.old.output_node().args[0]) if p.kind == "loss")
+        if self.last:
+            total = self.envs[0][loss_node]
+            for env in self.envs[1:]:
+                total = emit(self.new, torch.ops.aten.add.Tensor, (total, env[loss_node]), role="loss")
+            local = emit(self.new, torch.ops.aten.div.Tensor, (total, self.m), role="loss")
+        else:
+            val = loss_node.meta["val"]
+            local = emit(
+                self.new, torch.ops.aten.zeros.default, ([],), {"dtype": val.dtype, "device": val.device}, role="loss"
+            )
+        summed = emit(self.new, c10d.all_reduce.default, (local, "sum", self.group), role="communication")
+        return emit(self.new, c10d.wait_tensor.default, (summed,), role="communication")

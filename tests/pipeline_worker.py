@@ -1,0 +1,162 @@
+"""One rank of the pipeline runs (launched by tests/test_pipeline.py): the bench's narrow GPT cut into as many
+stages as the world has ranks, trained ``STEPS`` AdamW steps on the same batches
+
+* by ``transpile(..., pipeline=PipelineParallel(...))``, under each schedule;
+* by ``torch.distributed.pipelining``: a hand-built ``PipelineStage`` per rank holding the same modules, under
+  ``ScheduleGPipe`` and ``Schedule1F1B`` with the same microbatches and loss, and torch's AdamW on the stage's
+  parameters;
+* by one process training the whole model with gradient accumulation over the same microbatches, as a user
+  would write it: each microbatch's loss backpropagated, the gradients divided by the count, one update.
+
+Each run records the loss of every step (the last stage's; the traced step returns it on every rank) and the
+stage's parameters at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.models import NarrowGPT, narrow_batch  # noqa: E402
+from transpiler import PipelineParallel, transpile  # noqa: E402
+
+STEPS = 10
+BLOCKS = 8
+BATCH = 12
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
+
+
+def base_model() -> NarrowGPT:
+    torch.manual_seed(0)
+    return NarrowGPT(blocks=BLOCKS)
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [narrow_batch("gpt", BATCH, gen) for _ in range(STEPS)]
+
+
+def stage_names(model: nn.Module, stage: int, stages: int) -> list[str]:
+    """The parameters stage ``stage`` holds when the blocks are cut into equal runs (the default split)."""
+    per = BLOCKS // stages
+    first, last = stage * per, (stage + 1) * per
+    names = [f"blocks.{b}." for b in range(first, last)]
+    names += ["embed.", "pos"] if stage == 0 else []
+    names += ["norm.", "head."] if stage == stages - 1 else []
+    return [n for n, _ in model.named_parameters() if any(n == p or n.startswith(p) for p in names)]
+
+
+class StageModule(nn.Module):
+    """One stage of the narrow GPT for ``PipelineStage``: the same modules (and names) as in the whole model."""
+
+    def __init__(self, model: NarrowGPT, stage: int, stages: int) -> None:
+        super().__init__()
+        per = BLOCKS // stages
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.embed, self.pos = (model.embed, model.pos) if self.first else (None, None)
+        self.blocks = nn.ModuleDict({str(b): model.blocks[b] for b in range(stage * per, (stage + 1) * per)})
+        self.norm, self.head = (model.norm, model.head) if self.last else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.embed(x) + self.pos
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.norm(x)).flatten(0, 1) if self.last else x
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits, targets)
+
+
+def parameters_of(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    named = dict(model.named_parameters())
+    return {n: named[n].detach().clone() for n in names}
+
+
+def traced(rank: int, world: int, schedule: str, microbatches: int) -> dict:
+    model = base_model()
+    data = batches()
+    step = transpile(
+        model,
+        adamw(model.parameters()),
+        "none",
+        loss_fn,
+        data[0],
+        pipeline=PipelineParallel(stages=world, microbatches=microbatches, schedule=schedule),
+    )
+    losses = [step(*batch).item() for batch in data]
+    return {"losses": losses, "params": parameters_of(model, stage_names(model, rank, world))}
+
+
+def torch_pipelining(rank: int, world: int, schedule: str, microbatches: int) -> dict:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    model = base_model()
+    module = StageModule(model, rank, world)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    runner = kind(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+    names = stage_names(model, rank, world)
+    optimizer = adamw([p for n, p in model.named_parameters() if n in names])
+    losses = []
+    for tokens, targets in batches():
+        optimizer.zero_grad()
+        if rank == 0:
+            runner.step(tokens)
+        elif rank == world - 1:
+            mine: list[torch.Tensor] = []
+            runner.step(target=targets, losses=mine)
+            losses.append((sum(mine[1:], mine[0]) / microbatches).item())
+        else:
+            runner.step()
+        optimizer.step()
+    return {"losses": losses, "params": parameters_of(model, names)}
+
+
+def accumulated(rank: int, world: int, microbatches: int) -> dict:
+    """One process, the whole model, gradient accumulation over the same microbatches."""
+    model = base_model()
+    optimizer = adamw(model.parameters())
+    losses = []
+    for tokens, targets in batches():
+        optimizer.zero_grad()
+        parts = [
+            loss_fn(model(x), y) for x, y in zip(tokens.tensor_split(microbatches), targets.tensor_split(microbatches))
+        ]
+        for part in parts:
+            part.backward()
+        for p in model.parameters():
+            p.grad.div_(microbatches)
+        optimizer.step()
+        losses.append((sum(parts[1:], parts[0]) / microbatches).item())
+    return {"losses": losses, "params": parameters_of(model, stage_names(model, rank, world))}
+
+
+def parity(rank: int, world: int, microbatches: str) -> dict:
+    """Every schedule, traced and under torch's pipelining, and the accumulated single process."""
+    m = int(microbatches)
+    out = {f"traced {s}": traced(rank, world, s, m) for s in ("gpipe", "1f1b")}
+    out |= {f"torch {s}": torch_pipelining(rank, world, s, m) for s in ("gpipe", "1f1b")}
+    out["accumulated"] = accumulated(rank, world, m)
+    dist.barrier()
+    return out
+
+
+if __name__ == "__main__":  # one world by hand: torchrun --nproc-per-node 2 tests/pipeline_worker.py
+    dist.init_process_group("gloo")
+    result = parity(dist.get_rank(), dist.get_world_size(), sys.argv[1] if len(sys.argv) > 1 else "3")
+    reference = result["torch gpipe"]
+    for name, run in result.items():
+        same = all(torch.equal(run["params"][n], v) for n, v in reference["params"].items())
+        print(dist.get_rank(), name, "bitwise" if same else "DIFFERS", run["losses"][:3])
+    dist.destroy_process_group()

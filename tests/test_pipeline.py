@@ -1,0 +1,193 @@
+"""Pipeline parallelism (``transpile(..., pipeline=PipelineParallel(...))``): stages cut from the whole traced step,
+run over microbatches in GPipe's and 1F1B's orders.
+
+In worlds of 2 and 4 over gloo (tests/pipeline_worker.py), the bench's narrow GPT (8 blocks) trains 10 AdamW steps
+on batches of 12 cut into 3 and 6 microbatches under each schedule, beside ``torch.distributed.pipelining``
+(``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B``, the same split, microbatches and loss) and beside one
+process training the whole model with gradient accumulation over the same microbatches. All are bitwise alike,
+parameters and losses, on every stage (checked on a 2-core AMD EPYC, torch 2.13): each stage runs the aten ops eager
+autograd runs for the same microbatch, each gradient adds the microbatches in their order and is divided once by
+their count (torch's ``scale_grads``; the accumulated reference divides the same way), and the update is AdamW's
+own. The schedule changes the order of the work, not the arithmetic, so the schedules agree too. Microbatch counts
+that are not powers of two make the test fail for a step that divides each microbatch's gradient by the count before
+adding (tried: the last digit of the third loss moves).
+
+Without a world: the cut's refusals (a skip connection around a split point, weights tied across stages, a split
+point that is no module, a batch that does not cut into equal microbatches, too few microbatches for 1F1B, a world
+of another size), each stage's program built statically (its own parameters only; its sends pairing with the next
+stage's receives), and the schedules' orders as a property (hypothesis): every order runs without waiting forever,
+each microbatch's forward and backward once, the backwards in microbatch order.
+
+Cost (2-core AMD EPYC): the world of 2's job about 25 s, the world of 4's about 60 s; the rest 10 s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from tests.pipeline_worker import adamw, base_model, batches, loss_fn
+from tests.worlds import run_in_world
+from transpiler import ConfigurationError, PipelineParallel, StaticWorld, transpile
+from transpiler.graph.stage_ops import RECV, SEND
+from transpiler.graph.stage_orders import ORDERS, check_orders, stage_order
+
+RUNS = ("traced gpipe", "traced 1f1b", "torch 1f1b", "accumulated")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "world, microbatches",
+    [pytest.param(2, 3, marks=[pytest.mark.bitwise, pytest.mark.quick], id="world2"), pytest.param(4, 6, id="world4")],
+)
+def test_every_schedule_equals_torch_pipelining_and_accumulation_bitwise(world, microbatches, tmp_path):
+    parity = run_in_world(world, "tests.pipeline_worker:parity", tmp_path, (microbatches,), timeout=400)
+    last = parity[-1]["torch gpipe"]["losses"]  # torch's losses are the last stage's
+    assert len(last) == 10
+    for rank, runs in enumerate(parity):
+        reference = runs["torch gpipe"]
+        assert reference["params"], f"stage {rank} holds no parameters"
+        for name in RUNS:
+            run = runs[name]
+            for param, value in reference["params"].items():
+                assert torch.equal(run["params"][param], value), (
+                    f"stage {rank}, {name}: '{param}' differs from torch's GPipe by "
+                    f"{(run['params'][param] - value).abs().max().item()}"
+                )
+        for name in ("traced gpipe", "traced 1f1b", "accumulated"):
+            assert runs[name]["losses"] == last, f"stage {rank}, {name}: losses {runs[name]['losses']} != {last}"
+
+
+def static_stage(rank: int, stages: int = 2, **settings) -> object:
+    model = base_model()
+    pipeline = PipelineParallel(stages=stages, **({"microbatches": 4} | settings))
+    step = transpile(
+        model, adamw(model.parameters()), "none", loss_fn, batches()[0], mesh=StaticWorld(size=stages, rank=rank),
+        pipeline=pipeline,
+    )  # fmt: skip
+    return step.program
+
+
+def messages(program, kind) -> list[tuple]:
+    """Each send's or receive's (peer, tag, shape, dtype), in program order."""
+    out = []
+    for node in program.graph.nodes:
+        if node.target is kind:
+            peer, tag = node.args[-2:]
+            value = node.args[0].meta["val"] if kind is SEND else node.meta["val"]
+            out.append((peer, tag, tuple(value.shape), value.dtype))
+    return out
+
+
+@pytest.mark.parametrize("schedule", list(ORDERS))
+def test_each_stage_holds_its_own_parameters_and_its_sends_meet_the_next_stages_receives(schedule):
+    programs = [static_stage(rank, schedule=schedule) for rank in range(2)]
+    names = [{p.name for p in program.inputs if p.kind == "param"} for program in programs]
+    everything = {n for n, _ in base_model().named_parameters()}
+    assert names[0] | names[1] == everything and not names[0] & names[1]
+    assert "embed.weight" in names[0] and "head.weight" in names[1] and "blocks.4.qkv.weight" in names[1]
+    for rank, program in enumerate(programs):
+        peer = 1 - rank
+        sent = [message[1:] for message in messages(program, SEND) if message[0] == peer]
+        received = [message[1:] for message in messages(programs[peer], RECV) if message[0] == rank]
+        assert sorted(sent, key=lambda m: m[1]) == sorted(received, key=lambda m: m[1])
+        assert len(sent) == 4  # one per microbatch: activations forward, or their gradients back
+    order = programs[0].decisions["split-stages"]
+    assert order.endswith(" ".join(f"{k}{i}" for k, i in stage_order(schedule, 2, 4, 0)))
+
+
+class SkipAcross(nn.Module):
+    """The input of the second linear is not all the rest reads: the residual carries the first one's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(torch.relu(h)) + h
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mid = nn.Embedding(8, 4), nn.Linear(4, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.mid(self.embed(tokens)) @ self.embed.weight.t()
+
+
+def build(model: nn.Module, batch: tuple, loss=nn.functional.mse_loss, stages: int = 2, **settings) -> object:
+    pipeline = PipelineParallel(stages=stages, **({"microbatches": 2} | settings))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = transpile(model, optimizer, "none", loss, batch, mesh=StaticWorld(size=stages, rank=0), pipeline=pipeline)
+    return step.program
+
+
+def test_a_split_point_that_does_not_cut_the_step_is_refused_naming_the_op():
+    batch = (torch.randn(4, 4), torch.randn(4, 4))
+    with pytest.raises(
+        ConfigurationError, match=r"do not cut the step: backward op add_1 .* reads values of stages \[0, 1\]"
+    ):
+        build(SkipAcross(), batch, split_points=("b",))
+
+
+def test_weights_tied_across_stages_are_refused_naming_the_parameter():
+    batch = (torch.randint(0, 8, (4, 3)), torch.randn(4, 3, 8))
+    with pytest.raises(ConfigurationError, match=r"parameter 'embed.weight' is read by stages \[0, 1\]"):
+        build(Tied(), batch, split_points=("mid",))
+
+
+@pytest.mark.parametrize(
+    "settings, batch_size, match",
+    [
+        ({"split_points": ("nope",)}, 8, r"split point\(s\) \['nope'\] are not modules of the model"),
+        ({"split_points": ("blocks.2", "blocks.4")}, 8, r"2 stages need 1 split points"),
+        ({}, 6, r"4 equal microbatches along dim 0; the batch's shapes are \[\[6, 16\], \[96\]\]"),
+        ({"microbatches": 1, "schedule": "1f1b"}, 8, r"'1f1b' needs at least as many microbatches as stages"),
+    ],
+    ids=["unknown module", "count", "batch", "1f1b"],
+)
+def test_settings_that_cannot_run_are_refused(settings, batch_size, match):
+    model = base_model()
+    tokens, targets = batches()[0]
+    batch = (tokens[:batch_size], targets[: batch_size * 16])
+    with pytest.raises(ConfigurationError, match=match):
+        pipeline = PipelineParallel(stages=2, **({"microbatches": 4} | settings))
+        transpile(model, adamw(model.parameters()), "none", loss_fn, batch, mesh=StaticWorld(size=2), pipeline=pipeline)
+
+
+def test_a_pipeline_runs_on_as_many_ranks_as_stages():
+    model = SkipAcross()
+    pipeline = PipelineParallel(stages=3, microbatches=4)
+    with pytest.raises(ConfigurationError, match=r"a pipeline of 3 stages runs on 3 ranks, one per stage; the world"):
+        transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mesh=StaticWorld(size=2), pipeline=pipeline)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    stages=st.integers(2, 6),
+    microbatches=st.integers(1, 12),
+    schedule=st.sampled_from(sorted(ORDERS)),
+)
+def test_every_order_runs_each_microbatch_once_without_waiting_forever(stages, microbatches, schedule):
+    if schedule == "1f1b" and microbatches < stages:
+        with pytest.raises(ConfigurationError, match="needs at least as many microbatches"):
+            stage_order(schedule, stages, microbatches, 0)
+        return
+    orders = [stage_order(schedule, stages, microbatches, s) for s in range(stages)]
+    rounds = check_orders(orders)
+    for s, order in enumerate(orders):
+        assert sorted(order) == sorted(
+            [("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)]
+        )
+        assert [i for kind, i in order if kind == "B"] == list(range(microbatches))
+        in_flight = peak = 0
+        for kind, _ in order:
+            in_flight += 1 if kind == "F" else -1
+            peak = max(peak, in_flight)
+        assert peak == (microbatches if schedule == "gpipe" else min(microbatches, stages - s))
+    assert len(rounds) == 2 * (microbatches + stages - 1)  # unit-time forwards and backwards: the ideal length

@@ -1,0 +1,70 @@
+"""``PipelineParallel``: the pipeline dimension of a step (``transpile(..., pipeline=PipelineParallel(...))``).
+
+The model is cut into ``stages`` at the inputs of the modules named in ``split_points`` (without them, at equal
+counts of the blocks of the model's longest ``ModuleList`` or ``Sequential``); each rank of the pipeline's group
+runs one stage on ``microbatches`` equal parts of its batch, in the order ``schedule`` gives
+(``passes/split_stages.py``, docs/strategies/pipeline.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from transpiler.errors import ConfigurationError
+from transpiler.graph.config import Config, own
+from transpiler.graph.stage_orders import ORDERS
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class PipelineParallel(Config):
+    """The stages, microbatches, schedule and split points of a pipeline. ``split_points``: module names (as
+    ``model.named_modules()`` gives them), one per stage after the first; each stage starts at the input of its
+    module, which must be all that the modules after it read of the modules before (a block of a transformer)."""
+
+    stages: int = own(kind=int, minimum=2, help="pipeline stages, one per rank of the pipeline's group")
+    microbatches: int = own(kind=int, minimum=1, help="equal parts each batch is cut into along dim 0")
+    schedule: str = own("1f1b", choices=tuple(ORDERS), help="the order of each stage's forwards and backwards")
+    split_points: tuple[str, ...] = dataclasses.field(default=())
+
+    def check(self) -> None:
+        points = self.split_points
+        if isinstance(points, str):
+            points = tuple(p.strip() for p in points.split(",") if p.strip())
+        if not isinstance(points, (tuple, list)) or not all(isinstance(p, str) for p in points):
+            raise ConfigurationError(
+                f"split_points must be module names (a tuple of str, or one comma-separated str); got {points!r}."
+            )
+        object.__setattr__(self, "split_points", tuple(points))
+        if points and len(points) != self.stages - 1:
+            raise ConfigurationError(
+                f"{self.stages} stages need {self.stages - 1} split points (one per stage after the first); got "
+                f"{len(points)}: {list(points)}."
+            )
+
+    def points_for(self, model: torch.nn.Module) -> tuple[str, ...]:
+        """The split points given, or the starts of ``stages`` equal runs of the longest block list's blocks."""
+        if self.split_points:
+            return self.split_points
+        name, blocks = longest_block_list(model)
+        if len(blocks) < self.stages:
+            raise ConfigurationError(
+                f"{self.stages} stages, and the model's longest ModuleList or Sequential "
+                f"({name or 'none'}) has {len(blocks)} blocks: give split_points=(...) by module name."
+            )
+        starts = [k * len(blocks) // self.stages for k in range(1, self.stages)]
+        return tuple(f"{name}.{blocks[s]}" if name else blocks[s] for s in starts)
+
+
+def longest_block_list(model: torch.nn.Module) -> tuple[str, list[str]]:
+    """The ``ModuleList`` or ``Sequential`` of the model with the most children (the first, in a tie): its name
+    and its children's names."""
+    best: tuple[str, list[str]] = ("", [])
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            children = [child for child, _ in module.named_children()]
+            if len(children) > len(best[1]):
+                best = (name, children)
+    return best
