@@ -87,6 +87,27 @@ class NarrowGPT(nn.Module):
         return self.head(self.norm(self.blocks(self.embed(tokens) + self.pos))).flatten(0, 1)
 
 
+class NarrowGPTStage(nn.Module):
+    """Stage ``stage`` of ``stages`` of a :class:`NarrowGPT` for ``torch.distributed.pipelining``'s
+    ``PipelineStage``: the same modules (not copies) as the whole model, its blocks cut into equal runs, the
+    embedding in the first stage and the head in the last."""
+
+    def __init__(self, model: NarrowGPT, stage: int, stages: int) -> None:
+        super().__init__()
+        per = len(model.blocks) // stages
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.embed, self.pos = (model.embed, model.pos) if self.first else (None, None)
+        self.blocks = nn.ModuleDict({str(b): model.blocks[b] for b in range(stage * per, (stage + 1) * per)})
+        self.norm, self.head = (model.norm, model.head) if self.last else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.embed(x) + self.pos
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.norm(x)).flatten(0, 1) if self.last else x
+
+
 class NarrowResidual(nn.Module):
     """conv-BN-ReLU-conv-BN plus the input, then ReLU (ResNet's basic block, no bias before BatchNorm)."""
 

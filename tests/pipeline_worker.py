@@ -2,7 +2,8 @@
 stages as the world has ranks, trained ``STEPS`` AdamW steps on the same batches
 
 * by ``transpile(..., pipeline=PipelineParallel(...))``, under each schedule;
-* by ``torch.distributed.pipelining``: a hand-built ``PipelineStage`` per rank holding the same modules, under
+* by ``torch.distributed.pipelining``: a hand-built ``PipelineStage`` per rank holding the same modules
+  (``bench/models.py``'s ``NarrowGPTStage``), under
   ``ScheduleGPipe`` and ``Schedule1F1B`` with the same microbatches and loss, and torch's AdamW on the stage's
   parameters;
 * by one process training the whole model with gradient accumulation over the same microbatches, as a user
@@ -23,7 +24,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.models import NarrowGPT, narrow_batch  # noqa: E402
+from bench.models import NarrowGPT, NarrowGPTStage, narrow_batch  # noqa: E402
 from transpiler import PipelineParallel, transpile  # noqa: E402
 
 STEPS = 10
@@ -55,25 +56,6 @@ def stage_names(model: nn.Module, stage: int, stages: int) -> list[str]:
     return [n for n, _ in model.named_parameters() if any(n == p or n.startswith(p) for p in names)]
 
 
-class StageModule(nn.Module):
-    """One stage of the narrow GPT for ``PipelineStage``: the same modules (and names) as in the whole model."""
-
-    def __init__(self, model: NarrowGPT, stage: int, stages: int) -> None:
-        super().__init__()
-        per = BLOCKS // stages
-        self.first, self.last = stage == 0, stage == stages - 1
-        self.embed, self.pos = (model.embed, model.pos) if self.first else (None, None)
-        self.blocks = nn.ModuleDict({str(b): model.blocks[b] for b in range(stage * per, (stage + 1) * per)})
-        self.norm, self.head = (model.norm, model.head) if self.last else (None, None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            x = self.embed(x) + self.pos
-        for block in self.blocks.values():
-            x = block(x)
-        return self.head(self.norm(x)).flatten(0, 1) if self.last else x
-
-
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits, targets)
 
@@ -102,7 +84,7 @@ def torch_pipelining(rank: int, world: int, schedule: str, microbatches: int) ->
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     model = base_model()
-    module = StageModule(model, rank, world)
+    module = NarrowGPTStage(model, rank, world)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     runner = kind(stage, n_microbatches=microbatches, loss_fn=loss_fn)
@@ -142,6 +124,72 @@ def accumulated(rank: int, world: int, microbatches: int) -> dict:
     return {"losses": losses, "params": parameters_of(model, stage_names(model, rank, world))}
 
 
+DP_MODES = ("fused_allreduce", "zero1", "zero2", "zero3")
+
+
+def dp_batches(dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(11 + dp_rank)
+    return [narrow_batch("gpt", BATCH, gen) for _ in range(STEPS)]
+
+
+def traced_beside_dp(mesh, mode: str, schedule: str, microbatches: int) -> dict:
+    """This project's pipeline on ``mesh["pp"]``, ``mode`` across ``mesh["dp"]``."""
+    model = base_model()
+    data = dp_batches(mesh["dp"].get_local_rank())
+    stages, stage = mesh["pp"].size(), mesh["pp"].get_local_rank()
+    pipeline = PipelineParallel(stages=stages, microbatches=microbatches, schedule=schedule)
+    step = transpile(model, adamw(model.parameters()), mode, loss_fn, data[0], mesh=mesh, pipeline=pipeline)
+    losses = [step(*batch).item() for batch in data]
+    with step.gathered():
+        params = parameters_of(model, stage_names(model, stage, stages))
+    return {"losses": losses, "params": params}
+
+
+def torch_beside_dp(mesh, schedule: str, microbatches: int) -> dict:
+    """torch's pipelining on ``mesh["pp"]``, each stage's gradients averaged over ``mesh["dp"]`` here (what DDP
+    does: each divided by the group's size, then summed), then AdamW."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stages, stage_index = mesh["pp"].size(), mesh["pp"].get_local_rank()
+    dp_group, dp = mesh["dp"].get_group(), mesh["dp"].size()
+    model = base_model()
+    stage = PipelineStage(NarrowGPTStage(model, stage_index, stages), stage_index, stages, torch.device("cpu"),
+                          group=mesh["pp"].get_group())  # fmt: skip
+    runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stage, microbatches, loss_fn=loss_fn)
+    names = stage_names(model, stage_index, stages)
+    params = [p for n, p in model.named_parameters() if n in names]
+    optimizer = adamw(params)
+    losses = []
+    for tokens, targets in dp_batches(mesh["dp"].get_local_rank()):
+        optimizer.zero_grad()
+        if stage_index == 0:
+            runner.step(tokens)
+        elif stage_index == stages - 1:
+            mine: list[torch.Tensor] = []
+            runner.step(target=targets, losses=mine)
+            losses.append((sum(mine[1:], mine[0]) / microbatches).item())
+        else:
+            runner.step()
+        for p in params:
+            p.grad.div_(dp)
+            dist.all_reduce(p.grad, group=dp_group)
+        optimizer.step()
+    return {"losses": losses, "params": parameters_of(model, names)}
+
+
+def beside_dp(rank: int, world: int, microbatches: str) -> dict:
+    """dp=2 × pp=world/2: every mode of DP_MODES across ``dp`` beside torch's pipelining averaged over ``dp``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    m = int(microbatches)
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pp", "dp"))
+    out = {mode: traced_beside_dp(mesh, mode, "1f1b", m) for mode in DP_MODES}
+    out["torch 1f1b, averaged over dp"] = torch_beside_dp(mesh, "1f1b", m)
+    out["stage"] = mesh["pp"].get_local_rank()
+    dist.barrier()
+    return out
+
+
 def parity(rank: int, world: int, microbatches: str) -> dict:
     """Every schedule, traced and under torch's pipelining, and the accumulated single process."""
     m = int(microbatches)
@@ -152,10 +200,12 @@ def parity(rank: int, world: int, microbatches: str) -> dict:
     return out
 
 
-if __name__ == "__main__":  # one world by hand: torchrun --nproc-per-node 2 tests/pipeline_worker.py
+if __name__ == "__main__":  # one world by hand: torchrun --nproc-per-node 2 tests/pipeline_worker.py [M] [dp]
     dist.init_process_group("gloo")
-    result = parity(dist.get_rank(), dist.get_world_size(), sys.argv[1] if len(sys.argv) > 1 else "3")
-    reference = result["torch gpipe"]
+    job = beside_dp if sys.argv[2:] == ["dp"] else parity
+    result = job(dist.get_rank(), dist.get_world_size(), sys.argv[1] if len(sys.argv) > 1 else "3")
+    reference = result.pop("torch gpipe" if job is parity else "torch 1f1b, averaged over dp")
+    result.pop("stage", None)
     for name, run in result.items():
         same = all(torch.equal(run["params"][n], v) for n, v in reference["params"].items())
         print(dist.get_rank(), name, "bitwise" if same else "DIFFERS", run["losses"][:3])

@@ -21,6 +21,7 @@ from transpiler.runtime.process_group import (
     Placement,
     StaticWorld,
     mesh_placement,
+    pipeline_mesh_placement,
     pipeline_placement,
     resolve_placement,
     subgroup_names,
@@ -78,13 +79,13 @@ def transpile(
     traced ahead by :func:`trace_training_step` (checked to be this step's; a ``TraceMismatchError`` names the
     first difference), or a :class:`TraceCache` that serves every build. ``outer_optimizer``: the outer optimizer
     of ``DiLoCo`` and ``StreamingDiLoCo`` (the paper's Nesterov SGD at lr 0.7 by default), over the same parameters.
-    ``pipeline=PipelineParallel(stages=..., microbatches=...)``: each rank runs one stage (docs/strategies/pipeline.md).
+    ``pipeline=PipelineParallel(...)``: each rank runs one stage; ``mesh`` then names ``pp`` and ``dp`` (the mode's).
     The keywords of before issue 73 (``mode=``...) still work, with a ``RenamedWarning`` (docs/migrating.md).
     """
     config, execution, mesh = keywords_of_before(config, execution, mesh, deprecated)
     optimizer = checked_arguments(model, optimizer, fault_tolerance, trace)
     config = as_config(config)
-    planned = mesh is not None and not isinstance(mesh, StaticWorld) or tensor_parallel_planned(model)
+    planned = tensor_parallel_planned(model, mesh, pipeline)
     placement, stage = place(mesh, execution, planned, pipeline, trace, fault_tolerance)
     surroundings = Surroundings(
         tensor_parallel=planned,
@@ -145,9 +146,11 @@ def checked_arguments(
     return as_optimizer(optimizer)
 
 
-def tensor_parallel_planned(model: torch.nn.Module) -> bool:
-    """Whether the model is under torch's tensor-parallel plan (its parameters DTensors, or localized already)."""
-    return has_dtensor_parameters(model) or tensor_parallel_of(model) is not None
+def tensor_parallel_planned(model: torch.nn.Module, mesh: Mesh | None, pipeline: PipelineParallel | None) -> bool:
+    """Whether the model is under torch's tensor-parallel plan (its parameters DTensors, or localized already; a
+    device mesh without a pipeline says so too)."""
+    meshed = pipeline is None and mesh is not None and not isinstance(mesh, StaticWorld)
+    return meshed or has_dtensor_parameters(model) or tensor_parallel_of(model) is not None
 
 
 def place(
@@ -186,18 +189,20 @@ def place_pipeline(
     trace: object,
     fault_tolerance: FaultTolerance | None,
 ) -> tuple[Placement, Axis]:
-    """Under a pipeline: the mode's placement (a world of one) and this rank's stage; an error for what does not
-    combine with one yet."""
+    """Under a pipeline: the mode's placement (across ``dp``, or a world of one) and this rank's stage (``pp``);
+    an error for what does not combine with one yet."""
     if not isinstance(pipeline, PipelineParallel):
         raise ConfigurationError(f"pipeline must be a transpiler.PipelineParallel, got {type(pipeline).__name__}.")
     refused = {
-        "a device mesh (data or tensor parallel beside the pipeline)": planned,
+        "a tensor-parallel plan": planned,
         "trace=": trace is not None,
         "fault_tolerance=": fault_tolerance is not None,
     }
     for what, given in refused.items():
         if given:
-            raise ConfigurationError(f"a pipeline with {what} is not supported yet; the pipeline spans the world.")
+            raise ConfigurationError(f"a pipeline with {what} is not supported yet.")
+    if isinstance(mesh, DeviceMesh):
+        return pipeline_mesh_placement(pipeline.stages, mesh, execution.timeout_delta)
     size, rank = (mesh.size, mesh.rank) if isinstance(mesh, StaticWorld) else (None, None)
     return pipeline_placement(pipeline.stages, size, rank, execution.timeout_delta)
 

@@ -149,6 +149,8 @@ class StepBuilder:
         """What every rank compares before these programs first run (``handshake.py``)."""
         placement, outer = self.placement, self.outer
         members, alone = world_groups(self.subgroups, placement)
+        if self.stage is not None:  # the pipeline's collectives are with the other stages, not with these peers
+            alone |= {self.stage.group_name}
         if tensor_parallel_of(self.model) is not None:  # each rank's 'tp' collectives, matched across 'dp'
             members["tp"] = tuple(range(placement.world_size))
         return Setup(

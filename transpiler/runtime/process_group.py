@@ -182,6 +182,24 @@ def pipeline_placement(
     return Placement(1, 0, group, world.live, world.timeout), Axis(stages, world.rank, world.group_name)
 
 
+def pipeline_mesh_placement(stages: int, mesh: object, timeout: timedelta | None) -> tuple[Placement, Axis]:
+    """A pipeline on the dimension ``pp`` of a device mesh, the mode across its dimension ``dp`` (if it has one):
+    the mode's placement and the axis 'pp' (this rank's stage, the pipeline's group)."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "pp" not in names or not set(names) <= {"pp", "dp"}:
+        raise ConfigurationError(
+            f"beside a pipeline, mesh must be a DeviceMesh whose dimensions are named 'pp' and (for the mode's "
+            f"data parallel) 'dp', as init_device_mesh(..., mesh_dim_names=('pp', 'dp')) makes; got {names}."
+        )
+    pp = mesh["pp"]
+    if pp.size() != stages:
+        raise ConfigurationError(f"the mesh's 'pp' dimension has {pp.size()} ranks and the pipeline {stages} stages.")
+    axis = Axis(stages, pp.get_local_rank(), pp.get_group().group_name)
+    if "dp" not in names:
+        return Placement(1, 0, LOCAL_GROUP, True, group_timeout(pp.get_group())), axis
+    return mesh_placement(mesh["dp"], timeout), axis
+
+
 _subgroups: dict[tuple[tuple[int, ...], timedelta], str] = {}
 
 
