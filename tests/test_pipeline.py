@@ -31,7 +31,7 @@ from torch import nn
 
 from tests.pipeline_worker import adamw, base_model, batches, loss_fn
 from tests.worlds import run_in_world
-from transpiler import ConfigurationError, PipelineParallel, StaticWorld, transpile
+from transpiler import Clipping, ConfigurationError, DataParallel, LossScaling, PipelineParallel, StaticWorld, transpile
 from transpiler.graph.stage_ops import RECV, SEND
 from transpiler.graph.stage_orders import ORDERS, check_orders, stage_order
 
@@ -179,6 +179,24 @@ def test_settings_that_cannot_run_are_refused(settings, batch_size, match):
     with pytest.raises(ConfigurationError, match=match):
         pipeline = PipelineParallel(stages=2, **({"microbatches": 4} | settings))
         transpile(model, adamw(model.parameters()), "none", loss_fn, batch, mesh=StaticWorld(size=2), pipeline=pipeline)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ("adasum", r"mode 'adasum' is not built beside a pipeline yet; these are: none, fused_allreduce"),
+        (DataParallel(clipping=Clipping(max_norm=1.0)), r"clipping beside a pipeline is not built yet"),
+        (DataParallel(loss_scaling=LossScaling()), r"loss_scaling beside a pipeline is not built yet"),
+    ],
+    ids=["adasum", "clipping", "loss scaling"],
+)
+def test_what_does_not_compose_with_a_pipeline_yet_is_refused(config, match):
+    model = SkipAcross()
+    pipeline = PipelineParallel(stages=2, microbatches=2)
+    with pytest.raises(ConfigurationError, match=match):
+        transpile(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), config, mesh=StaticWorld(size=2), pipeline=pipeline
+        )
 
 
 def test_a_pipeline_runs_on_as_many_ranks_as_stages():

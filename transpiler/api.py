@@ -83,8 +83,7 @@ def transpile(
     The keywords of before issue 73 (``mode=``...) still work, with a ``RenamedWarning`` (docs/migrating.md).
     """
     config, execution, mesh = keywords_of_before(config, execution, mesh, deprecated)
-    optimizer = checked_arguments(model, optimizer, fault_tolerance, trace)
-    config = as_config(config)
+    optimizer, config = checked_arguments(model, optimizer, fault_tolerance, trace), as_config(config)
     planned = tensor_parallel_planned(model, mesh, pipeline)
     placement, stage = place(mesh, execution, planned, pipeline, trace, fault_tolerance)
     surroundings = Surroundings(
@@ -92,6 +91,7 @@ def transpile(
         quorum_group=placement.world_size if fault_tolerance is not None else None,
         async_quorum=fault_tolerance is not None and fault_tolerance.async_quorum,
         cuda_graph=execution.cuda_graph,
+        pipeline=pipeline is not None,
     )
     strategy = config.strategy(surroundings)
     strategy.check(optimizer)
