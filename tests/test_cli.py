@@ -103,6 +103,17 @@ def test_memory_shows_the_estimate_and_a_budget_lowers_it(capsys, tmp_path):
     assert peaks[True] < peaks[False]
 
 
+def test_stages_show_one_stage_of_a_pipeline_with_its_sends_and_receives(capsys, tmp_path):
+    """``--stages 2 --rank 0``: stage 0's program, its order and its sends and receives (the deep MLP, about 3 s)."""
+    (tmp_path / "deep_mlp.py").write_text(DEEP_MLP)
+    factory = f"{tmp_path / 'deep_mlp.py'}:make"
+    assert main(["dump", factory, "--stages", "2", "--rank", "0", "--microbatches", "4"]) == 0
+    out = capsys.readouterr()
+    assert out.out.count("torch.ops.transpiler.send.default(") == 4  # each microbatch's activations
+    assert out.out.count("torch.ops.transpiler.recv.default(") == 4  # and their gradients back
+    assert "# split-stages: stage 0 of 2, 4 microbatches, 1f1b: F0 F1 B0 F2 B1 F3 B2 B3" in out.err
+
+
 @pytest.mark.quick
 def test_lists(capsys):
     assert main(["passes"]) == 0

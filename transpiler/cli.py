@@ -26,6 +26,7 @@ from transpiler.strategies.data_parallel import NoSync
 from transpiler.strategies.mode_config import ModeConfig
 from transpiler.strategies.modes import PassPipeline, as_config, load_config, mode_config
 from transpiler.strategies.modes_table import listing, markdown_table
+from transpiler.strategies.pipeline_parallel import PipelineParallel
 
 from .api import transpile
 from .errors import ConfigurationError, FactoryError, RenamedWarning, TranspilerError
@@ -150,6 +151,16 @@ def config_of(args: argparse.Namespace) -> ModeConfig:
     return as_config(args.mode)  # a spec given to --mode: deprecated, with its warning
 
 
+def pipeline_of(args: argparse.Namespace) -> PipelineParallel | None:
+    """``--stages`` and its settings as a pipeline (None without it)."""
+    if args.stages is None:
+        return None
+    split = args.split_points or ()
+    return PipelineParallel(
+        stages=args.stages, microbatches=args.microbatches, schedule=args.pp_schedule, split_points=split
+    )
+
+
 def cmd_dump(args: argparse.Namespace) -> int:
     if args.diff and args.format != "code":
         raise FactoryError(f"--diff prints a unified diff of the code; it cannot be drawn as {args.format}.")
@@ -170,8 +181,9 @@ def cmd_dump(args: argparse.Namespace) -> int:
         config,
         loss_fn,
         tuple(batch),
-        mesh=StaticWorld(size=args.world_size, rank=args.rank),
+        mesh=StaticWorld(size=args.stages or args.world_size, rank=args.rank),
         fault_tolerance=quorum,
+        pipeline=pipeline_of(args),
         execution=Execution(
             verify=not args.no_verify,
             on_pass=show if args.print_between_passes else None,
@@ -278,6 +290,14 @@ def add_dump(sub: argparse._SubParsersAction) -> None:
     which_config.add_argument("--pipeline", metavar="SPEC", help="passes of your choosing ('transpiler passes')")
     dump.add_argument("--world-size", type=int, default=2, help="number of ranks to build the program for")
     dump.add_argument("--rank", type=int, default=0, help="which rank's program to show")
+    dump.add_argument(
+        "--stages",
+        type=int,
+        help="cut the model into this many pipeline stages (the world: one rank per stage; --rank picks the stage)",
+    )
+    dump.add_argument("--microbatches", type=int, default=4, help="with --stages: microbatches per batch")
+    dump.add_argument("--pp-schedule", default="1f1b", help="with --stages: the pipeline's schedule (gpipe, 1f1b)")
+    dump.add_argument("--split-points", help="with --stages: module names, comma-separated (default: equal blocks)")
     dump.add_argument(
         "--format",
         choices=("code", "dot", "svg", "json"),

@@ -293,6 +293,7 @@ class DistributedStep:
         outer optimizer's state is the entry ``"outer_optimizer"``, and the global
         weights are in the transpiler's ``extra`` state (``global.<param>``).
         """
+        self._state.refuse_under_pipeline("state_dict()")
         return snapshots.state_dict(self._state, self._lent)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -302,6 +303,7 @@ class DistributedStep:
         per-rank state such as BatchNorm statistics and LocalSGD's drift
         between syncs comes back as saved.
         """
+        self._state.refuse_under_pipeline("load_state_dict()")
         snapshots.load_state_dict(self._state, self._lent, state_dict)
 
     def save_checkpoint(self, path: str | Path) -> None:
@@ -312,6 +314,7 @@ class DistributedStep:
         ``zero2``, ``zero3``), and a plain model and optimizer read it with
         ``get_state_dict``/``dcp.load``/``set_state_dict`` (``docs/checkpoints.md``). Before the first step it runs
         the startup first, as the step would (every rank is here): the checkpoint holds rank 0's weights."""
+        self._state.refuse_under_pipeline("save_checkpoint()")
         built = self._state.built
         if built is not None and not self._state.started:
             self._startup.ready(self._state, built)
@@ -328,4 +331,5 @@ class DistributedStep:
         into this step; every rank calls it. Once the step is built (``example_inputs`` or a first step), each
         rank reads only its own slices of a sharded optimizer state; before, it reads whole tensors and cuts
         them at the first step."""
+        self._state.refuse_under_pipeline("load_checkpoint()")
         dcp_checkpoint.load(self._state, self._lent, path)

@@ -44,6 +44,15 @@ class StepState:
             raise ConfigurationError("nothing traced yet: pass example_inputs to transpile() or run one step first.")
         return self.built
 
+    def refuse_under_pipeline(self, what: str) -> None:
+        """An error for ``what`` on a step that runs one stage of a pipeline, where it is not built yet."""
+        if self.built is not None and any(p.stage is not None for p in self.built.programs.values()):
+            raise ConfigurationError(
+                f"{what} is not built for a pipeline yet: this rank's model holds current values only for its "
+                "stage's parameters (the others stay as they were made). Save model.state_dict() and "
+                "optimizer.state_dict() of each stage's parameters yourself meanwhile."
+            )
+
     def refuse_while_lent(self, what: str) -> None:
         if self.lent:
             raise ConfigurationError(
