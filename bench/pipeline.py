@@ -2,13 +2,14 @@
 against ``torch.distributed.pipelining`` with the same split, schedule, microbatches, loss and optimizer, in one
 run per stage count.
 
-    python -m bench.pipeline                       # 2 and 4 stages, GPipe and 1F1B, 4 and 8 microbatches
+    python -m bench.pipeline                       # 2 and 4 stages, GPipe, 1F1B and ZB-H1, 4 and 8 microbatches
     python -m bench.pipeline --stages 2 --microbatches 4
 
 Model: a GPT of 8 blocks (width 64, 4 heads, sequence 32), batch 16, AdamW; one process per stage, one thread
 each. torch's side is a hand-built ``PipelineStage`` per rank holding the same modules (``bench/models.py``'s
 ``NarrowGPTStage``), its schedule's ``step``, then torch's AdamW (``foreach=False``, the traced update's arithmetic)
-on the stage's parameters. Per row: the median step time over interleaved rounds (``bench/host_ops.py``; the
+on the stage's parameters; for ZB-H1, torch's 1F1B (its zero-bubble schedules run several stages per rank). Per
+row: the median step time over interleaved rounds (``bench/host_ops.py``; the
 slowest rank's), the ratio of ours to torch's, the **bubble** of each rank (the share of its step it spends
 waiting for a peer: ours, the time inside ``transpiler::recv``, ``wait_sends`` and the loss's all-reduce, from the
 profiler; torch's, the time inside its schedules' ``_wait_batch_p2p``, timed by wrapping it) against the
@@ -141,10 +142,11 @@ def rank_main(out: str) -> None:
     clock = WaitClock()
     result = {}
     for m in counts:
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in ("gpipe", "1f1b", "zbh1"):
             if schedule == "1f1b" and m < world:
                 continue
-            runs = {"ours": our_step(world, schedule, m, batch), "torch": TorchStage(rank, world, schedule, m, batch)}
+            peer = "1f1b" if schedule == "zbh1" else schedule  # torch's zero-bubble schedules are interleaved ones
+            runs = {"ours": our_step(world, schedule, m, batch), "torch": TorchStage(rank, world, peer, m, batch)}
             for run in runs.values():
                 run()
             times = interleaved_ms(runs)
@@ -159,7 +161,11 @@ def rank_main(out: str) -> None:
     finish_rank(out, result)
 
 
-def theory(stages: int, microbatches: int) -> float:
+def theory(schedule: str, stages: int, microbatches: int) -> float:
+    """The share of a step a stage idles: (p−1)/(m+p−1) for GPipe and 1F1B, (p−1)/(3m+p−1) for ZB-H1 (forward,
+    input and weight gradients taking alike)."""
+    if schedule == "zbh1":
+        return (stages - 1) / (3 * microbatches + stages - 1)
     return (stages - 1) / (microbatches + stages - 1)
 
 
@@ -191,9 +197,10 @@ def render(results: dict[int, list[dict]]) -> str:
             peak = {
                 label: " / ".join(f"{r[key][label]['peak'] / 1024:.0f}" for r in ranks) for label in ("ours", "torch")
             }
+            peer = " (torch: 1f1b)" if schedule == "zbh1" else ""
             lines.append(
-                f"| {stages} | {schedule}, m={m} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} | "
-                f"{theory(stages, int(m)):.2f} | {bubbles['ours']} | {bubbles['torch']} | {work['ours']} | "
+                f"| {stages} | {schedule}, m={m}{peer} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} | "
+                f"{theory(schedule, stages, int(m)):.2f} | {bubbles['ours']} | {bubbles['torch']} | {work['ours']} | "
                 f"{work['torch']} | {peak['ours']} | {peak['torch']} |"
             )
     return "\n".join(lines) + "\n"

@@ -1,19 +1,19 @@
 """``split-stages``: this rank's stage of a pipeline, cut from the whole traced step, over its microbatches.
 
-Requires: a step traced on one microbatch with its split points marked (``transpiler::stage_input``; the
-tracer's ``split_points``), and the program's axis ``pp`` (its size the number of stages, its rank this stage).
-Guarantees: the program holds only this stage's forward, backward and update, and its inputs and outputs only this
-stage's parameters, state and buffers (the batch and the optimizer's scalars stay). The batch comes in whole and is
-cut along dim 0 into ``microbatches`` equal parts (``tensor_split``, as ``torch.distributed.pipelining`` cuts it);
-the stage runs its actions in the schedule's order (``graph/stage_orders.py``), receiving each forward's input from
-the stage before and each backward's output gradient from the stage after (``transpiler::recv``), sending what the
-other stages read (``transpiler::send``, waited for at the end). Each microbatch's gradient of a parameter is added
-in microbatch order and the sum divided once by ``microbatches``: ``torch.distributed.pipelining``'s arithmetic
-(each microbatch's loss backpropagated unscaled, ``scale_grads``), so the update reads the mean over microbatches
-as one gradient node per parameter (``grad_of``) for the passes after it. The loss is the mean of the microbatches'
-losses, made on the last stage and summed over the pipeline's group (the other stages add zero), so every rank
-returns it. A buffer (BatchNorm's statistics) goes from one microbatch's forward to the next.
-"""
+Requires: a step traced on one microbatch with its split points marked (``transpiler::stage_input``; the tracer's
+``split_points``), and the program's axis ``pp`` (its size the number of stages, its rank this stage). Guarantees:
+the program holds only this stage's forward, backward and update, and its inputs and outputs only this stage's
+parameters, state and buffers (the batch and the optimizer's scalars stay). The batch comes in whole and is cut
+along dim 0 into ``microbatches`` equal parts (``tensor_split``, as ``torch.distributed.pipelining`` cuts it); the
+stage runs its actions in the schedule's order (``graph/stage_orders.py``; a zero-bubble order's backward in two:
+the gradient of the stage's input, which the stage before waits for, and the rest), receiving each forward's input
+from the stage before and each backward's output gradient from the stage after (``transpiler::recv``), sending what
+the other stages read (``transpiler::send``, waited for at the end). Each microbatch's gradient of a parameter is
+added in microbatch order and the sum divided once by ``microbatches``: ``torch.distributed.pipelining``'s
+arithmetic (each microbatch's loss backpropagated unscaled, ``scale_grads``), so the update reads the mean over
+microbatches as one gradient node per parameter (``grad_of``) for the passes after it. The loss is the mean of the
+microbatches' losses, made on the last stage and summed over the pipeline's group (the other stages add zero), so
+every rank returns it. A buffer (BatchNorm's statistics) goes from one microbatch's forward to the next."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from transpiler.errors import ConfigurationError
-from transpiler.graph.edit import emit, fake_mode
+from transpiler.graph.edit import ancestors, emit, fake_mode
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.ports import PortKind
@@ -83,6 +83,11 @@ class StageBuilder:
         self.once = [n for n in mine if n not in per and n.meta.get("role") != "optimizer"]
         self.update = [n for n in mine if n not in per and n.meta.get("role") == "optimizer"]
         self.grads = [n for n in self.backward if "grad_of" in n.meta]
+        # a zero-bubble order's backward in two: what the gradient sent to the stage before needs (B), the rest (W)
+        sent = [n for n in self.backward if any(u.target is STAGE_INPUT_GRAD and u.args[1] == stage for u in n.users)]
+        needed = ancestors(sent)
+        self.input_grad = [n for n in self.backward if n in needed]
+        self.weight_grad = [n for n in self.backward if n not in needed]
         outputs = self.old.output_node().args[0]
         self.buffers = {
             ph: value
@@ -95,9 +100,11 @@ class StageBuilder:
     def build(self, order: list[Action]) -> None:
         self._placeholders()
         self._copy(self.once, self.step_env, None)
+        split = any(kind == "W" for kind, _ in order)
+        parts = {"F": self.forward, "B": self.input_grad if split else self.backward, "W": self.weight_grad}
         for kind, i in order:
-            self._copy(self.forward if kind == "F" else self.backward, self.envs[i], i)
-            if kind == "B":
+            self._copy(parts[kind], self.envs[i], i)
+            if kind == ("W" if split else "B"):
                 self._accumulate(i)
         self._finish()
 

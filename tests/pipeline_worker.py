@@ -193,7 +193,7 @@ def beside_dp(rank: int, world: int, microbatches: str) -> dict:
 def parity(rank: int, world: int, microbatches: str) -> dict:
     """Every schedule, traced and under torch's pipelining, and the accumulated single process."""
     m = int(microbatches)
-    out = {f"traced {s}": traced(rank, world, s, m) for s in ("gpipe", "1f1b")}
+    out = {f"traced {s}": traced(rank, world, s, m) for s in ("gpipe", "1f1b", "zbh1")}
     out |= {f"torch {s}": torch_pipelining(rank, world, s, m) for s in ("gpipe", "1f1b")}
     out["accumulated"] = accumulated(rank, world, m)
     dist.barrier()
