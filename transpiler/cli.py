@@ -151,6 +151,20 @@ def config_of(args: argparse.Namespace) -> ModeConfig:
     return as_config(args.mode)  # a spec given to --mode: deprecated, with its warning
 
 
+def add_pipeline_arguments(dump: argparse.ArgumentParser) -> None:
+    """``dump``'s pipeline: ``--stages`` and its settings."""
+    dump.add_argument(
+        "--stages",
+        type=int,
+        help="cut the model into this many pipeline stages (the world: one rank per stage; --rank picks the stage)",
+    )
+    dump.add_argument("--microbatches", type=int, default=4, help="with --stages: microbatches per batch")
+    dump.add_argument(
+        "--pp-schedule", default="1f1b", help="with --stages: the pipeline's schedule (gpipe, 1f1b, zbh1)"
+    )
+    dump.add_argument("--split-points", help="with --stages: module names, comma-separated (default: equal blocks)")
+
+
 def pipeline_of(args: argparse.Namespace) -> PipelineParallel | None:
     """``--stages`` and its settings as a pipeline (None without it)."""
     if args.stages is None:
@@ -290,14 +304,7 @@ def add_dump(sub: argparse._SubParsersAction) -> None:
     which_config.add_argument("--pipeline", metavar="SPEC", help="passes of your choosing ('transpiler passes')")
     dump.add_argument("--world-size", type=int, default=2, help="number of ranks to build the program for")
     dump.add_argument("--rank", type=int, default=0, help="which rank's program to show")
-    dump.add_argument(
-        "--stages",
-        type=int,
-        help="cut the model into this many pipeline stages (the world: one rank per stage; --rank picks the stage)",
-    )
-    dump.add_argument("--microbatches", type=int, default=4, help="with --stages: microbatches per batch")
-    dump.add_argument("--pp-schedule", default="1f1b", help="with --stages: the pipeline's schedule (gpipe, 1f1b)")
-    dump.add_argument("--split-points", help="with --stages: module names, comma-separated (default: equal blocks)")
+    add_pipeline_arguments(dump)
     dump.add_argument(
         "--format",
         choices=("code", "dot", "svg", "json"),
