@@ -94,7 +94,7 @@ class StageBuilder:
             for ph in self.old.nodes
             if ph.op == "placeholder" and ph.meta["port"].kind == PortKind.BUFFER
             for port, value in zip(program.outputs, outputs)
-            if port == ph.meta["port"] and isinstance(value, fx.Node) and value in per
+            if port == ph.meta["port"] and isinstance(value, fx.Node) and value in per and value.op != "placeholder"
         }
 
     def build(self, order: list[Action]) -> None:

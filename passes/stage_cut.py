@@ -7,8 +7,8 @@ by two stages): the cut is refused, naming the node. A node whose inputs are onl
 (parameters, optimizer state, the batch) has no home: it belongs to every stage that needs it (a weight's
 transpose, the embedding of the batch in the first stage, the optimizer's scalars).
 
-Nodes of the forward, the loss and the backward that read the batch, or a value of the pipeline, run once per
-microbatch; the rest (a weight's transpose, the optimizer's update) once per step.
+Nodes of the forward, the loss and the backward that read the batch, a buffer, or a value of the pipeline, run once
+per microbatch; the rest (a weight's transpose, the optimizer's update) once per step.
 """
 
 from __future__ import annotations
@@ -97,31 +97,48 @@ def _home_of(node: fx.Node, home: dict[fx.Node, int | None]) -> int | None:
 
 
 def _owners(program: StepProgram, home: dict[fx.Node, int | None], stages: int) -> dict[Port, int]:
-    """Each output port's stage: a parameter's is its gradient's (else where the forward reads it, else the
-    first), its optimizer state's is its own, a buffer's is where its new value is made."""
+    """Each output port's stage: a parameter's is its gradient's (else where the forward reads it), a buffer's where
+    its new value is made (else where it is read); one the graph does not place (BatchNorm's count of batches,
+    which only its own update reads; an unused parameter) takes the stage of the tensor of the nearest module that
+    has one (the same BatchNorm's running mean), else the first; optimizer state goes with its parameter."""
     graph = program.graph
     placeholder = {n.meta["port"]: n for n in graph.nodes if n.op == "placeholder"}
     grads = {n.meta["grad_of"]: n for n in graph.nodes if "grad_of" in n.meta}
     values = dict(zip(program.outputs, graph.output_node().args[0]))
-    param_stage: dict[str, int] = {}
-    owner: dict[Port, int] = {}
+    owner: dict[Port, int] = {p: stages - 1 for p in values if p.kind == PortKind.LOSS}
+    unplaced = []
     for port, value in values.items():
-        if port.kind == PortKind.LOSS:
-            owner[port] = stages - 1
-        elif port.kind in (PortKind.PARAM, PortKind.BUFFER, PortKind.FROZEN):
-            found = home.get(grads.get(port.name)) if port.kind == PortKind.PARAM else None
-            if found is None and isinstance(value, fx.Node):
-                found = home.get(value)
-            if found is None and port in placeholder:
-                found = _first_reader_stage(placeholder[port], home)
-            owner[port] = found if found is not None else 0
-            if port.kind == PortKind.PARAM:
-                param_stage[port.name] = owner[port]
+        if port.kind not in (PortKind.PARAM, PortKind.BUFFER, PortKind.FROZEN):
+            continue
+        found = home.get(grads.get(port.name)) if port.kind == PortKind.PARAM else None
+        if found is None and isinstance(value, fx.Node):
+            found = home.get(value)
+        if found is None and port in placeholder:
+            found = _first_reader_stage(placeholder[port], home)
+        if found is None:
+            unplaced.append(port)
+        else:
+            owner[port] = found
+    placed = {p.name: stage for p, stage in owner.items() if p.kind != PortKind.LOSS}
+    for port in unplaced:
+        nearest = max(placed, key=lambda name: _shared_prefix(name, port.name), default=None)
+        owner[port] = placed[nearest] if nearest is not None and _shared_prefix(nearest, port.name) else 0
+    params = {p.name: owner[p] for p in values if p.kind == PortKind.PARAM}
     for port in values:
         if port.kind == PortKind.STATE:
-            param = max((p for p in param_stage if port.name.startswith(p + ".")), key=len, default=None)
-            owner[port] = param_stage[param] if param is not None else 0
+            param = max((p for p in params if port.name.startswith(p + ".")), key=len, default=None)
+            owner[port] = params[param] if param is not None else 0
     return owner
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    """How many leading module names two dotted tensor names share (``blocks.2.bn1.x``, ``blocks.2.bn1.y``: 3)."""
+    count = 0
+    for x, y in zip(a.split(".")[:-1], b.split(".")[:-1]):
+        if x != y:
+            break
+        count += 1
+    return count
 
 
 def _first_reader_stage(node: fx.Node, home: dict[fx.Node, int | None]) -> int | None:
@@ -188,12 +205,13 @@ def tied(name: str, stages: list[int]) -> str:
 
 
 def _per_microbatch(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes of the forward, the loss and the backward that read the batch or a mark, directly or not."""
+    """The nodes of the forward, the loss and the backward that read the batch, a buffer or a mark, directly or not
+    (a buffer's update, BatchNorm's count of batches too, runs once per microbatch, each reading the one before)."""
     per: set[fx.Node] = set()
     for node in graph.nodes:
         if node.op == "placeholder":
             port = node.meta.get("port")
-            if port is not None and port.kind == PortKind.BATCH:
+            if port is not None and port.kind in (PortKind.BATCH, PortKind.BUFFER):
                 per.add(node)
             continue
         if node.meta.get("role") not in PER_MICROBATCH_ROLES:

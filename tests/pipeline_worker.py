@@ -25,7 +25,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.models import NarrowGPT, NarrowGPTStage, narrow_batch  # noqa: E402
-from transpiler import PipelineParallel, transpile  # noqa: E402
+from transpiler import PipelineParallel, RankMismatchError, transpile  # noqa: E402
 
 STEPS = 10
 BLOCKS = 8
@@ -188,6 +188,49 @@ def beside_dp(rank: int, world: int, microbatches: str) -> dict:
     out["stage"] = mesh["pp"].get_local_rank()
     dist.barrier()
     return out
+
+
+def batch_norm(rank: int, world: int) -> dict:
+    """A ResNet with BatchNorm in every block, cut in two, 5 SGD steps on 3 microbatches: the stage's parameters
+    and running statistics, traced and accumulated in one process (each microbatch's forward updates them in
+    turn, as the traced stages chain them)."""
+    from bench.models import NarrowResNet
+
+    gen = torch.Generator().manual_seed(5)
+    data = [narrow_batch("cnn", 12, gen) for _ in range(5)]
+    runs = {}
+    for label in ("traced", "accumulated"):
+        torch.manual_seed(0)
+        model = NarrowResNet(blocks=4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if label == "traced":
+            pipeline = PipelineParallel(stages=world, microbatches=3)
+            step = transpile(model, optimizer, "none", nn.functional.cross_entropy, data[0], pipeline=pipeline)
+            for batch in data:
+                step(*batch)
+        else:
+            for images, labels in data:
+                optimizer.zero_grad()
+                for x, y in zip(images.tensor_split(3), labels.tensor_split(3)):
+                    nn.functional.cross_entropy(model(x), y).backward()
+                for p in model.parameters():
+                    p.grad.div_(3)
+                optimizer.step()
+        mine = ["stem", "bn", "blocks.0", "blocks.1"] if rank == 0 else ["blocks.2", "blocks.3", "head"]
+        runs[label] = {n: t.detach().clone() for n, t in model.state_dict().items() if n.split(".")[0] in mine
+                       or ".".join(n.split(".")[:2]) in mine}  # fmt: skip
+    return runs
+
+
+def mismatch(rank: int, world: int) -> dict:
+    """Each stage given other microbatches: the error each rank raises before any step."""
+    model = base_model()
+    pipeline = PipelineParallel(stages=world, microbatches=2 if rank == 0 else 4)
+    try:
+        transpile(model, adamw(model.parameters()), "none", loss_fn, batches()[0], pipeline=pipeline)
+    except RankMismatchError as error:
+        return {"error": str(error)}
+    return {"error": None}
 
 
 def parity(rank: int, world: int, microbatches: str) -> dict:

@@ -81,6 +81,28 @@ def test_data_parallel_modes_beside_the_pipeline_equal_torch_pipelining_averaged
             assert run["losses"] == last_stage[rank % 2], f"rank {rank}, {name}: losses {run['losses']}"
 
 
+@pytest.mark.timeout(300)
+def test_batch_norm_statistics_go_from_one_microbatch_to_the_next_as_in_accumulation(tmp_path):
+    """A ResNet with BatchNorm cut in two (a world of 2, about 10 s): each stage's parameters and running
+    statistics after 5 SGD steps on 3 microbatches are bitwise those of one process accumulating them."""
+    ranks = run_in_world(2, "tests.pipeline_worker:batch_norm", tmp_path, timeout=200)
+    for rank, runs in enumerate(ranks):
+        assert any("running_mean" in n for n in runs["traced"]), f"stage {rank} holds no BatchNorm"
+        for name, value in runs["accumulated"].items():
+            assert torch.equal(runs["traced"][name], value), f"stage {rank}: '{name}' differs"
+
+
+@pytest.mark.timeout(300)
+def test_stages_built_with_other_settings_fail_before_the_first_step_naming_the_difference(tmp_path):
+    """Microbatches 2 on stage 0 and 4 on stage 1: each rank's receive would wait for the timeout; the stages'
+    handshake after the build says which differs instead (a world of 2, about 5 s)."""
+    ranks = run_in_world(2, "tests.pipeline_worker:mismatch", tmp_path, timeout=200)
+    for rank in ranks:
+        error = rank["error"]
+        assert error is not None and "was built with" in error and "give every rank the same" in error, error
+        assert "'microbatches': 4" in error and "'microbatches': 2" in error
+
+
 def static_stage(rank: int, stages: int = 2, **settings) -> object:
     model = base_model()
     pipeline = PipelineParallel(stages=stages, **({"microbatches": 4} | settings))

@@ -422,10 +422,12 @@ def test_a_group_healing_slowly_at_the_first_quorum_gets_its_copy_before_its_pee
     stops serving a group's state when that group votes, and counts on the step's collectives to hold the vote back
     until every group that heals from it has its copy. Here each fetch of a peer's state starts 2 s late: both groups
     still commit their first step, and no heal fails (without the meeting after the join g0 voted at once and g1's
-    fetch waited out the timeout, as in 4e7b665's CI). About 15 s on 2 cores."""
+    fetch waited out the timeout, as in 4e7b665's CI). About 15 s on 2 cores. The timeout is 20 s: at 5 s both
+    groups' first steps failed to commit in a fresh-clone CI run whose other worker ran a world of 4 meanwhile
+    (89 s for this test; 16 s alone); a fetch that waits for a peer that stopped serving still outlives it."""
     common = ["--mode", "diloco", "--groups", "2", "--first-groups", "2", "--min-steps", "2", "--slow-heal", "2"]
     with lighthouse(tmp_path) as (address, jobs):
-        jobs += [_torchrun(tmp_path, g, address, [*common, "--timeout", "5"]) for g in ("g0", "g1")]
+        jobs += [_torchrun(tmp_path, g, address, [*common, "--timeout", "20"]) for g in ("g0", "g1")]
         _finished(tmp_path, jobs)
     logs = _records_of(tmp_path, ["g0", "g1"])
     assert [logs[g][0]["committed"] for g in ("g0", "g1")] == [True, True], logs

@@ -30,7 +30,7 @@ from transpiler.graph.verify import (
     check_shards,
     shard_place,
 )
-from transpiler.runtime import cost_probe, host_memory, op_scratch
+from transpiler.runtime import cost_probe, host_memory, op_scratch, stage_handshake
 from transpiler.runtime import cuda_graph as cuda_graph_module
 from transpiler.runtime.compile import CompiledProgram
 from transpiler.runtime.cuda_graph import CapturedProgram
@@ -88,6 +88,9 @@ class StepBuilder:
         if self.pipeline is not None:
             trace, state, plan = trace_step(*args, split_points=self.pipeline.points_for(self.model))
             split_stage(trace.program, self.pipeline, self.stage, self.execution)
+            if self.placement.live:
+                settings = self.pipeline.to_dict() | {"batch": [list(t.shape) for t in batch]}
+                stage_handshake.agree(trace.program, self.stage, settings)
             plan.held = frozenset(p.name for p in trace.program.outputs if p.kind == "param")
         elif isinstance(self.reuse, TraceCache):
             trace, state, plan = self.reuse.signed(*args)

@@ -77,7 +77,7 @@ def stage_order(schedule: str, stages: int, microbatches: int, stage: int) -> li
     if schedule == "1f1b" and microbatches < stages:
         raise ConfigurationError(
             f"schedule '1f1b' needs at least as many microbatches as stages ({stages}); got {microbatches}. Raise "
-            "microbatches, or use 'gpipe'."
+            "microbatches, or use 'gpipe' or 'zbh1'."
         )
     return ORDERS[schedule](stages, microbatches, stage)
 

@@ -38,6 +38,11 @@ class PipelineParallel(Config):
                 f"split_points must be module names (a tuple of str, or one comma-separated str); got {points!r}."
             )
         object.__setattr__(self, "split_points", tuple(points))
+        if self.schedule == "1f1b" and self.microbatches < self.stages:
+            raise ConfigurationError(
+                f"schedule '1f1b' needs at least as many microbatches as stages ({self.stages}); got "
+                f"{self.microbatches}. Raise microbatches, or use 'gpipe' or 'zbh1'."
+            )
         if points and len(points) != self.stages - 1:
             raise ConfigurationError(
                 f"{self.stages} stages need {self.stages - 1} split points (one per stage after the first); got "
