@@ -620,8 +620,10 @@ def test_a_partitioned_group_costs_the_others_the_timeout_and_heals_in_place_whe
         assert failed and failed[0]["step"] == CUT_AT and failed[0]["participants"] == GROUPS, "the cut step failed"
         # the timeout runs from the collective's start, just before the cut; then the heartbeat timeout, and load
         assert 4 <= went_on["time"] - cut <= 5 + 2 + 5, "the timeout, the heartbeat timeout and a margin for load"
-    back = [r for r in logs["g2"] if r["committed"] and r["time"] > plugged]
-    assert back and back[0]["participants"] == GROUPS and back[0]["step"] > CUT_AT + TWO_PARTICIPANT_STEPS
+    # the first quorum after the link returns may still be of two (a peer slowed by a loaded machine misses its 1 s
+    # join timeout: seen once in a fresh-clone CI run, g2 committed step 22 with one peer, then 23 with both)
+    back = [r for r in logs["g2"] if r["committed"] and r["time"] > plugged and r["participants"] == GROUPS]
+    assert back and back[0]["step"] > CUT_AT + TWO_PARTICIPANT_STEPS
     finals = [torch.load(partition_world / f"{group}.pt") for group in ALL[:GROUPS]]
     for final in finals[1:]:
         assert final["position"] == finals[0]["position"]
@@ -629,7 +631,7 @@ def test_a_partitioned_group_costs_the_others_the_timeout_and_heals_in_place_whe
     went_on = next(r["time"] for r in logs["g0"] if r["committed"] and r["participants"] == GROUPS - 1)
     print(
         f"\npartition: the others' next commit {went_on - cut:.2f} s after the cut (timeout 5 s); g2's first commit "
-        f"{back[0]['time'] - plugged:.2f} s after its link returned, at step {back[0]['step']}"
+        f"with all three {back[0]['time'] - plugged:.2f} s after its link returned, at step {back[0]['step']}"
     )
 
 
