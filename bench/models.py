@@ -108,6 +108,21 @@ class NarrowGPTStage(nn.Module):
         return self.head(self.norm(x)).flatten(0, 1) if self.last else x
 
 
+def pipelining_step(schedule, stage: int, stages: int, batch: tuple, microbatches: int) -> float | None:
+    """One step of ``torch.distributed.pipelining``'s ``schedule`` on stage ``stage``: the first stage feeds the
+    inputs, the last the targets; the last returns the mean of its microbatches' losses, the others None."""
+    inputs, targets = batch
+    if stage == 0:
+        schedule.step(inputs)
+    elif stage == stages - 1:
+        losses: list[torch.Tensor] = []
+        schedule.step(target=targets, losses=losses)
+        return (sum(losses[1:], losses[0]) / microbatches).item()
+    else:
+        schedule.step()
+    return None
+
+
 class NarrowResidual(nn.Module):
     """conv-BN-ReLU-conv-BN plus the input, then ReLU (ResNet's basic block, no bias before BatchNorm)."""
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.host_ops import interleaved_ms
-from bench.models import NarrowGPT, NarrowGPTStage, narrow_batch
+from bench.models import NarrowGPT, NarrowGPTStage, narrow_batch, pipelining_step
 from bench.op_count import count_ops
 from bench.two_ranks import entry, finish_rank, two_rank_results, write_section
 from transpiler import PipelineParallel, transpile
@@ -69,7 +69,7 @@ class TorchStage:
     def __init__(self, rank: int, world: int, schedule: str, microbatches: int, batch: tuple) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        self.rank, self.world, self.batch = rank, world, batch
+        self.rank, self.world, self.batch, self.microbatches = rank, world, batch, microbatches
         model = base_model()
         module = NarrowGPTStage(model, rank, world)
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
@@ -78,13 +78,7 @@ class TorchStage:
 
     def __call__(self) -> None:
         self.optimizer.zero_grad()
-        tokens, targets = self.batch
-        if self.rank == 0:
-            self.schedule.step(tokens)
-        elif self.rank == self.world - 1:
-            self.schedule.step(target=targets, losses=[])
-        else:
-            self.schedule.step()
+        pipelining_step(self.schedule, self.rank, self.world, self.batch, self.microbatches)
         self.optimizer.step()
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.models import NarrowGPT, NarrowGPTStage, narrow_batch  # noqa: E402
+from bench.models import NarrowGPT, NarrowGPTStage, narrow_batch, pipelining_step  # noqa: E402
 from transpiler import PipelineParallel, RankMismatchError, transpile  # noqa: E402
 
 STEPS = 10
@@ -91,16 +91,10 @@ def torch_pipelining(rank: int, world: int, schedule: str, microbatches: int) ->
     names = stage_names(model, rank, world)
     optimizer = adamw([p for n, p in model.named_parameters() if n in names])
     losses = []
-    for tokens, targets in batches():
+    for batch in batches():
         optimizer.zero_grad()
-        if rank == 0:
-            runner.step(tokens)
-        elif rank == world - 1:
-            mine: list[torch.Tensor] = []
-            runner.step(target=targets, losses=mine)
-            losses.append((sum(mine[1:], mine[0]) / microbatches).item())
-        else:
-            runner.step()
+        loss = pipelining_step(runner, rank, world, batch, microbatches)
+        losses += [loss] if loss is not None else []
         optimizer.step()
     return {"losses": losses, "params": parameters_of(model, names)}
 
@@ -160,16 +154,10 @@ def torch_beside_dp(mesh, schedule: str, microbatches: int) -> dict:
     params = [p for n, p in model.named_parameters() if n in names]
     optimizer = adamw(params)
     losses = []
-    for tokens, targets in dp_batches(mesh["dp"].get_local_rank()):
+    for batch in dp_batches(mesh["dp"].get_local_rank()):
         optimizer.zero_grad()
-        if stage_index == 0:
-            runner.step(tokens)
-        elif stage_index == stages - 1:
-            mine: list[torch.Tensor] = []
-            runner.step(target=targets, losses=mine)
-            losses.append((sum(mine[1:], mine[0]) / microbatches).item())
-        else:
-            runner.step()
+        loss = pipelining_step(runner, stage_index, stages, batch, microbatches)
+        losses += [loss] if loss is not None else []
         for p in params:
             p.grad.div_(dp)
             dist.all_reduce(p.grad, group=dp_group)
