@@ -14,6 +14,9 @@ a slice of every gradient: ``n_i`` is then ``(sum over ranks of
 norm(slice)^p)^(1/p)``, one all-reduce of the stacked partial sums (for the
 inf-norm, a max), so the norm is global and the same on every rank; it differs
 from ``clip_grad_norm_``'s in the last bits (another summation order).
+On a pipeline stage (``program.stage``) each stage holds only its own gradients: the
+stages' norms meet in model order by one all-reduce over the pipeline's group, where each stage gives its own
+and zeros for the others', so ``total`` is the whole model's, as ``clip_grad_norm_`` computes it, on every stage.
 ``total`` comes out as the metric ``grad_norm``. With loss scaling the
 gradients are already unscaled; on an overflow step the norm is inf or NaN
 and the update is skipped anyway.
@@ -28,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from transpiler.errors import ConfigurationError
+from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor, position, repair_order
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Fact, Pass
@@ -54,6 +58,11 @@ class ClipGradNorm(Pass):
         if any(n.meta.get("clip") for n in program.graph.nodes):
             return False
         grads = optimizer_gradients(program)
+        if not grads and program.stage is not None:
+            raise ConfigurationError(
+                f"clip-grad-norm: pipeline stage {program.stage.rank} trains no parameters, and a global norm adds "
+                "every stage's share. Give each stage a trained parameter, or leave clipping out."
+            )
         if not grads:
             return False
         order = position(program.graph)
@@ -62,6 +71,8 @@ class ClipGradNorm(Pass):
             stacked = self._norms_from_shards(program, cursor, grads)
         else:
             stacked = cursor.emit(aten.stack.default, (self._norms(cursor, list(grads.values())),), role="optimizer")
+        if program.stage is not None:
+            stacked = self._over_stages(program, cursor, stacked, tuple(grads))
         total = cursor.emit(aten.linalg_vector_norm.default, (stacked, self.norm_type), role="optimizer", clip=True)
         guarded = cursor.emit(aten.add.Tensor, (total, EPS), role="optimizer")
         coef = cursor.emit(aten.reciprocal.default, (guarded,), role="optimizer")
@@ -80,6 +91,25 @@ class ClipGradNorm(Pass):
             return []
         per_tensor = cursor.emit(aten._foreach_norm.Scalar, (grads, self.norm_type), role="optimizer", inspects=True)
         return [cursor.emit(operator.getitem, (per_tensor, i), role="optimizer") for i in range(len(grads))]
+
+    def _over_stages(self, program: StepProgram, cursor: Cursor, stacked: fx.Node, names: tuple[str, ...]) -> fx.Node:
+        """Every stage's gradients' norms in model order, the same on every stage: each stage puts its own in its
+        parameters' places and zeros in the others', and one all-reduce over the pipeline's group adds them (adding
+        zeros is exact), so the total is ``clip_grad_norm_``'s over the whole model, bit for bit."""
+        place = {name: i for i, name in enumerate(names)}
+        entries = cursor.emit(aten.unbind.int, (stacked,), role="optimizer")
+        zero = cursor.emit(aten.new_zeros.default, (stacked, []), role="optimizer")
+        every = [
+            cursor.emit(operator.getitem, (entries, place[name]), role="optimizer") if name in place else zero
+            for name in program.pipeline_grads
+        ]
+        spread = cursor.emit(aten.stack.default, (every,), role="optimizer")
+        size = len(every) * stacked.meta["val"].element_size()
+        info = {"kind": "all_reduce", "norm": program.pipeline_grads, "bytes": size}
+        reduced = cursor.emit(
+            C10D.all_reduce.default, (spread, "sum", program.stage.group_name), role="communication", collective=info
+        )
+        return cursor.emit(WAIT, (reduced,), role="communication")
 
     def _norms_from_shards(self, program: StepProgram, cursor: Cursor, grads: dict[str, fx.Node]) -> fx.Node:
         """Each parameter's norm when every rank holds a slice of its gradient: the slices' norms to the

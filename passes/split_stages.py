@@ -13,7 +13,8 @@ added in microbatch order and the sum divided once by ``microbatches``: ``torch.
 arithmetic (each microbatch's loss backpropagated unscaled, ``scale_grads``), so the update reads the mean over
 microbatches as one gradient node per parameter (``grad_of``) for the passes after it. The loss is the mean of the
 microbatches' losses, made on the last stage and summed over the pipeline's group (the other stages add zero), so
-every rank returns it. A buffer (BatchNorm's statistics) goes from one microbatch's forward to the next."""
+every rank returns it. A buffer (BatchNorm's statistics) goes from one microbatch's forward to the next. The names
+of every stage's trained parameters stay in ``program.pipeline_grads`` (a global norm sums over all of them)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from transpiler.graph.program import StepProgram
 from transpiler.graph.stage_ops import RECV, SEND, STAGE_INPUT, STAGE_INPUT_GRAD, WAIT_SENDS
 from transpiler.graph.stage_orders import ORDERS, Action, stage_order
 
+from .gradient_flow import optimizer_gradients
 from .stage_cut import StageCut, cut_stages
 
 FORWARD_ROLES = ("forward", "loss", "loss_grad")
@@ -54,6 +56,7 @@ class SplitStages(Pass):
             return False
         order = stage_order(self.schedule, axis.world_size, self.microbatches, axis.rank)
         cut = cut_stages(program, axis.world_size)
+        program.pipeline_grads = tuple(optimizer_gradients(program))
         StageBuilder(program, cut, axis.rank, axis.group_name, self.microbatches).build(order)
         program.stage = axis
         program.decisions["split-stages"] = (

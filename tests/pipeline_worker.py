@@ -25,11 +25,12 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.models import NarrowGPT, NarrowGPTStage, narrow_batch, pipelining_step  # noqa: E402
-from transpiler import PipelineParallel, RankMismatchError, transpile  # noqa: E402
+from transpiler import Clipping, DataParallel, PipelineParallel, RankMismatchError, mode_config, transpile  # noqa: E402
 
 STEPS = 10
 BLOCKS = 8
 BATCH = 12
+MAX_NORM = 0.2  # below every step's norm here: each step is clipped
 
 
 def adamw(params) -> torch.optim.Optimizer:
@@ -99,11 +100,12 @@ def torch_pipelining(rank: int, world: int, schedule: str, microbatches: int) ->
     return {"losses": losses, "params": parameters_of(model, names)}
 
 
-def accumulated(rank: int, world: int, microbatches: int) -> dict:
-    """One process, the whole model, gradient accumulation over the same microbatches."""
+def accumulated(rank: int, world: int, microbatches: int, max_norm: float | None = None) -> dict:
+    """One process, the whole model, gradient accumulation over the same microbatches (``max_norm``: then
+    ``clip_grad_norm_`` over the whole model, its norms in ``"norms"``)."""
     model = base_model()
     optimizer = adamw(model.parameters())
-    losses = []
+    losses, norms = [], []
     for tokens, targets in batches():
         optimizer.zero_grad()
         parts = [
@@ -113,9 +115,29 @@ def accumulated(rank: int, world: int, microbatches: int) -> dict:
             part.backward()
         for p in model.parameters():
             p.grad.div_(microbatches)
+        if max_norm is not None:
+            norms.append(nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         optimizer.step()
         losses.append((sum(parts[1:], parts[0]) / microbatches).item())
-    return {"losses": losses, "params": parameters_of(model, stage_names(model, rank, world))}
+    return {"losses": losses, "norms": norms, "params": parameters_of(model, stage_names(model, rank, world))}
+
+
+def clipped(rank: int, world: int, microbatches: str) -> dict:
+    """Clipping by the whole model's norm under 1F1B (each stage's norms met over the pipeline), and one process
+    accumulating the same microbatches, then ``clip_grad_norm_``."""
+    m = int(microbatches)
+    model = base_model()
+    data = batches()
+    config = DataParallel(clipping=Clipping(max_norm=MAX_NORM))
+    pipeline = PipelineParallel(stages=world, microbatches=m)
+    step = transpile(model, adamw(model.parameters()), config, loss_fn, data[0], pipeline=pipeline)
+    losses, norms = [], []
+    for batch in data:
+        losses.append(step(*batch).item())
+        norms.append(step.last_metrics["grad_norm"])
+    traced_run = {"losses": losses, "norms": norms, "params": parameters_of(model, stage_names(model, rank, world))}
+    dist.barrier()
+    return {"traced": traced_run, "accumulated": accumulated(rank, world, m, MAX_NORM)}
 
 
 DP_MODES = ("fused_allreduce", "zero1", "zero2", "zero3")
@@ -126,22 +148,26 @@ def dp_batches(dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [narrow_batch("gpt", BATCH, gen) for _ in range(STEPS)]
 
 
-def traced_beside_dp(mesh, mode: str, schedule: str, microbatches: int) -> dict:
-    """This project's pipeline on ``mesh["pp"]``, ``mode`` across ``mesh["dp"]``."""
+def traced_beside_dp(mesh, mode: str, schedule: str, microbatches: int, max_norm: float | None = None) -> dict:
+    """This project's pipeline on ``mesh["pp"]``, ``mode`` across ``mesh["dp"]`` (``max_norm``: clipped)."""
     model = base_model()
     data = dp_batches(mesh["dp"].get_local_rank())
     stages, stage = mesh["pp"].size(), mesh["pp"].get_local_rank()
     pipeline = PipelineParallel(stages=stages, microbatches=microbatches, schedule=schedule)
-    step = transpile(model, adamw(model.parameters()), mode, loss_fn, data[0], mesh=mesh, pipeline=pipeline)
+    config = mode if max_norm is None else mode_config(mode, clipping=Clipping(max_norm=max_norm))
+    step = transpile(model, adamw(model.parameters()), config, loss_fn, data[0], mesh=mesh, pipeline=pipeline)
     losses = [step(*batch).item() for batch in data]
     with step.gathered():
         params = parameters_of(model, stage_names(model, stage, stages))
     return {"losses": losses, "params": params}
 
 
-def torch_beside_dp(mesh, schedule: str, microbatches: int) -> dict:
+def torch_beside_dp(mesh, schedule: str, microbatches: int, max_norm: float | None = None) -> dict:
     """torch's pipelining on ``mesh["pp"]``, each stage's gradients averaged over ``mesh["dp"]`` here (what DDP
-    does: each divided by the group's size, then summed), then AdamW."""
+    does: each divided by the group's size, then summed), then AdamW. ``max_norm``: first clipped by the whole
+    model's norm, from its definition: each gradient's norm (``_foreach_norm``, as ``clip_grad_norm_``), every
+    stage's gathered over ``pp`` in stage order (model order here), their 2-norm; then ``clip_grad_norm_``'s
+    coefficient."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     stages, stage_index = mesh["pp"].size(), mesh["pp"].get_local_rank()
@@ -161,8 +187,18 @@ def torch_beside_dp(mesh, schedule: str, microbatches: int) -> dict:
         for p in params:
             p.grad.div_(dp)
             dist.all_reduce(p.grad, group=dp_group)
+        if max_norm is not None:
+            clip_over_stages([p.grad for p in params], max_norm, mesh["pp"].get_group())
         optimizer.step()
     return {"losses": losses, "params": parameters_of(model, names)}
+
+
+def clip_over_stages(grads: list[torch.Tensor], max_norm: float, pp_group) -> None:
+    mine = torch.stack(torch._foreach_norm(grads))
+    every = [torch.empty(0)] * dist.get_world_size(pp_group)
+    dist.all_gather_object(every, mine, group=pp_group)
+    total = torch.linalg.vector_norm(torch.cat(every))
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
 
 
 def beside_dp(rank: int, world: int, microbatches: str) -> dict:
@@ -173,6 +209,8 @@ def beside_dp(rank: int, world: int, microbatches: str) -> dict:
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("pp", "dp"))
     out = {mode: traced_beside_dp(mesh, mode, "1f1b", m) for mode in DP_MODES}
     out["torch 1f1b, averaged over dp"] = torch_beside_dp(mesh, "1f1b", m)
+    out["zero2 clipped"] = traced_beside_dp(mesh, "zero2", "1f1b", m, MAX_NORM)
+    out["torch 1f1b, averaged over dp, clipped"] = torch_beside_dp(mesh, "1f1b", m, MAX_NORM)
     out["stage"] = mesh["pp"].get_local_rank()
     dist.barrier()
     return out

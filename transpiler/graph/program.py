@@ -111,6 +111,7 @@ class StepProgram:
     axes: dict[str, Axis] = field(default_factory=dict)  # a 2-D layout's dimensions, by name (none: one dimension)
     shard_axis: str = "world"  # the ranks whose ``shards`` tile every parameter (ZeRO inside a DiLoCo replica)
     stage: Axis | None = None  # the pipeline stage this program runs, among the stages (split-stages)
+    pipeline_grads: tuple[str, ...] = ()  # every stage's trained parameters, in model order (a global norm's order)
 
     @property
     def graph(self) -> fx.Graph:

@@ -25,13 +25,8 @@ M = TypeVar("M", bound="ModeConfig")
 # the modes that run beside a tensor-parallel plan, and under a torchft quorum (docs/strategies/tensor_parallel.md,
 # docs/fault_tolerance.md); every other one is refused there, saying which do
 TENSOR_PARALLEL_MODES = ("fused_allreduce", "zero1", "zero2", "zero3", "diloco", "streaming_diloco")
-PIPELINE_MODES = (
-    "none",
-    "fused_allreduce",
-    "zero1",
-    "zero2",
-    "zero3",
-)  # beside a pipeline (docs/strategies/pipeline.md)
+PIPELINE_MODES = ("none", "fused_allreduce", "zero1", "zero2", "zero3")  # beside a pipeline (strategies/pipeline.md)
+PIPELINE_FEATURES = ("clipping",)  # the wrapping features built beside one: the stages' norms meet by an all-reduce
 QUORUM_MODES = ("allreduce", "fused_allreduce", "zero1", "zero2", "zero3", "diloco", "streaming_diloco")
 
 
@@ -205,17 +200,22 @@ def check_fit(config: ModeConfig, surroundings: Surroundings) -> None:
 
 
 def check_pipeline_fit(config: ModeConfig, surroundings: Surroundings) -> None:
-    """Beside a pipeline: the modes checked there, without features (a norm, an overflow or an accumulation of
-    one stage's gradients alone would make the stages disagree), uncaptured."""
+    """Beside a pipeline: the modes checked there, uncaptured, with clipping (the stages' norms meet) and no other
+    feature (an overflow check, an accumulation or a compressor of one stage's gradients alone would make the
+    stages disagree)."""
     if config.mode not in PIPELINE_MODES:
         raise ConfigurationError(
             f"mode '{config.mode}' is not built beside a pipeline yet; these are: {', '.join(PIPELINE_MODES)}."
         )
-    features = [f.name for f in dataclasses.fields(config) if "feature" in f.metadata and getattr(config, f.name)]
+    features = [
+        f.name
+        for f in dataclasses.fields(config)
+        if "feature" in f.metadata and getattr(config, f.name) and f.name not in PIPELINE_FEATURES
+    ]
     if features:
         raise ConfigurationError(
             f"{', '.join(features)} beside a pipeline is not built yet: each stage holds only its own gradients, so "
-            "a global norm, an overflow check or a compressor would see one stage's share. Leave it out."
+            "an overflow check, an accumulation or a compressor would see one stage's share. Leave it out."
         )
     if surroundings.cuda_graph:
         raise ConfigurationError("cuda_graph=True is not built beside a pipeline yet; leave it off.")
