@@ -15,6 +15,7 @@ stage's parameters at the end.
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 
@@ -25,7 +26,15 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.models import NarrowGPT, NarrowGPTStage, narrow_batch, pipelining_step  # noqa: E402
-from transpiler import Clipping, DataParallel, PipelineParallel, RankMismatchError, mode_config, transpile  # noqa: E402
+from transpiler import (  # noqa: E402
+    CheckpointError,
+    Clipping,
+    DataParallel,
+    PipelineParallel,
+    RankMismatchError,
+    mode_config,
+    transpile,
+)
 
 STEPS = 10
 BLOCKS = 8
@@ -246,6 +255,42 @@ def batch_norm(rank: int, world: int) -> dict:
         runs[label] = {n: t.detach().clone() for n, t in model.state_dict().items() if n.split(".")[0] in mine
                        or ".".join(n.split(".")[:2]) in mine}  # fmt: skip
     return runs
+
+
+def resumed(rank: int, world: int, microbatches: str) -> dict:
+    """10 steps straight, and 5 steps, ``step.state_dict()`` through ``torch.save``, then a step made from another
+    model's initialisation that loads it and runs the last 5; and the error of loading the other stage's snapshot."""
+    m, data = int(microbatches), batches()
+    half = STEPS // 2
+
+    def made(seed: int) -> tuple[nn.Module, object]:
+        torch.manual_seed(seed)
+        model = NarrowGPT(blocks=BLOCKS)
+        pipeline = PipelineParallel(stages=world, microbatches=m)
+        return model, transpile(model, adamw(model.parameters()), "none", loss_fn, data[0], pipeline=pipeline)
+
+    model, step = made(0)
+    straight = [step(*batch).item() for batch in data]
+    out = {"straight": {"losses": straight, "params": parameters_of(model, stage_names(model, rank, world))}}
+    model, step = made(0)
+    first = [step(*batch).item() for batch in data[:half]]
+    saved = io.BytesIO()
+    torch.save(step.state_dict(), saved)
+    model, step = made(1)
+    snapshot = torch.load(io.BytesIO(saved.getvalue()))
+    step.load_state_dict(snapshot)
+    rest = [step(*batch).item() for batch in data[half:]]
+    out["resumed"] = {"losses": first + rest, "params": parameters_of(model, stage_names(model, rank, world))}
+    out["entries"] = sorted(snapshot["model"])
+    out["optimizer state"] = len(snapshot["optimizer"]["state"])
+    every = [None] * world
+    dist.all_gather_object(every, snapshot)
+    try:
+        step.load_state_dict(every[(rank + 1) % world])
+        out["other stage's"] = None
+    except CheckpointError as error:
+        out["other stage's"] = str(error)
+    return out
 
 
 def mismatch(rank: int, world: int) -> dict:

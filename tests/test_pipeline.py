@@ -20,7 +20,8 @@ each microbatch's forward and backward once, the backwards in microbatch order.
 
 Cost (2-core AMD EPYC, one process): the world of 2's parity job 17-24 s (in the quick tier and the narrow-kernel
 lane), the world of 4's 27 s, dp × pp 85 s (with its clipped run and reference), clipping at 2 stages 15 s,
-BatchNorm 9 s, the mismatched settings 5 s, the static builds 25 s; the file about 200 s.
+BatchNorm 9 s, resuming from snapshots 25 s, the mismatched settings 5 s, the static builds 25 s; the file about
+225 s.
 """
 
 from __future__ import annotations
@@ -266,15 +267,36 @@ def test_what_does_not_compose_with_a_pipeline_yet_is_refused(config, match):
         )
 
 
-def test_checkpoints_of_a_stage_are_refused_until_built():
+@pytest.mark.timeout(300)
+def test_a_stage_resumes_from_its_snapshot_bitwise_and_refuses_another_stages(tmp_path):
+    """Two stages, 1F1B: 5 steps, ``step.state_dict()`` through ``torch.save``, and a step made from another
+    initialisation that loads it and runs 5 more equals 10 steps straight, losses and the stage's parameters bit
+    for bit (AdamW's moments and step counts came back). A snapshot holds the stage's entries only; the other
+    stage's is refused naming the stage (a world of 2, about 15 s)."""
+    ranks = run_in_world(2, "tests.pipeline_worker:resumed", tmp_path, (3,), timeout=200)
+    model = base_model()
+    for rank, out in enumerate(ranks):
+        straight, resumed = out["straight"], out["resumed"]
+        assert resumed["losses"] == straight["losses"], f"stage {rank}"
+        for param, value in straight["params"].items():
+            assert torch.equal(resumed["params"][param], value), f"stage {rank}: '{param}' differs"
+        mine = set(straight["params"])
+        others = {n for n, _ in model.named_parameters()} - mine
+        assert mine <= set(out["entries"]) and not others & set(out["entries"]), out["entries"]
+        assert out["optimizer state"] == len(mine)
+        error = out["other stage's"]
+        assert error is not None and f"pipeline stage: checkpoint '{1 - rank} of 2', this step '{rank} of 2'" in error
+
+
+def test_dcp_checkpoints_of_a_stage_are_refused_until_built():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     step = transpile(
         model, torch.optim.SGD(model.parameters(), lr=0.1), "none", nn.functional.mse_loss,
         (torch.randn(4, 4), torch.randn(4, 4)), mesh=StaticWorld(size=2, rank=1),
         pipeline=PipelineParallel(stages=2, microbatches=2),
     )  # fmt: skip
-    for call in (step.state_dict, lambda: step.save_checkpoint("unused")):
-        with pytest.raises(ConfigurationError, match=r"is not built for a pipeline yet"):
+    for call in (lambda: step.save_checkpoint("unused"), lambda: step.load_checkpoint("unused")):
+        with pytest.raises(ConfigurationError, match=r"is not built for a pipeline yet.*step.state_dict\(\)"):
             call()
 
 

@@ -31,16 +31,18 @@ class CheckpointKind:
     mode: dict[str, str]
     world_size: int
     schedule: dict[str, Any]
+    stage: str | None  # a pipeline's: "k of p"
 
     @classmethod
     def of(cls, state: StepState) -> CheckpointKind:
-        outer = state.outer_optimizer
+        outer, stage = state.outer_optimizer, state.stage()
         return cls(
             optimizer=type(state.optimizer).__qualname__,
             outer_optimizer=type(outer).__qualname__ if outer is not None else None,
             mode=state.mode_specs,
             world_size=state.placement.world_size,
             schedule=state.schedule.settings(),
+            stage=None if stage is None else f"{stage[0].rank} of {stage[0].world_size}",
         )
 
     def setup(self) -> dict[str, Any]:
@@ -51,6 +53,7 @@ class CheckpointKind:
             "schedule": self.schedule,
             "optimizer": self.optimizer,
             **({"outer optimizer": self.outer_optimizer} if self.outer_optimizer else {}),
+            **({"pipeline stage": self.stage} if self.stage else {}),
         }
 
     def record(self) -> dict[str, Any]:

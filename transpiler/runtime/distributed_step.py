@@ -291,9 +291,10 @@ class DistributedStep:
         with the live optimizer, which every step updates. The LR scheduler is
         not included: save ``scheduler.state_dict()`` beside it. Under DiLoCo the
         outer optimizer's state is the entry ``"outer_optimizer"``, and the global
-        weights are in the transpiler's ``extra`` state (``global.<param>``).
+        weights are in the transpiler's ``extra`` state (``global.<param>``). On a
+        pipeline it is the rank's stage's: the model entries and optimizer state
+        of its parameters and buffers, read back by the same stage.
         """
-        self._state.refuse_under_pipeline("state_dict()")
         return snapshots.state_dict(self._state, self._lent)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -303,7 +304,6 @@ class DistributedStep:
         per-rank state such as BatchNorm statistics and LocalSGD's drift
         between syncs comes back as saved.
         """
-        self._state.refuse_under_pipeline("load_state_dict()")
         snapshots.load_state_dict(self._state, self._lent, state_dict)
 
     def save_checkpoint(self, path: str | Path) -> None:

@@ -3,7 +3,8 @@
 A snapshot is a deep copy of the model, the optimizers and the transpiler's state (pass-added ``extra`` state,
 the schedule's counters, and the setup it was taken in), read back exactly, on the same rank, by a step of the
 same kind (``checkpoint_kind.py``). Every rank keeps what it loads: per-rank state such as BatchNorm statistics
-and LocalSGD's drift between syncs comes back as saved, and no startup broadcast runs afterwards.
+and LocalSGD's drift between syncs comes back as saved, and no startup broadcast runs afterwards. On a pipeline
+a snapshot is the rank's stage's: its parameters and buffers, and their optimizer state.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ def state_dict(state: StepState, lent: LentParameters) -> dict:
     outer = state.outer_optimizer
     entries = {"outer_optimizer": outer.state_dict()} if outer is not None else {}
     land_in_flight(state.extra)
+    model, optimizer = _held_only(state, state.model.state_dict(), state.optimizer.state_dict())
     return copy.deepcopy(
         {
-            "model": state.model.state_dict(),
-            "optimizer": state.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             **entries,
             "transpiler": {
                 "format": CHECKPOINT_FORMAT,
@@ -63,7 +65,7 @@ def load_state_dict(state: StepState, lent: LentParameters, snapshot: dict) -> N
         )
     held_whole(state, lent, saving=False)  # zero3: the model holds its slices, as the checkpoint does
     _check_fits(state, snapshot)
-    state.model.load_state_dict(snapshot["model"])
+    state.model.load_state_dict(snapshot["model"], strict=state.stage() is None)  # a stage's: checked above
     state.optimizer.load_state_dict(snapshot["optimizer"])
     if state.outer_optimizer is not None:
         state.outer_optimizer.load_state_dict(snapshot["outer_optimizer"])
@@ -74,11 +76,26 @@ def load_state_dict(state: StepState, lent: LentParameters, snapshot: dict) -> N
     state.started = True
 
 
+def _held_only(state: StepState, model: dict, optimizer: dict) -> tuple[dict, dict]:
+    """On a pipeline stage, the model's entries and the optimizer's state of this stage's parameters and buffers:
+    the values it holds (a stage's snapshot); elsewhere all of them."""
+    stage = state.stage()
+    if stage is None:
+        return model, optimizer
+    entries = stage[1]
+    mine = {id(p) for name, p in state.last().params.items() if name in entries}
+    order = [p for group in state.optimizer.param_groups for p in group["params"]]  # optimizer.state_dict()'s
+    positions = {i for i, p in enumerate(order) if id(p) in mine}
+    if optimizer:
+        optimizer = optimizer | {"state": {i: s for i, s in optimizer["state"].items() if i in positions}}
+    return {k: v for k, v in model.items() if k in entries}, optimizer
+
+
 def _check_fits(state: StepState, snapshot: dict) -> None:
     """The snapshot's kind, model entries and shapes, and param group sizes are this step's."""
     saved, model_state = snapshot["transpiler"], snapshot["model"]
     problems = CheckpointKind.of(state).check(saved.get("format"), saved.get("setup", {}), resharding=False)
-    own = state.model.state_dict()
+    own, _ = _held_only(state, state.model.state_dict(), {})
     missing, unexpected = sorted(set(own) - set(model_state)), sorted(set(model_state) - set(own))
     if missing or unexpected:
         problems.append(f"model entries missing {missing[:4]}, unexpected {unexpected[:4]}")

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from transpiler.errors import ConfigurationError
+from transpiler.graph.ports import PortKind
+from transpiler.graph.program import Axis
 from transpiler.strategies.schedules import Schedule
 
 from .flat_storage import FlatStorage
@@ -44,13 +46,23 @@ class StepState:
             raise ConfigurationError("nothing traced yet: pass example_inputs to transpile() or run one step first.")
         return self.built
 
+    def stage(self) -> tuple[Axis, frozenset[str]] | None:
+        """On a pipeline: this rank's stage, and the ``model.state_dict()`` entries it holds current values of (its
+        parameters and buffers; the model's others stay as they were made). None off a pipeline."""
+        built = self.built
+        program = next((p for p in built.programs.values() if p.stage is not None), None) if built else None
+        if program is None:
+            return None
+        buffers = {p.name for p in program.inputs if p.kind == PortKind.BUFFER}
+        return program.stage, frozenset(built.plan.held or ()) | buffers
+
     def refuse_under_pipeline(self, what: str) -> None:
         """An error for ``what`` on a step that runs one stage of a pipeline, where it is not built yet."""
-        if self.built is not None and any(p.stage is not None for p in self.built.programs.values()):
+        if self.stage() is not None:
             raise ConfigurationError(
-                f"{what} is not built for a pipeline yet: this rank's model holds current values only for its "
-                "stage's parameters (the others stay as they were made). Save model.state_dict() and "
-                "optimizer.state_dict() of each stage's parameters yourself meanwhile."
+                f"{what} is not built for a pipeline yet: each stage holds current values only for its own "
+                "parameters. Save step.state_dict() on every rank with torch.save (it holds the rank's stage), and "
+                "resume with step.load_state_dict() at the same stages."
             )
 
     def refuse_while_lent(self, what: str) -> None:
