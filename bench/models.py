@@ -148,6 +148,29 @@ class NarrowResNet(nn.Module):
         return self.head(self.blocks(torch.relu(self.bn(self.stem(images)))).mean((2, 3)))
 
 
+class WideResidual(nn.Module):
+    """A residual MLP block of width 16 and inner width ``width``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, width), nn.Linear(width, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class UnevenMLP(nn.Module):
+    """Four residual blocks, the first two ``width / 16`` times as wide inside as the others: cut into equal block
+    counts, two stages are as uneven as they can be (a pipeline's balanced split, ``bench/pipeline_split.py``)."""
+
+    def __init__(self, width: int = 2048) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(WideResidual(width), WideResidual(width), WideResidual(16), WideResidual(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
 def narrow_batch(name: str, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of ``n`` samples for :data:`NARROW` model ``name``: GPT tokens and next tokens, or 8x8 images."""
     if name == "gpt":

@@ -26,12 +26,16 @@ BatchNorm 9 s, resuming from snapshots 25 s, the mismatched settings 5 s, the st
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from bench.models import UnevenMLP
+from passes.stage_balance import balance
 from tests.pipeline_worker import adamw, base_model, batches, loss_fn
 from tests.worlds import run_in_world
 from transpiler import (
@@ -188,6 +192,37 @@ def test_each_stage_holds_its_own_parameters_and_its_sends_meet_the_next_stages_
     assert order.endswith(" ".join(f"{k}{i}" for k, i in stage_order(schedule, 2, 4, 0)))
 
 
+def test_without_split_points_the_cut_balances_the_estimated_time_and_equals_that_cut_traced():
+    """The first wide block alone is the first stage (equal counts would put both there), and each stage's
+    program is the one traced with that split point given: the other candidates' marks leave no trace."""
+    batch = (torch.randn(64, 16), torch.randn(64, 16))
+    balanced = [build(UnevenMLP(), batch, rank=r) for r in range(2)]
+    assert balanced[0].decisions["balanced-split"].startswith("split points ['blocks.1']: estimated ms per step")
+    held = [{p.name for p in program.inputs if p.kind == "param"} for program in balanced]
+    assert held[0] == {"blocks.0.up.weight", "blocks.0.up.bias", "blocks.0.down.weight", "blocks.0.down.bias"}
+    given = [build(UnevenMLP(), batch, rank=r, split_points=("blocks.1",)) for r in range(2)]
+    for ours, theirs in zip(balanced, given):
+        assert [str(n.target) for n in ours.graph.nodes] == [str(n.target) for n in theirs.graph.nodes]
+    gpt = static_stage(0, microbatches=3).decisions["balanced-split"]  # the tests' GPT: the blocks' equal runs
+    assert gpt.startswith("split points ['blocks.4']"), gpt
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seconds=st.lists(st.floats(0.0, 10.0), min_size=2, max_size=7),
+    stages=st.integers(2, 4),
+)
+def test_the_balanced_cut_has_the_least_largest_stage_time_of_all_contiguous_cuts(seconds, stages):
+    if stages > len(seconds):
+        return
+    cut = balance(tuple(seconds), tuple([0] * len(seconds)), stages)
+    assert len(cut.starts) == stages - 1 and list(cut.starts) == sorted(set(cut.starts))
+    assert 0 < cut.starts[0] and cut.starts[-1] < len(seconds)
+    every = [max(sum(seconds[a:b]) for a, b in itertools.pairwise((0, *s, len(seconds))))
+             for s in itertools.combinations(range(1, len(seconds)), stages - 1)]  # fmt: skip
+    assert max(cut.stage_seconds()) <= min(every) + 1e-9
+
+
 class SkipAcross(nn.Module):
     """The input of the second linear is not all the rest reads: the residual carries the first one's output."""
 
@@ -209,10 +244,12 @@ class Tied(nn.Module):
         return self.mid(self.embed(tokens)) @ self.embed.weight.t()
 
 
-def build(model: nn.Module, batch: tuple, loss=nn.functional.mse_loss, stages: int = 2, **settings) -> object:
+def build(
+    model: nn.Module, batch: tuple, loss=nn.functional.mse_loss, stages: int = 2, rank: int = 0, **settings
+) -> object:
     pipeline = PipelineParallel(stages=stages, **({"microbatches": 2} | settings))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = transpile(model, optimizer, "none", loss, batch, mesh=StaticWorld(size=stages, rank=0), pipeline=pipeline)
+    step = transpile(model, optimizer, "none", loss, batch, mesh=StaticWorld(size=stages, rank=rank), pipeline=pipeline)
     return step.program
 
 

@@ -86,8 +86,9 @@ class StepBuilder:
         traced_batch = microbatch_of(batch, self.pipeline.microbatches) if self.pipeline is not None else batch
         args = (self.model, self.optimizer, self.loss_fn, traced_batch, autocast, self.shards, self.whole)
         if self.pipeline is not None:
-            trace, state, plan = trace_step(*args, split_points=self.pipeline.points_for(self.model))
-            split_stage(trace.program, self.pipeline, self.stage, self.execution)
+            points = self.pipeline.points_for(self.model)
+            trace, state, plan = trace_step(*args, split_points=points)
+            split_stage(trace.program, self.pipeline, self.stage, self.execution, points)
             if self.placement.live:
                 settings = self.pipeline.to_dict() | {"batch": [list(t.shape) for t in batch]}
                 stage_handshake.agree(trace.program, self.stage, settings)
@@ -248,11 +249,26 @@ def microbatch_of(batch: tuple, microbatches: int) -> tuple:
     return tuple(t.tensor_split(microbatches)[0] for t in batch)
 
 
-def split_stage(traced: StepProgram, pipeline: PipelineParallel, stage: Axis, execution: Execution) -> None:
+def split_stage(
+    traced: StepProgram, pipeline: PipelineParallel, stage: Axis, execution: Execution, points: tuple[str, ...]
+) -> None:
     """Cut this rank's stage out of the step traced on one microbatch (``passes/split_stages.py``), before any
-    mode's passes: they see one stage's program, its gradients the means over the microbatches."""
+    mode's passes: they see one stage's program, its gradients the means over the microbatches. Traced at
+    ``points``: the user's split points, or every block as a candidate, of which the balanced cut keeps
+    ``stages - 1`` (``passes/stage_balance.py``)."""
     if execution.memory_budget is not None or execution.memory_budget_bytes is not None:
         raise ConfigurationError("a memory budget with a pipeline is not supported yet; leave memory_budget out.")
+    if not pipeline.split_points:
+        from passes.stage_balance import balance, keep_marks, segment_costs  # here: passes import transpiler.graph
+
+        cut = balance(*segment_costs(traced, pipeline.microbatches), pipeline.stages)
+        keep_marks(traced, cut.starts)
+        times = ", ".join(f"{s * 1e3:.2f}" for s in cut.stage_seconds())
+        held = ", ".join(f"{b / 2**20:.2f}" for b in cut.stage_bytes())
+        traced.decisions["balanced-split"] = (
+            f"split points {[points[s - 1] for s in cut.starts]}: estimated ms per step by stage {times}; "
+            f"MiB of parameters, optimizer state and buffers {held}"
+        )
     split = PASSES["split-stages"](microbatches=pipeline.microbatches, schedule=pipeline.schedule)
     traced.axes = {"pp": stage}
     Pipeline([split], list(DEFAULT_VERIFIERS), verify=execution.verify, on_pass=execution.on_pass).run(traced)

@@ -1,9 +1,9 @@
 """``PipelineParallel``: the pipeline dimension of a step (``transpile(..., pipeline=PipelineParallel(...))``).
 
-The model is cut into ``stages`` at the inputs of the modules named in ``split_points`` (without them, at equal
-counts of the blocks of the model's longest ``ModuleList`` or ``Sequential``); each rank of the pipeline's group
-runs one stage on ``microbatches`` equal parts of its batch, in the order ``schedule`` gives
-(``passes/split_stages.py``, docs/strategies/pipeline.md).
+The model is cut into ``stages`` at the inputs of the modules named in ``split_points`` (without them, at blocks of
+the model's longest ``ModuleList`` or ``Sequential``, chosen so that the stages' estimated times are balanced:
+``passes/stage_balance.py``); each rank of the pipeline's group runs one stage on ``microbatches`` equal parts of
+its batch, in the order ``schedule`` gives (``passes/split_stages.py``, docs/strategies/pipeline.md).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class PipelineParallel(Config):
             )
 
     def points_for(self, model: torch.nn.Module) -> tuple[str, ...]:
-        """The split points given, or the starts of ``stages`` equal runs of the longest block list's blocks."""
+        """The split points given, or every block of the longest block list: the candidates a balanced cut
+        chooses ``stages - 1`` of (``passes/stage_balance.py``)."""
         if self.split_points:
             return self.split_points
         name, blocks = longest_block_list(model)
@@ -59,8 +60,7 @@ class PipelineParallel(Config):
                 f"{self.stages} stages, and the model's longest ModuleList or Sequential "
                 f"({name or 'none'}) has {len(blocks)} blocks: give split_points=(...) by module name."
             )
-        starts = [k * len(blocks) // self.stages for k in range(1, self.stages)]
-        return tuple(f"{name}.{blocks[s]}" if name else blocks[s] for s in starts)
+        return tuple(f"{name}.{block}" if name else block for block in blocks)
 
 
 def longest_block_list(model: torch.nn.Module) -> tuple[str, list[str]]:
