@@ -2,13 +2,14 @@
 against ``torch.distributed.pipelining`` with the same split, schedule, microbatches, loss and optimizer, in one
 run per stage count.
 
-    python -m bench.pipeline                       # 2 and 4 stages, GPipe, 1F1B and ZB-H1, 4 and 8 microbatches
+    python -m bench.pipeline           # 2 and 4 stages; GPipe, 1F1B, ZB-H1, interleaved 1F1B; 4 and 8 microbatches
     python -m bench.pipeline --stages 2 --microbatches 4
 
 Model: a GPT of 8 blocks (width 64, 4 heads, sequence 32), batch 16, AdamW; one process per stage, one thread
 each. torch's side is a hand-built ``PipelineStage`` per rank holding the same modules (``bench/models.py``'s
 ``NarrowGPTStage``), its schedule's ``step``, then torch's AdamW (``foreach=False``, the traced update's arithmetic)
-on the stage's parameters; for ZB-H1, torch's 1F1B (its zero-bubble schedules run several stages per rank). Per
+on the stage's parameters; for ZB-H1, torch's 1F1B (its zero-bubble schedules run several stages per rank); for
+interleaved 1F1B (2 chunks per rank), ``ScheduleInterleaved1F1B`` over a ``PipelineStage`` per chunk. Per
 row: the median step time over interleaved rounds (``bench/host_ops.py``; the
 slowest rank's), the ratio of ours to torch's, the **bubble** of each rank (the share of its step it spends
 waiting for a peer: ours, the time inside ``transpiler::recv``, ``wait_sends`` and the loss's all-reduce, from the
@@ -46,6 +47,7 @@ COMMAND = "python -m bench.pipeline"
 DOC = ROOT / "docs" / "strategies" / "pipeline.md"
 BEGIN, END = "<!-- bench/pipeline.py begin -->", "<!-- bench/pipeline.py end -->"
 BLOCKS, DIM, HEADS, BATCH = 8, 64, 4, 16
+VIRTUAL = 2  # chunks per rank under interleaved 1F1B
 WAITS = ("transpiler::recv", "transpiler::wait_sends", "_c10d_functional::wait_tensor")
 
 
@@ -67,10 +69,18 @@ class TorchStage:
     for peers is summed in ``waited`` (seconds)."""
 
     def __init__(self, rank: int, world: int, schedule: str, microbatches: int, batch: tuple) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.rank, self.world, self.batch, self.microbatches = rank, world, batch, microbatches
         model = base_model()
+        if schedule == "interleaved_1f1b":
+            chunks = VIRTUAL * world
+            mine = range(rank, chunks, world)
+            modules = [NarrowGPTStage(model, c, chunks) for c in mine]
+            stages = [PipelineStage(m, c, chunks, torch.device("cpu")) for m, c in zip(modules, mine)]
+            self.schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn)
+            self.optimizer = adamw([p for m in modules for p in m.parameters()])
+            return
         module = NarrowGPTStage(model, rank, world)
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         self.schedule = kind(PipelineStage(module, rank, world, torch.device("cpu")), microbatches, loss_fn=loss_fn)
@@ -102,7 +112,12 @@ class WaitClock:
 
 def our_step(world: int, schedule: str, microbatches: int, batch: tuple):
     model = base_model()
-    pipeline = PipelineParallel(stages=world, microbatches=microbatches, schedule=schedule)
+    virtual = VIRTUAL if schedule == "interleaved_1f1b" else 1
+    chunks = virtual * world  # the split torch's side has: equal block counts
+    points = tuple(f"blocks.{k * BLOCKS // chunks}" for k in range(1, chunks))
+    pipeline = PipelineParallel(
+        stages=world, microbatches=microbatches, schedule=schedule, virtual_stages=virtual, split_points=points
+    )
     config = os.environ.get("BENCH_CONFIG", "fused_allreduce")
     step = transpile(model, adamw(model.parameters()), config, loss_fn, batch, pipeline=pipeline)
     return lambda: step(*batch)
@@ -136,8 +151,8 @@ def rank_main(out: str) -> None:
     clock = WaitClock()
     result = {}
     for m in counts:
-        for schedule in ("gpipe", "1f1b", "zbh1"):
-            if schedule == "1f1b" and m < world:
+        for schedule in ("gpipe", "1f1b", "zbh1", "interleaved_1f1b"):
+            if schedule == "1f1b" and m < world or schedule == "interleaved_1f1b" and m % world:
                 continue
             peer = "1f1b" if schedule == "zbh1" else schedule  # torch's zero-bubble schedules are interleaved ones
             runs = {"ours": our_step(world, schedule, m, batch), "torch": TorchStage(rank, world, peer, m, batch)}
@@ -157,9 +172,11 @@ def rank_main(out: str) -> None:
 
 def theory(schedule: str, stages: int, microbatches: int) -> float:
     """The share of a step a stage idles: (p−1)/(m+p−1) for GPipe and 1F1B, (p−1)/(3m+p−1) for ZB-H1 (forward,
-    input and weight gradients taking alike)."""
+    input and weight gradients taking alike), (p−1)/(vm+p−1) for interleaved 1F1B with v chunks per rank."""
     if schedule == "zbh1":
         return (stages - 1) / (3 * microbatches + stages - 1)
+    if schedule == "interleaved_1f1b":
+        return (stages - 1) / (VIRTUAL * microbatches + stages - 1)
     return (stages - 1) / (microbatches + stages - 1)
 
 

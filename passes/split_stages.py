@@ -29,9 +29,9 @@ from transpiler.graph.edit import ancestors, emit, fake_mode
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.ports import PortKind
-from transpiler.graph.program import StepProgram
+from transpiler.graph.program import Axis, StepProgram
 from transpiler.graph.stage_ops import RECV, SEND, STAGE_INPUT, STAGE_INPUT_GRAD, WAIT_SENDS
-from transpiler.graph.stage_orders import ORDERS, Action, stage_order
+from transpiler.graph.stage_orders import SCHEDULES, Action, label, stage_order
 
 from .gradient_flow import optimizer_gradients
 from .stage_cut import StageCut, cut_stages
@@ -46,7 +46,8 @@ class SplitStages(Pass):
     name = "split-stages"
     summary = "this rank's pipeline stage of the traced step, over microbatches in a schedule's order"
     microbatches: int = option(1, minimum=1, help="equal parts the batch is cut into along dim 0")
-    schedule: str = option("1f1b", choices=tuple(ORDERS), help="the order of the stage's forwards and backwards")
+    schedule: str = option("1f1b", choices=SCHEDULES, help="the order of the stage's forwards and backwards")
+    virtual: int = option(1, minimum=1, help="chunks of the model per rank (interleaved_1f1b: 2 or more)")
 
     def run(self, program: StepProgram) -> bool:
         axis = program.axes.get("pp")
@@ -54,43 +55,55 @@ class SplitStages(Pass):
             raise ConfigurationError("split-stages needs the program's axis 'pp' (a pipeline's stages).")
         if any(n.target is SEND for n in program.graph.nodes):
             return False
-        order = stage_order(self.schedule, axis.world_size, self.microbatches, axis.rank)
-        cut = cut_stages(program, axis.world_size)
+        ranks = axis.world_size
+        order = stage_order(self.schedule, ranks, self.microbatches, axis.rank, self.virtual)
+        cut = cut_stages(program, ranks * self.virtual)
         program.pipeline_grads = tuple(optimizer_gradients(program))
-        StageBuilder(program, cut, axis.rank, axis.group_name, self.microbatches).build(order)
+        StageBuilder(program, cut, axis, self.microbatches).build(order)
         program.stage = axis
+        held = ", ".join(str(c) for c in range(axis.rank, cut.stages, ranks))
+        chunks = f" (chunks {held})" if self.virtual > 1 else ""
         program.decisions["split-stages"] = (
-            f"stage {axis.rank} of {axis.world_size}, {self.microbatches} microbatches, {self.schedule}: "
-            + " ".join(f"{kind}{i}" for kind, i in order)
+            f"stage {axis.rank} of {ranks}{chunks}, {self.microbatches} microbatches, {self.schedule}: "
+            + " ".join(label(action, ranks) for action in order)
         )
         return True
 
 
 class StageBuilder:
-    """Writes one stage's program into a new graph, action by action, then puts it in place of the old one."""
+    """Writes one rank's program into a new graph, action by action, then puts it in place of the old one. The
+    rank runs the chunks ``axis.rank``, ``axis.rank + ranks``, ... of the cut (one, but for an interleaved
+    schedule); chunk ``c``'s peers are the ranks of chunks ``c - 1`` and ``c + 1``."""
 
-    def __init__(self, program: StepProgram, cut: StageCut, stage: int, group: str, microbatches: int) -> None:
-        self.program, self.cut, self.stage, self.group, self.m = program, cut, stage, group, microbatches
+    def __init__(self, program: StepProgram, cut: StageCut, axis: Axis, microbatches: int) -> None:
+        self.program, self.cut, self.group, self.m = program, cut, axis.group_name, microbatches
+        self.ranks = axis.world_size
+        self.chunks = tuple(range(axis.rank, cut.stages, axis.world_size))
         self.old = program.graph
         self.new = fx.Graph()
-        self.last = stage == cut.stages - 1
+        self.last = cut.stages - 1 in self.chunks
         self.step_env: dict[fx.Node, fx.Node] = {}
         self.envs: list[dict[fx.Node, fx.Node]] = [{} for _ in range(microbatches)]
         self.pieces: dict[fx.Node, fx.Node] = {}  # a batch input -> its tensor_split
-        self.sums: dict[fx.Node, fx.Node] = {}  # a gradient node of this stage -> its running sum
+        self.sums: dict[fx.Node, fx.Node] = {}  # a gradient node of this rank -> its running sum
         self.tokens: list[fx.Node] = []
-        mine = [n for n in self.old.nodes if n.op not in ("placeholder", "output") and cut.held_by(n, stage)]
+        nodes = [n for n in self.old.nodes if n.op not in ("placeholder", "output")]
         per = cut.per_microbatch
-        self.forward = [n for n in mine if n in per and n.meta.get("role") in FORWARD_ROLES]
-        self.backward = [n for n in mine if n in per and n.meta.get("role") == "backward"]
+        self.forward, self.backward, self.input_grad, self.weight_grad, self.grads = {}, {}, {}, {}, {}
+        for c in self.chunks:
+            held = [n for n in nodes if cut.held_by(n, c)]
+            self.forward[c] = [n for n in held if n in per and n.meta.get("role") in FORWARD_ROLES]
+            backward = [n for n in held if n in per and n.meta.get("role") == "backward"]
+            self.backward[c] = backward
+            self.grads[c] = [n for n in backward if "grad_of" in n.meta]
+            # a zero-bubble order's backward in two: what the gradient the chunk before waits for needs (B), the rest
+            sent = [n for n in backward if any(u.target is STAGE_INPUT_GRAD and u.args[1] == c for u in n.users)]
+            needed = ancestors(sent)
+            self.input_grad[c] = [n for n in backward if n in needed]
+            self.weight_grad[c] = [n for n in backward if n not in needed]
+        mine = [n for n in nodes if any(cut.held_by(n, c) for c in self.chunks)]
         self.once = [n for n in mine if n not in per and n.meta.get("role") != "optimizer"]
         self.update = [n for n in mine if n not in per and n.meta.get("role") == "optimizer"]
-        self.grads = [n for n in self.backward if "grad_of" in n.meta]
-        # a zero-bubble order's backward in two: what the gradient sent to the stage before needs (B), the rest (W)
-        sent = [n for n in self.backward if any(u.target is STAGE_INPUT_GRAD and u.args[1] == stage for u in n.users)]
-        needed = ancestors(sent)
-        self.input_grad = [n for n in self.backward if n in needed]
-        self.weight_grad = [n for n in self.backward if n not in needed]
         outputs = self.old.output_node().args[0]
         self.buffers = {
             ph: value
@@ -103,13 +116,23 @@ class StageBuilder:
     def build(self, order: list[Action]) -> None:
         self._placeholders()
         self._copy(self.once, self.step_env, None)
-        split = any(kind == "W" for kind, _ in order)
+        split = any(kind == "W" for kind, _, _ in order)
         parts = {"F": self.forward, "B": self.input_grad if split else self.backward, "W": self.weight_grad}
-        for kind, i in order:
-            self._copy(parts[kind], self.envs[i], i)
+        for kind, i, c in order:
+            self._copy(parts[kind][c], self.envs[i], i, label((kind, i, c), self.ranks))
             if kind == ("W" if split else "B"):
-                self._accumulate(i)
+                self._accumulate(i, c)
         self._finish()
+
+    def _mine(self, owner: int | None) -> bool:
+        return owner in self.chunks
+
+    def _rank_of(self, chunk: int) -> int:
+        return chunk % self.ranks
+
+    def _tag(self, i: int | None, boundary: int, direction: int) -> int:
+        """A message's tag: one per microbatch, chunk boundary (the chunk whose input it is) and direction."""
+        return 2 * ((i or 0) * self.cut.stages + boundary) + direction
 
     # -------------------------------------------------------------- inputs
     def _placeholders(self) -> None:
@@ -120,7 +143,9 @@ class StageBuilder:
                 continue
             port = node.meta["port"]
             if port.kind not in KEPT_EVERYWHERE and not (
-                self.cut.held_by(node, self.stage) or self.cut.owner.get(port) == self.stage and port in outputs
+                any(self.cut.held_by(node, c) for c in self.chunks)
+                or self._mine(self.cut.owner.get(port))
+                and port in outputs
             ):
                 continue
             copy = self.new.placeholder(node.name)
@@ -137,8 +162,9 @@ class StageBuilder:
         return emit(self.new, operator.getitem, (pieces, i), role="forward", microbatch=i)
 
     # -------------------------------------------------------------- actions
-    def _copy(self, nodes: list[fx.Node], env: dict[fx.Node, fx.Node], i: int | None) -> None:
-        """Copy ``nodes`` in order, reading ``env`` (this microbatch's values), then the step's."""
+    def _copy(self, nodes: list[fx.Node], env: dict[fx.Node, fx.Node], i: int | None, action: str = "") -> None:
+        """Copy ``nodes`` in order, reading ``env`` (this microbatch's values), then the step's; each copy (and
+        receive) says which ``action`` of the order it belongs to (``meta["action"]``: ``F0``, ``B3.c2``...)."""
 
         def read(node: fx.Node) -> fx.Node:
             if node in env:
@@ -151,18 +177,21 @@ class StageBuilder:
             return self.step_env[node]
 
         for node in nodes:
-            if node.target is STAGE_INPUT and node.args[1] == self.stage:
-                env[node] = self._recv(node, self.stage - 1, i, 0)
+            if node in env:  # a value two of the rank's chunks read (made from the batch alone): made once
                 continue
-            if node.target is STAGE_INPUT_GRAD and node.args[1] == self.stage + 1:
-                env[node] = self._recv(node, self.stage + 1, i, 1)
-                continue
-            copy = self.new.node_copy(node, read)
-            copy.meta.pop("grad_of", None)
-            if i is not None:
-                copy.meta["microbatch"] = i
-            env[node] = copy
-            self._send_if_read_elsewhere(node, copy, i)
+            if node.target is STAGE_INPUT and node.args[1] in self.chunks:
+                env[node] = self._recv(node, node.args[1] - 1, i, node.args[1], 0)
+            elif node.target is STAGE_INPUT_GRAD and node.args[1] - 1 in self.chunks:
+                env[node] = self._recv(node, node.args[1], i, node.args[1], 1)
+            else:
+                copy = self.new.node_copy(node, read)
+                copy.meta.pop("grad_of", None)
+                if i is not None:
+                    copy.meta["microbatch"] = i
+                env[node] = copy
+                self._send_if_read_elsewhere(node, copy, i)
+            if action:
+                env[node].meta["action"] = action
 
     def _item_of(self, node: fx.Node, i: int) -> fx.Node:
         if node not in self.pieces:
@@ -172,32 +201,31 @@ class StageBuilder:
         return self._item(self.pieces[node], i)
 
     def _send_if_read_elsewhere(self, node: fx.Node, copy: fx.Node, i: int | None) -> None:
-        """After a value the next stage starts from (or the gradient the stage before reads), post its send."""
+        """After a value the next chunk starts from (or the gradient the chunk before reads), post its send."""
         for user in node.users:
-            if user.target is STAGE_INPUT and user.args[1] == self.stage + 1:
-                self._send(copy, self.stage + 1, i, 0)
-            elif user.target is STAGE_INPUT_GRAD and user.args[1] == self.stage:
-                self._send(copy, self.stage - 1, i, 1)
+            boundary = user.args[1] if user.target in (STAGE_INPUT, STAGE_INPUT_GRAD) else None
+            if user.target is STAGE_INPUT and boundary not in self.chunks:
+                self._send(copy, boundary, i, boundary, 0)
+            elif user.target is STAGE_INPUT_GRAD and boundary in self.chunks:
+                self._send(copy, boundary - 1, i, boundary, 1)
 
-    def _send(self, value: fx.Node, peer: int, i: int | None, direction: int) -> None:
-        token = emit(self.new, SEND, (value, self.group, peer, 2 * (i or 0) + direction), role="communication")
+    def _send(self, value: fx.Node, chunk: int, i: int | None, boundary: int, direction: int) -> None:
+        tag = self._tag(i, boundary, direction)
+        token = emit(self.new, SEND, (value, self.group, self._rank_of(chunk), tag), role="communication")
         token.meta["microbatch"] = i
         self.tokens.append(token)
 
-    def _recv(self, mark: fx.Node, peer: int, i: int | None, direction: int) -> fx.Node:
+    def _recv(self, mark: fx.Node, chunk: int, i: int | None, boundary: int, direction: int) -> fx.Node:
         val = mark.meta["val"]
-        node = emit(
-            self.new,
-            RECV,
-            (list(val.shape), val.dtype, val.device, self.group, peer, 2 * (i or 0) + direction),
-            role="communication",
-        )
+        peer, tag = self._rank_of(chunk), self._tag(i, boundary, direction)
+        args = (list(val.shape), val.dtype, val.device, self.group, peer, tag)
+        node = emit(self.new, RECV, args, role="communication")
         node.meta["microbatch"] = i
         return node
 
-    def _accumulate(self, i: int) -> None:
-        """Add microbatch ``i``'s gradients to the running sums, in microbatch order."""
-        for grad in self.grads:
+    def _accumulate(self, i: int, chunk: int) -> None:
+        """Add microbatch ``i``'s gradients of ``chunk`` to the running sums, in microbatch order."""
+        for grad in self.grads[chunk]:
             value = self.envs[i][grad]
             self.sums[grad] = (
                 value
@@ -222,11 +250,13 @@ class StageBuilder:
             if port.kind == PortKind.LOSS:
                 values.append(loss)
                 outputs.append(port)
-            elif self.cut.owner.get(port) == self.stage:
+            elif self._mine(self.cut.owner.get(port)):
                 values.append(last_env.get(value, update_env.get(value)) if isinstance(value, fx.Node) else value)
                 outputs.append(port)
         if self.tokens:
-            emit(self.new, WAIT_SENDS, (self.tokens,), role="communication")
+            # pinned: at the end, where no send waits for a peer that is still busy (hoisted right after the last
+            # send, it made the stage wait for its peer's receive: measured 20-30 ms a step under ZB-H1)
+            emit(self.new, WAIT_SENDS, (self.tokens,), role="communication", pinned=True)
         self.new.output(tuple(values))
         self.program.outputs = outputs
         names = {p.name for p in outputs if p.kind == PortKind.PARAM}

@@ -66,6 +66,47 @@ def stage_names(model: nn.Module, stage: int, stages: int) -> list[str]:
     return [n for n, _ in model.named_parameters() if any(n == p or n.startswith(p) for p in names)]
 
 
+def chunk_names(model: nn.Module, rank: int, ranks: int, virtual: int) -> list[str]:
+    """The parameters rank ``rank`` holds when the blocks are cut into ``ranks * virtual`` equal chunks, chunk ``c``
+    on rank ``c % ranks``."""
+    chunks = ranks * virtual
+    return [n for c in range(rank, chunks, ranks) for n in stage_names(model, c, chunks)]
+
+
+def interleaved(rank: int, world: int, microbatches: str) -> dict:
+    """Two chunks per rank under ``interleaved_1f1b``, traced; torch's ``ScheduleInterleaved1F1B`` over a
+    ``PipelineStage`` per chunk; and the accumulated single process: the rank's chunks' parameters and losses."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    m, virtual, chunks = int(microbatches), 2, 2 * world
+    points = tuple(f"blocks.{k * BLOCKS // chunks}" for k in range(1, chunks))
+    model = base_model()
+    pipeline = PipelineParallel(
+        stages=world, microbatches=m, schedule="interleaved_1f1b", virtual_stages=virtual, split_points=points
+    )
+    step = transpile(model, adamw(model.parameters()), "none", loss_fn, batches()[0], pipeline=pipeline)
+    losses = [step(*batch).item() for batch in batches()]
+    names = chunk_names(model, rank, world, virtual)
+    out = {"traced": {"losses": losses, "params": parameters_of(model, names)}, "order": step.program.decisions}
+    model = base_model()
+    stages = [
+        PipelineStage(NarrowGPTStage(model, c, chunks), c, chunks, torch.device("cpu"))
+        for c in range(rank, chunks, world)
+    ]
+    runner = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+    optimizer = adamw([p for n, p in model.named_parameters() if n in names])
+    losses = []
+    for batch in batches():
+        optimizer.zero_grad()
+        loss = pipelining_step(runner, rank, world, batch, m)
+        losses += [loss] if loss is not None else []
+        optimizer.step()
+    out["torch"] = {"losses": losses, "params": parameters_of(model, names)}
+    out["accumulated"] = accumulated(rank, world, m, names=names)
+    dist.barrier()
+    return out
+
+
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits, targets)
 
@@ -109,9 +150,11 @@ def torch_pipelining(rank: int, world: int, schedule: str, microbatches: int) ->
     return {"losses": losses, "params": parameters_of(model, names)}
 
 
-def accumulated(rank: int, world: int, microbatches: int, max_norm: float | None = None) -> dict:
+def accumulated(
+    rank: int, world: int, microbatches: int, max_norm: float | None = None, names: list[str] | None = None
+) -> dict:
     """One process, the whole model, gradient accumulation over the same microbatches (``max_norm``: then
-    ``clip_grad_norm_`` over the whole model, its norms in ``"norms"``)."""
+    ``clip_grad_norm_`` over the whole model, its norms in ``"norms"``); the parameters ``names`` (the stage's)."""
     model = base_model()
     optimizer = adamw(model.parameters())
     losses, norms = [], []
@@ -128,7 +171,8 @@ def accumulated(rank: int, world: int, microbatches: int, max_norm: float | None
             norms.append(nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         optimizer.step()
         losses.append((sum(parts[1:], parts[0]) / microbatches).item())
-    return {"losses": losses, "norms": norms, "params": parameters_of(model, stage_names(model, rank, world))}
+    names = stage_names(model, rank, world) if names is None else names
+    return {"losses": losses, "norms": norms, "params": parameters_of(model, names)}
 
 
 def clipped(rank: int, world: int, microbatches: str) -> dict:

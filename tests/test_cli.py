@@ -104,7 +104,8 @@ def test_memory_shows_the_estimate_and_a_budget_lowers_it(capsys, tmp_path):
 
 
 def test_stages_show_one_stage_of_a_pipeline_with_its_sends_and_receives(capsys, tmp_path):
-    """``--stages 2 --rank 0``: stage 0's program, its order and its sends and receives (the deep MLP, about 3 s)."""
+    """``--stages 2 --rank 0``: stage 0's program, its order, its balanced split and its sends and receives; and
+    under interleaved 1F1B, the stage's two chunks (the deep MLP, about 6 s)."""
     (tmp_path / "deep_mlp.py").write_text(DEEP_MLP)
     factory = f"{tmp_path / 'deep_mlp.py'}:make"
     assert main(["dump", factory, "--stages", "2", "--rank", "0", "--microbatches", "4"]) == 0
@@ -112,6 +113,14 @@ def test_stages_show_one_stage_of_a_pipeline_with_its_sends_and_receives(capsys,
     assert out.out.count("torch.ops.transpiler.send.default(") == 4  # each microbatch's activations
     assert out.out.count("torch.ops.transpiler.recv.default(") == 4  # and their gradients back
     assert "# split-stages: stage 0 of 2, 4 microbatches, 1f1b: F0 F1 B0 F2 B1 F3 B2 B3" in out.err
+    assert "# balanced-split: split points ['2']: estimated ms per step by stage" in out.err
+    interleaved = ["--pp-schedule", "interleaved_1f1b", "--virtual-stages", "2"]
+    assert main(["dump", factory, "--stages", "2", "--rank", "0", "--microbatches", "4", *interleaved]) == 0
+    out = capsys.readouterr()
+    # chunks 0 and 2: activations to chunks 1 and 3, chunk 2's input gradients back to chunk 1; and as many received
+    assert out.out.count("torch.ops.transpiler.send.default(") == 12
+    assert out.out.count("torch.ops.transpiler.recv.default(") == 12
+    assert "# split-stages: stage 0 of 2 (chunks 0, 2), 4 microbatches, interleaved_1f1b: F0 F1 F0.c2" in out.err
 
 
 @pytest.mark.quick

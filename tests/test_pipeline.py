@@ -1,5 +1,5 @@
 """Pipeline parallelism (``transpile(..., pipeline=PipelineParallel(...))``): stages cut from the whole traced step,
-run over microbatches in GPipe's and 1F1B's orders.
+run over microbatches in GPipe's, 1F1B's, ZB-H1's and interleaved 1F1B's orders.
 
 In worlds of 2 and 4 over gloo (tests/pipeline_worker.py), the bench's narrow GPT (8 blocks) trains 10 AdamW steps
 on batches of 12 cut into 3 and 6 microbatches under each schedule, beside ``torch.distributed.pipelining``
@@ -10,18 +10,23 @@ autograd runs for the same microbatch, each gradient adds the microbatches in th
 their count (torch's ``scale_grads``; the accumulated reference divides the same way), and the update is AdamW's
 own. The schedule changes the order of the work, not the arithmetic, so the schedules agree too. Microbatch counts
 that are not powers of two make the test fail for a step that divides each microbatch's gradient by the count before
-adding (tried: the last digit of the third loss moves).
+adding (tried: the last digit of the third loss moves). Interleaved 1F1B (2 ranks × 2 chunks) against torch's
+``ScheduleInterleaved1F1B`` and accumulation, clipping by the whole model's norm against ``clip_grad_norm_``, and a
+stage resumed from its snapshot: bitwise too.
 
 Without a world: the cut's refusals (a skip connection around a split point, weights tied across stages, a split
 point that is no module, a batch that does not cut into equal microbatches, too few microbatches for 1F1B, a world
-of another size), each stage's program built statically (its own parameters only; its sends pairing with the next
-stage's receives), and the schedules' orders as a property (hypothesis): every order runs without waiting forever,
-each microbatch's forward and backward once, the backwards in microbatch order.
+of another size, settings interleaving does not take), each stage's program built statically (its own parameters
+only; its sends pairing with the next stage's receives), the split without split points (balanced: the stage
+programs equal those traced at the chosen points), and as properties (hypothesis) the schedules' orders (every
+order runs without waiting forever, each microbatch's forward and backward once per chunk, the backwards in
+microbatch order, the activations held within each schedule's bound) and the balanced cut (no contiguous cut has a
+smaller largest stage).
 
 Cost (2-core AMD EPYC, one process): the world of 2's parity job 17-24 s (in the quick tier and the narrow-kernel
-lane), the world of 4's 27 s, dp × pp 85 s (with its clipped run and reference), clipping at 2 stages 15 s,
-BatchNorm 9 s, resuming from snapshots 25 s, the mismatched settings 5 s, the static builds 25 s; the file about
-225 s.
+lane), the world of 4's 27 s, dp × pp 85 s (with its clipped run and reference), interleaved 24 s, clipping at 2
+stages 15 s, BatchNorm 9 s, resuming from snapshots 25 s, the mismatched settings 5 s, the static builds 30 s; the
+file about 250 s.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from transpiler import (
     transpile,
 )
 from transpiler.graph.stage_ops import RECV, SEND
-from transpiler.graph.stage_orders import ORDERS, check_orders, stage_order
+from transpiler.graph.stage_orders import SCHEDULES, check_orders, refusal, stage_order
 
 RUNS = ("traced gpipe", "traced 1f1b", "traced zbh1", "torch 1f1b", "accumulated")
 
@@ -74,6 +79,25 @@ def test_every_schedule_equals_torch_pipelining_and_accumulation_bitwise(world, 
                 )
         for name in ("traced gpipe", "traced 1f1b", "traced zbh1", "accumulated"):
             assert runs[name]["losses"] == last, f"stage {rank}, {name}: losses {runs[name]['losses']} != {last}"
+
+
+@pytest.mark.timeout(300)
+def test_interleaved_1f1b_equals_torchs_and_accumulation_bitwise(tmp_path):
+    """Two ranks, two chunks each (``interleaved_1f1b``, ``virtual_stages=2``: blocks 0-1 and 4-5 on rank 0), 6
+    microbatches: the rank's parameters after 10 AdamW steps and the losses are bitwise those of torch's
+    ``ScheduleInterleaved1F1B`` over a ``PipelineStage`` per chunk, and of one process accumulating the same
+    microbatches (each chunk's gradients add in microbatch order under both). About 20 s."""
+    ranks = run_in_world(2, "tests.pipeline_worker:interleaved", tmp_path, (6,), timeout=200)
+    last = ranks[-1]["torch"]["losses"]
+    assert len(last) == 10
+    for rank, runs in enumerate(ranks):
+        assert "chunks" in runs["order"]["split-stages"] and f".c{2 + rank}" in runs["order"]["split-stages"]
+        held = set(runs["torch"]["params"])
+        assert {f"blocks.{2 * rank}.qkv.weight", f"blocks.{2 * rank + 4}.qkv.weight"} <= held, held
+        for name in ("traced", "accumulated"):
+            for param, value in runs["torch"]["params"].items():
+                assert torch.equal(runs[name]["params"][param], value), f"rank {rank}, {name}: '{param}' differs"
+            assert runs[name]["losses"] == last, f"rank {rank}, {name}: losses"
 
 
 @pytest.mark.timeout(300)
@@ -189,7 +213,7 @@ def test_each_stage_holds_its_own_parameters_and_its_sends_meet_the_next_stages_
         assert sorted(sent, key=lambda m: m[1]) == sorted(received, key=lambda m: m[1])
         assert len(sent) == 4  # one per microbatch: activations forward, or their gradients back
     order = programs[0].decisions["split-stages"]
-    assert order.endswith(" ".join(f"{k}{i}" for k, i in stage_order(schedule, 2, 4, 0)))
+    assert order.endswith(" ".join(f"{k}{i}" for k, i, _ in stage_order(schedule, 2, 4, 0)))
 
 
 def test_without_split_points_the_cut_balances_the_estimated_time_and_equals_that_cut_traced():
@@ -274,8 +298,16 @@ def test_weights_tied_across_stages_are_refused_naming_the_parameter():
         ({"split_points": ("blocks.2", "blocks.4")}, 8, r"2 stages need 1 split points"),
         ({}, 6, r"4 equal microbatches along dim 0; the batch's shapes are \[\[6, 16\], \[96\]\]"),
         ({"microbatches": 1, "schedule": "1f1b"}, 8, r"'1f1b' needs at least as many microbatches as stages"),
+        ({"schedule": "interleaved_1f1b"}, 8, r"runs several chunks per rank: set virtual_stages=2 or more"),
+        ({"schedule": "interleaved_1f1b", "virtual_stages": 2, "microbatches": 3}, 6, r"a multiple of 2; got 3"),
+        ({"virtual_stages": 2}, 8, r"virtual_stages=2 \(chunks per rank\) runs under schedule 'interleaved_1f1b'"),
+        (
+            {"schedule": "interleaved_1f1b", "virtual_stages": 2, "split_points": ("blocks.4",)},
+            8,
+            r"2 stages of 2 chunks need 3 split points",
+        ),
     ],
-    ids=["unknown module", "count", "batch", "1f1b"],
+    ids=["unknown module", "count", "batch", "1f1b", "one chunk", "groups", "virtual", "chunk count"],
 )
 def test_settings_that_cannot_run_are_refused(settings, batch_size, match):
     model = base_model()
@@ -344,30 +376,41 @@ def test_a_pipeline_runs_on_as_many_ranks_as_stages():
         transpile(model, torch.optim.SGD(model.parameters(), lr=0.1), mesh=StaticWorld(size=2), pipeline=pipeline)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
     stages=st.integers(2, 6),
     microbatches=st.integers(1, 12),
-    schedule=st.sampled_from(sorted(ORDERS)),
+    schedule=st.sampled_from(SCHEDULES),
+    virtual=st.integers(2, 3),
 )
-def test_every_order_runs_each_microbatch_once_without_waiting_forever(stages, microbatches, schedule):
-    if schedule == "1f1b" and microbatches < stages:
-        with pytest.raises(ConfigurationError, match="needs at least as many microbatches"):
-            stage_order(schedule, stages, microbatches, 0)
+def test_every_order_runs_each_microbatch_once_without_waiting_forever(stages, microbatches, schedule, virtual):
+    virtual = virtual if schedule == "interleaved_1f1b" else 1
+    refused = refusal(schedule, stages, microbatches, virtual)
+    if refused is not None:
+        assert schedule == "1f1b" and microbatches < stages or schedule == "interleaved_1f1b" and microbatches % stages
+        with pytest.raises(ConfigurationError, match="needs at least as many microbatches|multiple of"):
+            stage_order(schedule, stages, microbatches, 0, virtual)
         return
-    orders = [stage_order(schedule, stages, microbatches, s) for s in range(stages)]
+    orders = [stage_order(schedule, stages, microbatches, s, virtual) for s in range(stages)]
     rounds = check_orders(orders)
     kinds = ("F", "B", "W") if schedule == "zbh1" else ("F", "B")
     for s, order in enumerate(orders):
-        assert sorted(order) == sorted((kind, i) for kind in kinds for i in range(microbatches))
+        chunks = range(s, stages * virtual, stages)
+        assert sorted(order) == sorted((kind, i, c) for kind in kinds for i in range(microbatches) for c in chunks)
         last = "W" if schedule == "zbh1" else "B"  # the weights' gradients: made, and so added, in microbatch order
-        assert [i for kind, i in order if kind == last] == list(range(microbatches))
+        for c in chunks:
+            assert [i for kind, i, chunk in order if kind == last and chunk == c] == list(range(microbatches))
         waiting = peak = 0  # microbatches whose input gradient is not made yet: 1F1B's bound on what a stage holds
-        for kind, _ in order:
+        for kind, _, _ in order:
             waiting += {"F": 1, "B": -1, "W": 0}[kind]
             peak = max(peak, waiting)
-        assert peak == (microbatches if schedule == "gpipe" else min(microbatches, stages - s))
-    if schedule != "zbh1":  # unit-time forwards and backwards: the ideal length, m + p - 1 of each
+        if schedule == "interleaved_1f1b":  # chunk-microbatches held: the warm-up's, and one more in the steady state
+            assert peak <= min(2 * (stages - s - 1) + (virtual - 1) * stages + 1, microbatches * virtual)
+        else:
+            assert peak == (microbatches if schedule == "gpipe" else min(microbatches, stages - s))
+    if schedule in ("gpipe", "1f1b"):  # unit-time forwards and backwards: the ideal length, m + p - 1 of each
         assert len(rounds) == 2 * (microbatches + stages - 1)
+    elif schedule == "interleaved_1f1b":  # chunks of 1/v a stage's time: the bubble is 1/v of 1F1B's
+        assert len(rounds) == 2 * (microbatches * virtual + stages - 1)
     elif microbatches >= stages:  # forward, input and weight gradients alike: p - 1 idle units, a third of 1F1B's
         assert len(rounds) == 3 * microbatches + stages - 1

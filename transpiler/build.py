@@ -261,7 +261,7 @@ def split_stage(
     if not pipeline.split_points:
         from passes.stage_balance import balance, keep_marks, segment_costs  # here: passes import transpiler.graph
 
-        cut = balance(*segment_costs(traced, pipeline.microbatches), pipeline.stages)
+        cut = balance(*segment_costs(traced, pipeline.microbatches), pipeline.chunks)
         keep_marks(traced, cut.starts)
         times = ", ".join(f"{s * 1e3:.2f}" for s in cut.stage_seconds())
         held = ", ".join(f"{b / 2**20:.2f}" for b in cut.stage_bytes())
@@ -269,7 +269,9 @@ def split_stage(
             f"split points {[points[s - 1] for s in cut.starts]}: estimated ms per step by stage {times}; "
             f"MiB of parameters, optimizer state and buffers {held}"
         )
-    split = PASSES["split-stages"](microbatches=pipeline.microbatches, schedule=pipeline.schedule)
+    split = PASSES["split-stages"](
+        microbatches=pipeline.microbatches, schedule=pipeline.schedule, virtual=pipeline.virtual_stages
+    )
     traced.axes = {"pp": stage}
     Pipeline([split], list(DEFAULT_VERIFIERS), verify=execution.verify, on_pass=execution.on_pass).run(traced)
     traced.axes = {}

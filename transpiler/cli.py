@@ -160,9 +160,16 @@ def add_pipeline_arguments(dump: argparse.ArgumentParser) -> None:
     )
     dump.add_argument("--microbatches", type=int, default=4, help="with --stages: microbatches per batch")
     dump.add_argument(
-        "--pp-schedule", default="1f1b", help="with --stages: the pipeline's schedule (gpipe, 1f1b, zbh1)"
+        "--pp-schedule",
+        default="1f1b",
+        help="with --stages: the pipeline's schedule (gpipe, 1f1b, zbh1, interleaved_1f1b)",
     )
-    dump.add_argument("--split-points", help="with --stages: module names, comma-separated (default: equal blocks)")
+    dump.add_argument(
+        "--virtual-stages", type=int, default=1, help="with --stages: chunks per rank (interleaved_1f1b: 2 or more)"
+    )
+    dump.add_argument(
+        "--split-points", help="with --stages: module names, comma-separated (default: balanced by estimated time)"
+    )
 
 
 def pipeline_of(args: argparse.Namespace) -> PipelineParallel | None:
@@ -171,7 +178,11 @@ def pipeline_of(args: argparse.Namespace) -> PipelineParallel | None:
         return None
     split = args.split_points or ()
     return PipelineParallel(
-        stages=args.stages, microbatches=args.microbatches, schedule=args.pp_schedule, split_points=split
+        stages=args.stages,
+        microbatches=args.microbatches,
+        schedule=args.pp_schedule,
+        split_points=split,
+        virtual_stages=args.virtual_stages,
     )
 
 
