@@ -302,8 +302,9 @@ def batch_norm(rank: int, world: int) -> dict:
 
 
 def resumed(rank: int, world: int, microbatches: str) -> dict:
-    """10 steps straight, and 5 steps, ``step.state_dict()`` through ``torch.save``, then a step made from another
-    model's initialisation that loads it and runs the last 5; and the error of loading the other stage's snapshot."""
+    """10 steps straight, ``step.state_dict()`` taken through ``torch.save`` after 5 of them; a step made from
+    another model's initialisation that loads it and runs the last 5; and the error of loading the other stage's
+    snapshot."""
     m, data = int(microbatches), batches()
     half = STEPS // 2
 
@@ -314,17 +315,18 @@ def resumed(rank: int, world: int, microbatches: str) -> dict:
         return model, transpile(model, adamw(model.parameters()), "none", loss_fn, data[0], pipeline=pipeline)
 
     model, step = made(0)
-    straight = [step(*batch).item() for batch in data]
-    out = {"straight": {"losses": straight, "params": parameters_of(model, stage_names(model, rank, world))}}
-    model, step = made(0)
-    first = [step(*batch).item() for batch in data[:half]]
     saved = io.BytesIO()
-    torch.save(step.state_dict(), saved)
+    straight = []
+    for k, batch in enumerate(data):
+        if k == half:
+            torch.save(step.state_dict(), saved)
+        straight.append(step(*batch).item())
+    out = {"straight": {"losses": straight, "params": parameters_of(model, stage_names(model, rank, world))}}
     model, step = made(1)
     snapshot = torch.load(io.BytesIO(saved.getvalue()))
     step.load_state_dict(snapshot)
     rest = [step(*batch).item() for batch in data[half:]]
-    out["resumed"] = {"losses": first + rest, "params": parameters_of(model, stage_names(model, rank, world))}
+    out["resumed"] = {"losses": straight[:half] + rest, "params": parameters_of(model, stage_names(model, rank, world))}
     out["entries"] = sorted(snapshot["model"])
     out["optimizer state"] = len(snapshot["optimizer"]["state"])
     every = [None] * world
