@@ -4,6 +4,7 @@ run per stage count.
 
     python -m bench.pipeline           # 2 and 4 stages; GPipe, 1F1B, ZB-H1, interleaved 1F1B; 4 and 8 microbatches
     python -m bench.pipeline --stages 2 --microbatches 4
+    python -m bench.pipeline --compile --stages 2 --microbatches 4   # ours compiled (Inductor), its own table
 
 Model: a GPT of 8 blocks (width 64, 4 heads, sequence 32), batch 16, AdamW; one process per stage, one thread
 each. torch's side is a hand-built ``PipelineStage`` per rank holding the same modules (``bench/models.py``'s
@@ -39,13 +40,14 @@ from bench.host_ops import interleaved_ms
 from bench.models import NarrowGPT, NarrowGPTStage, narrow_batch, pipelining_step
 from bench.op_count import count_ops
 from bench.two_ranks import entry, finish_rank, two_rank_results, write_section
-from transpiler import PipelineParallel, transpile
+from transpiler import Execution, PipelineParallel, transpile
 from transpiler.runtime.allocations import allocated_peak
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = "python -m bench.pipeline"
 DOC = ROOT / "docs" / "strategies" / "pipeline.md"
 BEGIN, END = "<!-- bench/pipeline.py begin -->", "<!-- bench/pipeline.py end -->"
+COMPILED = "<!-- bench/pipeline.py --compile begin -->", "<!-- bench/pipeline.py --compile end -->"
 BLOCKS, DIM, HEADS, BATCH = 8, 64, 4, 16
 VIRTUAL = 2  # chunks per rank under interleaved 1F1B
 WAITS = ("transpiler::recv", "transpiler::wait_sends", "_c10d_functional::wait_tensor")
@@ -119,7 +121,8 @@ def our_step(world: int, schedule: str, microbatches: int, batch: tuple):
         stages=world, microbatches=microbatches, schedule=schedule, virtual_stages=virtual, split_points=points
     )
     config = os.environ.get("BENCH_CONFIG", "fused_allreduce")
-    step = transpile(model, adamw(model.parameters()), config, loss_fn, batch, pipeline=pipeline)
+    execution = Execution(compile=bool(os.environ.get("BENCH_COMPILE")))
+    step = transpile(model, adamw(model.parameters()), config, loss_fn, batch, pipeline=pipeline, execution=execution)
     return lambda: step(*batch)
 
 
@@ -185,9 +188,14 @@ def slowest(per_rank: list[list[float]]) -> float:
     return statistics.median(max(values) for values in zip(*per_rank))
 
 
-def render(results: dict[int, list[dict]]) -> str:
+def render(results: dict[int, list[dict]], compiled: bool = False) -> str:
+    command = (
+        f"`{COMMAND} --compile` (ours with compile=True: work ops are what Inductor left)"
+        if compiled
+        else (f"`{COMMAND}`")
+    )
     lines = [
-        f"`{COMMAND}` on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+        f"{command} on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}; GPT {BLOCKS} blocks × width {DIM}, batch {BATCH}, AdamW. Step time: the median over "
         "rounds of the slowest rank; bubble: each rank's share of the step spent waiting for a peer, rank 0 … "
         "p−1; peak: the most a step allocates above what it holds, per stage, KiB.",
@@ -221,14 +229,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--compile", action="store_true", help="ours with compile=True (its own table in the docs)")
     args = parser.parse_args()
     os.environ["BENCH_MICROBATCHES"] = ",".join(map(str, args.microbatches))
+    if args.compile:
+        os.environ["BENCH_COMPILE"] = "1"
     results = {}
     for port, stages in enumerate(args.stages):
         results[stages] = two_rank_results(__file__, lambda out, _: [out], 29710 + port, world=stages)
-    table = render(results)
+    table = render(results, args.compile)
     print(table)
-    write_section(DOC, BEGIN, END, table)
+    write_section(DOC, *(COMPILED if args.compile else (BEGIN, END)), table)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ class StageBuilder:
         self.pieces: dict[fx.Node, fx.Node] = {}  # a batch input -> its tensor_split
         self.sums: dict[fx.Node, fx.Node] = {}  # a gradient node of this rank -> its running sum
         self.tokens: list[fx.Node] = []
+        self.message: fx.Node | None = None  # the last send or receive: the next one reads it (``after``)
         nodes = [n for n in self.old.nodes if n.op not in ("placeholder", "output")]
         per = cut.per_microbatch
         self.forward, self.backward, self.input_grad, self.weight_grad, self.grads = {}, {}, {}, {}, {}
@@ -211,17 +212,23 @@ class StageBuilder:
 
     def _send(self, value: fx.Node, chunk: int, i: int | None, boundary: int, direction: int) -> None:
         tag = self._tag(i, boundary, direction)
-        token = emit(self.new, SEND, (value, self.group, self._rank_of(chunk), tag), role="communication")
+        args = (value, self.group, self._rank_of(chunk), tag, self._after())
+        token = emit(self.new, SEND, args, role="communication")
         token.meta["microbatch"] = i
         self.tokens.append(token)
+        self.message = token
 
     def _recv(self, mark: fx.Node, chunk: int, i: int | None, boundary: int, direction: int) -> fx.Node:
         val = mark.meta["val"]
         peer, tag = self._rank_of(chunk), self._tag(i, boundary, direction)
-        args = (list(val.shape), val.dtype, val.device, self.group, peer, tag)
+        args = (list(val.shape), val.dtype, val.device, self.group, peer, tag, self._after())
         node = emit(self.new, RECV, args, role="communication")
         node.meta["microbatch"] = i
+        self.message = node
         return node
+
+    def _after(self) -> list[fx.Node]:
+        return [self.message] if self.message is not None else []
 
     def _accumulate(self, i: int, chunk: int) -> None:
         """Add microbatch ``i``'s gradients of ``chunk`` to the running sums, in microbatch order."""
@@ -253,10 +260,6 @@ class StageBuilder:
             elif self._mine(self.cut.owner.get(port)):
                 values.append(last_env.get(value, update_env.get(value)) if isinstance(value, fx.Node) else value)
                 outputs.append(port)
-        if self.tokens:
-            # pinned: at the end, where no send waits for a peer that is still busy (hoisted right after the last
-            # send, it made the stage wait for its peer's receive: measured 20-30 ms a step under ZB-H1)
-            emit(self.new, WAIT_SENDS, (self.tokens,), role="communication", pinned=True)
         self.new.output(tuple(values))
         self.program.outputs = outputs
         names = {p.name for p in outputs if p.kind == PortKind.PARAM}
@@ -264,7 +267,9 @@ class StageBuilder:
         self.program.graph_module = fx.GraphModule(self.program.graph_module, self.new)
 
     def _loss(self) -> fx.Node:
-        """The mean of the microbatches' losses (the last stage's; zero elsewhere), summed over the group."""
+        """The mean of the microbatches' losses (the last stage's; zero elsewhere), summed over the group once the
+        stage's sends are done: ``wait_sends`` hands a zero the loss adds, so no scheduler (``schedule-collectives``,
+        Inductor) can move the all-reduce ahead of a send that a peer waits for before its own all-reduce."""
         loss_node = next(v for p, v in zip(self.program.outputs, self.old.output_node().args[0]) if p.kind == "loss")
         if self.last:
             total = self.envs[0][loss_node]
@@ -276,5 +281,9 @@ class StageBuilder:
             local = emit(
                 self.new, torch.ops.aten.zeros.default, ([],), {"dtype": val.dtype, "device": val.device}, role="loss"
             )
+        # pinned at the end, where no send waits for a peer that is still busy (hoisted right after the last send,
+        # it made the stage wait for its peer's receive: measured 20-30 ms a step under ZB-H1)
+        done = emit(self.new, WAIT_SENDS, (self.tokens, local, self._after()), role="communication", pinned=True)
+        local = emit(self.new, torch.ops.aten.add.Tensor, (local, done), role="loss") if self.last else done
         summed = emit(self.new, c10d.all_reduce.default, (local, "sum", self.group), role="communication")
         return emit(self.new, c10d.wait_tensor.default, (summed,), role="communication")

@@ -30,6 +30,7 @@ from transpiler import (  # noqa: E402
     CheckpointError,
     Clipping,
     DataParallel,
+    Execution,
     PipelineParallel,
     RankMismatchError,
     mode_config,
@@ -336,6 +337,30 @@ def resumed(rank: int, world: int, microbatches: str) -> dict:
         out["other stage's"] = None
     except CheckpointError as error:
         out["other stage's"] = str(error)
+    return out
+
+
+def compiled(rank: int, world: int, microbatches: str) -> dict:
+    """A GPT of 4 blocks in two stages, 6 AdamW steps eager and with ``compile=True``: each run's losses and the
+    stage's parameters, how many graphs Dynamo made, and the compile's seconds."""
+    m, data = int(microbatches), batches()[:6]
+    out = {}
+    for label, compile_ in (("eager", False), ("compiled", True)):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(0)
+        model = NarrowGPT(blocks=4)
+        pipeline = PipelineParallel(stages=world, microbatches=m, split_points=("blocks.2",))
+        execution = Execution(compile=compile_)
+        step = transpile(model, adamw(model.parameters()), "none", loss_fn, data[0], pipeline=pipeline,
+                         execution=execution)  # fmt: skip
+        losses = [step(*batch).item() for batch in data]
+        names = [n for n, _ in model.named_parameters() if n.startswith(("embed", "pos", "blocks.0", "blocks.1"))]
+        if rank == world - 1:
+            names = [n for n, _ in model.named_parameters() if n not in names]
+        out[label] = {"losses": losses, "params": parameters_of(model, names)}
+        out[label]["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        out[label]["compile_seconds"] = dict(step.compile_seconds)
     return out
 
 

@@ -10,7 +10,8 @@ that reads it and a send in the stage that makes it.
 for the sends of its tokens (a program's last op, so no send outlives its step). ``transpiler::recv`` receives and
 returns when the tensor has arrived. Peers are ranks of the named process group (the pipeline's). Sends never
 block, so any order in which each receive's send is posted before, or without waiting on, that receive runs
-without a deadlock: every schedule's order does.
+without a deadlock: every schedule's order does. Each message reads the one before it (``after``: an input it does
+not use), so a compiler that orders ops by their data (Inductor) keeps the schedule's order of messages too.
 """
 
 from __future__ import annotations
@@ -64,24 +65,35 @@ def _group(group_name: str) -> dist.ProcessGroup:
 
 
 @torch.library.custom_op("transpiler::send", mutates_args=())
-def send(tensor: torch.Tensor, group_name: str, peer: int, tag: int) -> torch.Tensor:
-    """Post the send of ``tensor`` to rank ``peer`` of the group; returns its token for ``wait_sends``."""
-    payload = tensor.contiguous()
+def send(tensor: torch.Tensor, group_name: str, peer: int, tag: int, after: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Post the send of ``tensor`` to rank ``peer`` of the group once ``after`` (the stage's message before) is
+    made; returns its token for ``wait_sends``."""
+    # a copy the send owns: the caller's tensor may be written again before the send completes (Inductor reuses
+    # a buffer once no op of the graph reads it; the compiled step's second loss was off by 0.5% before)
+    payload = tensor.clone(memory_format=torch.contiguous_format)
     token = next(_tokens)
     _pending[token] = (dist.isend(payload, group=_group(group_name), group_dst=peer, tag=tag), payload)
     return torch.tensor([token], dtype=torch.int64)
 
 
 @send.register_fake
-def _send_fake(tensor: torch.Tensor, group_name: str, peer: int, tag: int) -> torch.Tensor:
+def _send_fake(
+    tensor: torch.Tensor, group_name: str, peer: int, tag: int, after: Sequence[torch.Tensor]
+) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int64)
 
 
 @torch.library.custom_op("transpiler::recv", mutates_args=())
 def recv(
-    shape: Sequence[int], dtype: torch.dtype, device: torch.device, group_name: str, peer: int, tag: int
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    group_name: str,
+    peer: int,
+    tag: int,
+    after: Sequence[torch.Tensor],
 ) -> torch.Tensor:
-    """Receive a tensor of ``shape`` and ``dtype`` from rank ``peer`` of the group."""
+    """Receive a tensor of ``shape`` and ``dtype`` from rank ``peer`` of the group, once ``after`` is made."""
     out = torch.empty(shape, dtype=dtype, device=device)
     dist.irecv(out, group=_group(group_name), group_src=peer, tag=tag).wait()
     return out
@@ -89,23 +101,30 @@ def recv(
 
 @recv.register_fake
 def _recv_fake(
-    shape: Sequence[int], dtype: torch.dtype, device: torch.device, group_name: str, peer: int, tag: int
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    group_name: str,
+    peer: int,
+    tag: int,
+    after: Sequence[torch.Tensor],
 ) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
 @torch.library.custom_op("transpiler::wait_sends", mutates_args=())
-def wait_sends(tokens: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Wait until every send of ``tokens`` has completed; returns an empty tensor (for the graph's order)."""
+def wait_sends(tokens: Sequence[torch.Tensor], like: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Wait until every send of ``tokens`` has completed (once ``after``, the stage's last message, is made);
+    returns a zero shaped as ``like`` (what comes after the messages reads it, so nothing moves ahead of them)."""
     for token in tokens:
         work, _ = _pending.pop(int(token.item()))
         work.wait()
-    return torch.empty(0)
+    return torch.zeros_like(like)
 
 
 @wait_sends.register_fake
-def _wait_sends_fake(tokens: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.empty(0)
+def _wait_sends_fake(tokens: Sequence[torch.Tensor], like: torch.Tensor, after: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.empty_like(like)
 
 
 STAGE_INPUT = torch.ops.transpiler.stage_input.default

@@ -23,7 +23,7 @@ def messages(graph: fx.Graph) -> dict[str, list[Message]]:
             value = node.args[0].meta["val"]
             out["sends"].append((node.args[2], node.args[3], tuple(value.shape), str(value.dtype)))
         elif node.target is RECV:
-            shape, dtype, _, _, peer, tag = node.args
+            shape, dtype, _, _, peer, tag = node.args[:6]
             out["recvs"].append((peer, tag, tuple(shape), str(dtype)))
     return out
 
