@@ -34,6 +34,7 @@ from transpiler.graph.stage_ops import RECV, SEND, STAGE_INPUT, STAGE_INPUT_GRAD
 from transpiler.graph.stage_orders import SCHEDULES, Action, label, stage_order
 
 from .gradient_flow import optimizer_gradients
+from .stage_balance import balance, keep_marks, segment_costs
 from .stage_cut import StageCut, cut_stages
 
 FORWARD_ROLES = ("forward", "loss", "loss_grad")
@@ -48,6 +49,9 @@ class SplitStages(Pass):
     microbatches: int = option(1, minimum=1, help="equal parts the batch is cut into along dim 0")
     schedule: str = option("1f1b", choices=SCHEDULES, help="the order of the stage's forwards and backwards")
     virtual: int = option(1, minimum=1, help="chunks of the model per rank (interleaved_1f1b: 2 or more)")
+    candidates: str = option(
+        "", help="the marked modules, comma-separated, where the trace marks every block: the cut balances them"
+    )
 
     def run(self, program: StepProgram) -> bool:
         axis = program.axes.get("pp")
@@ -57,6 +61,8 @@ class SplitStages(Pass):
             return False
         ranks = axis.world_size
         order = stage_order(self.schedule, ranks, self.microbatches, axis.rank, self.virtual)
+        if self.candidates:
+            self._balance(program, ranks * self.virtual)
         cut = cut_stages(program, ranks * self.virtual)
         program.pipeline_grads = tuple(optimizer_gradients(program))
         StageBuilder(program, cut, axis, self.microbatches).build(order)
@@ -68,6 +74,18 @@ class SplitStages(Pass):
             + " ".join(label(action, ranks) for action in order)
         )
         return True
+
+    def _balance(self, program: StepProgram, chunks: int) -> None:
+        """Keep the candidates' marks where the chunks' estimated times balance (``stage_balance.py``)."""
+        names = self.candidates.split(",")
+        cut = balance(*segment_costs(program, self.microbatches), chunks)
+        keep_marks(program, cut.starts)
+        times = ", ".join(f"{s * 1e3:.2f}" for s in cut.stage_seconds())
+        held = ", ".join(f"{b / 2**20:.2f}" for b in cut.stage_bytes())
+        program.decisions["balanced-split"] = (
+            f"split points {[names[s - 1] for s in cut.starts]}: estimated ms per step by stage {times}; "
+            f"MiB of parameters, optimizer state and buffers {held}"
+        )
 
 
 class StageBuilder:

@@ -254,23 +254,15 @@ def split_stage(
 ) -> None:
     """Cut this rank's stage out of the step traced on one microbatch (``passes/split_stages.py``), before any
     mode's passes: they see one stage's program, its gradients the means over the microbatches. Traced at
-    ``points``: the user's split points, or every block as a candidate, of which the balanced cut keeps
-    ``stages - 1`` (``passes/stage_balance.py``)."""
+    ``points``: the user's split points, or every block as a candidate, of which the pass's balanced cut keeps
+    one per chunk after the first (``passes/stage_balance.py``)."""
     if execution.memory_budget is not None or execution.memory_budget_bytes is not None:
         raise ConfigurationError("a memory budget with a pipeline is not supported yet; leave memory_budget out.")
-    if not pipeline.split_points:
-        from passes.stage_balance import balance, keep_marks, segment_costs  # here: passes import transpiler.graph
-
-        cut = balance(*segment_costs(traced, pipeline.microbatches), pipeline.chunks)
-        keep_marks(traced, cut.starts)
-        times = ", ".join(f"{s * 1e3:.2f}" for s in cut.stage_seconds())
-        held = ", ".join(f"{b / 2**20:.2f}" for b in cut.stage_bytes())
-        traced.decisions["balanced-split"] = (
-            f"split points {[points[s - 1] for s in cut.starts]}: estimated ms per step by stage {times}; "
-            f"MiB of parameters, optimizer state and buffers {held}"
-        )
     split = PASSES["split-stages"](
-        microbatches=pipeline.microbatches, schedule=pipeline.schedule, virtual=pipeline.virtual_stages
+        microbatches=pipeline.microbatches,
+        schedule=pipeline.schedule,
+        virtual=pipeline.virtual_stages,
+        candidates="" if pipeline.split_points else ",".join(points),
     )
     traced.axes = {"pp": stage}
     Pipeline([split], list(DEFAULT_VERIFIERS), verify=execution.verify, on_pass=execution.on_pass).run(traced)
