@@ -190,11 +190,7 @@ def slowest(per_rank: list[list[float]]) -> float:
 
 
 def render(results: dict[int, list[dict]], compiled: bool = False) -> str:
-    command = (
-        f"`{COMMAND} --compile` (ours with compile=True: work ops are what Inductor left)"
-        if compiled
-        else (f"`{COMMAND}`")
-    )
+    command = f"`{COMMAND} --compile` (ours with compile=True, its ops not counted)" if compiled else f"`{COMMAND}`"
     lines = [
         f"{command} on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}; GPT {BLOCKS} blocks × width {DIM}, batch {BATCH}, AdamW. Step time: the median over "
