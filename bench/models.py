@@ -252,6 +252,27 @@ class TinyLlama(nn.Module):
         return self.output(self.norm(h))
 
 
+class TinyLlamaStage(nn.Module):
+    """Stage ``stage`` of ``stages`` of a :class:`TinyLlama` for ``torch.distributed.pipelining``'s
+    ``PipelineStage`` (as :class:`NarrowGPTStage`): the same modules, its layers cut into equal runs, the embedding
+    in the first stage, the norm and output layer in the last."""
+
+    def __init__(self, model: TinyLlama, stage: int, stages: int) -> None:
+        super().__init__()
+        per = len(model.layers) // stages
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.tok_embeddings = model.tok_embeddings if self.first else None
+        self.layers = nn.ModuleDict({str(b): model.layers[b] for b in range(stage * per, (stage + 1) * per)})
+        self.norm, self.output = (model.norm, model.output) if self.last else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.output(self.norm(x)) if self.last else x
+
+
 def llama_tp_plan(model: TinyLlama, sequence_parallel: bool) -> dict:
     """torchtitan's tensor-parallel plan for a Llama block, by module name: ``wq``/``wk``/``wv`` and ``w1``/``w3``
     split by columns (heads, hidden units), ``wo`` and ``w2`` by rows, the embedding table by rows (vocabulary),

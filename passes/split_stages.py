@@ -104,6 +104,8 @@ class StageBuilder:
         self.envs: list[dict[fx.Node, fx.Node]] = [{} for _ in range(microbatches)]
         self.pieces: dict[fx.Node, fx.Node] = {}  # a batch input -> its tensor_split
         self.sums: dict[fx.Node, fx.Node] = {}  # a gradient node of this rank -> its running sum
+        # a gradient reduced over the tensor-parallel group (a Partial one): its partial sum -> the reduction
+        self.reduced: dict[fx.Node, fx.Node] = {}
         self.tokens: list[fx.Node] = []
         self.message: fx.Node | None = None  # the last send or receive: the next one reads it (``after``)
         nodes = [n for n in self.old.nodes if n.op not in ("placeholder", "output")]
@@ -113,8 +115,15 @@ class StageBuilder:
             held = [n for n in nodes if cut.held_by(n, c)]
             self.forward[c] = [n for n in held if n in per and n.meta.get("role") in FORWARD_ROLES]
             backward = [n for n in held if n in per and n.meta.get("role") == "backward"]
+            reductions = []
+            for grad in (n for n in backward if "grad_of" in n.meta):
+                reduction = partial_reduction(grad, per)
+                if reduction:
+                    self.reduced[reduction[0].args[0]] = grad
+                    reductions += reduction
+            backward = [n for n in backward if n not in reductions]
             self.backward[c] = backward
-            self.grads[c] = [n for n in backward if "grad_of" in n.meta]
+            self.grads[c] = [n for n in backward if "grad_of" in n.meta or n in self.reduced]
             # a zero-bubble order's backward in two: what the gradient the chunk before waits for needs (B), the rest
             sent = [n for n in backward if any(u.target is STAGE_INPUT_GRAD and u.args[1] == c for u in n.users)]
             needed = ancestors(sent)
@@ -263,6 +272,10 @@ class StageBuilder:
         update_env = dict(self.step_env)
         for grad, total in self.sums.items():
             mean = emit(self.new, torch.ops.aten.div.Tensor, (total, self.m), role="backward")
+            if grad in self.reduced:  # the mean of the partial sums, then their one reduction over the group
+                grad, env = self.reduced[grad], {grad: mean}
+                for node in partial_reduction(grad, self.cut.per_microbatch):
+                    env[node] = mean = self.new.node_copy(node, env.__getitem__)
             mean.meta["grad_of"] = grad.meta["grad_of"]
             update_env[grad] = mean
         for node in self.update:
@@ -305,3 +318,24 @@ class StageBuilder:
         local = emit(self.new, torch.ops.aten.add.Tensor, (local, done), role="loss") if self.last else done
         summed = emit(self.new, c10d.all_reduce.default, (local, "sum", self.group), role="communication")
         return emit(self.new, c10d.wait_tensor.default, (summed,), role="communication")
+
+
+def partial_reduction(grad: fx.Node, per_microbatch: set[fx.Node]) -> list[fx.Node]:
+    """The all-reduce (and its wait) that makes ``grad`` from a partial gradient over the tensor-parallel group (a
+    Partial DTensor's, a norm's weight under sequence parallel), when only the update reads it; else nothing.
+    Such a gradient is summed over the microbatches first and reduced once, as eager TP inside
+    ``torch.distributed.pipelining`` does (the ``.grad`` stays Partial until the step redistributes it): the same
+    bits, and one all-reduce a step instead of one per microbatch."""
+    if grad.target is not c10d.wait_tensor.default:
+        return []
+    reduce = grad.args[0]
+    if not (
+        isinstance(reduce, fx.Node)
+        and reduce.target is c10d.all_reduce.default
+        and reduce.args[1] == "sum"
+        and reduce.meta.get("mesh_dim") == "tp"
+        and len(reduce.users) == 1
+        and not any(u in per_microbatch for u in grad.users)
+    ):
+        return []
+    return [reduce, grad]

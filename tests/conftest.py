@@ -1,6 +1,9 @@
 import os
 import sys
+from collections import defaultdict
+from pathlib import Path
 
+import pytest
 from hypothesis import Phase, settings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,15 +31,58 @@ def pytest_configure(config):
         settings.load_profile("quick")
 
 
+# Worker-seconds of the heaviest files in the suite on the slowest CI machine (a 2-core AMD EPYC, two workers; the
+# summary at the end of a run prints them: refresh this from it). `--dist loadfile` gives each worker whole files,
+# handed out in collection order (`--no-loadscope-reorder`): the heaviest first, then the others in the shuffled
+# order, so the last file a worker takes is a light one and the two end together (xdist's own order, by number
+# of tests, left files of few but long tests, such as a world of 8, for the end).
+FILE_SECONDS = {
+    "test_zero.py": 330,
+    "test_tensor_parallel.py": 330,
+    "test_pipeline.py": 250,
+    "test_diloco_w1.py": 210,
+    "test_quorum.py": 205,
+    "test_zero_static.py": 150,
+    "test_recompute.py": 150,
+    "test_pipeline_3d.py": 120,
+    "test_pipeline_features.py": 110,
+    "test_diloco.py": 95,
+    "test_generic_optimizers_world.py": 95,
+}
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle
 def pytest_collection_modifyitems(config, items):
-    """``quick_subset`` tests repeat, on less, a claim a full test checks: they run only when ``-m`` names the
-    quick tier (``-m quick``), never beside the full tests they shorten (the README's full run, CI)."""
+    """The heaviest files first (``FILE_SECONDS``; a stable sort keeps the shuffled order among the others and
+    within each file). ``quick_subset`` tests repeat, on less, a claim a full test checks: they run only when ``-m``
+    names the quick tier (``-m quick``), never beside the full tests they shorten (the README's full run, CI)."""
+    items.sort(key=lambda item: -FILE_SECONDS.get(Path(str(item.fspath)).name, 0))
     if "quick" in (config.option.markexpr or ""):
         return
     subset = [item for item in items if item.get_closest_marker("quick_subset")]
     if subset:
         config.hook.pytest_deselected(items=subset)
         items[:] = [item for item in items if not item.get_closest_marker("quick_subset")]
+
+
+_busy: dict[str, float] = defaultdict(float)  # worker-seconds per file, and per worker (on the controller)
+
+
+def pytest_runtest_logreport(report):
+    node = getattr(report, "node", None)  # the xdist worker that ran it (absent without xdist)
+    worker = node.gateway.id if node is not None else "main"
+    _busy[Path(report.fspath).name] += report.duration
+    _busy[f"worker {worker}"] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each worker's busy seconds (how evenly the files fell), and the heaviest files (for ``FILE_SECONDS``)."""
+    workers = {k: v for k, v in _busy.items() if k.startswith("worker ")}
+    files = sorted(((v, k) for k, v in _busy.items() if k not in workers), reverse=True)[:15]
+    terminalreporter.write_line(
+        "busy seconds per worker: " + ", ".join(f"{k[7:]} {v:.0f}" for k, v in sorted(workers.items()))
+    )
+    terminalreporter.write_line("heaviest files (seconds): " + ", ".join(f"{k} {v:.0f}" for v, k in files))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -24,9 +24,9 @@ microbatch order, the activations held within each schedule's bound) and the bal
 smaller largest stage).
 
 Cost (2-core AMD EPYC, one process): the world of 2's parity job 17-24 s (in the quick tier and the narrow-kernel
-lane), the world of 4's 25 s, dp × pp 85 s (with its clipped run and reference), BatchNorm 9 s, the mismatched
-settings 5 s, the static builds 30 s; the file about 200 s. Interleaved 1F1B, clipping, snapshots and compiled
-stages: tests/test_pipeline_features.py.
+lane), the world of 4's 25 s, dp × pp 60 s (two modes, the clipped run and their references), BatchNorm 9 s, the
+mismatched settings 5 s, the static builds 30 s; the file about 180 s. Interleaved 1F1B, clipping, snapshots and
+compiled stages: tests/test_pipeline_features.py.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def without_key_bias(name: str, value: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.timeout(600)
 def test_data_parallel_modes_beside_the_pipeline_equal_torch_pipelining_averaged_over_dp(tmp_path):
-    """dp=2 × pp=2 (``mesh=init_device_mesh(..., ("pp", "dp"))``): each mode across ``dp`` under 1F1B, beside
+    """dp=2 × pp=2 (``mesh=init_device_mesh(..., ("pp", "dp"))``): ``zero1`` and ``zero2`` across ``dp`` under
+    1F1B (``fused_allreduce`` and ``zero3``: tests/test_pipeline_3d.py, beside a tensor-parallel plan too), beside
     torch's pipelining whose gradients the test averages over ``dp`` as DDP does. Bitwise: every scaling is by a
     power of two but the microbatches' 1/3, and fl(x/6) = fl(x/3)/2. With clipping under ``zero2`` (each stage's
     norms from its ranks' shards, one all-reduce over ``dp``, then the stages' over ``pp``), beside the reference

@@ -79,8 +79,8 @@ def transpile(
     traced ahead by :func:`trace_training_step` (checked to be this step's; a ``TraceMismatchError`` names the
     first difference), or a :class:`TraceCache` that serves every build. ``outer_optimizer``: the outer optimizer
     of ``DiLoCo`` and ``StreamingDiLoCo`` (the paper's Nesterov SGD at lr 0.7 by default), over the same parameters.
-    ``pipeline=PipelineParallel(...)``: each rank runs one stage; ``mesh`` then names ``pp`` and ``dp`` (the mode's).
-    The keywords of before issue 73 (``mode=``...) still work, with a ``RenamedWarning`` (docs/migrating.md).
+    ``pipeline=PipelineParallel(...)``: each rank runs one stage; ``mesh`` names ``pp`` and ``dp`` (the mode's), as
+    ``mesh["pp", "dp"]`` beside a plan on ``mesh["tp"]``. ``mode=``... (before issue 73) warn ``RenamedWarning``.
     """
     config, execution, mesh = keywords_of_before(config, execution, mesh, deprecated)
     optimizer, config = checked_arguments(model, optimizer, fault_tolerance, trace), as_config(config)
@@ -194,13 +194,17 @@ def place_pipeline(
     if not isinstance(pipeline, PipelineParallel):
         raise ConfigurationError(f"pipeline must be a transpiler.PipelineParallel, got {type(pipeline).__name__}.")
     refused = {
-        "a tensor-parallel plan": planned,
         "trace=": trace is not None,
         "fault_tolerance=": fault_tolerance is not None,
     }
     for what, given in refused.items():
         if given:
             raise ConfigurationError(f"a pipeline with {what} is not supported yet.")
+    if planned and not isinstance(mesh, DeviceMesh):
+        raise ConfigurationError(
+            "beside a pipeline and a tensor-parallel plan, give transpile() the pipeline's and the mode's dimensions "
+            "of the device mesh: mesh=mesh['pp', 'dp'] of a ('pp', 'dp', 'tp') mesh whose 'tp' the plan spans."
+        )
     if isinstance(mesh, DeviceMesh):
         return pipeline_mesh_placement(pipeline.stages, mesh, execution.timeout_delta)
     size, rank = (mesh.size, mesh.rank) if isinstance(mesh, StaticWorld) else (None, None)

@@ -189,7 +189,8 @@ def pipeline_mesh_placement(stages: int, mesh: object, timeout: timedelta | None
     if "pp" not in names or not set(names) <= {"pp", "dp"}:
         raise ConfigurationError(
             f"beside a pipeline, mesh must be a DeviceMesh whose dimensions are named 'pp' and (for the mode's "
-            f"data parallel) 'dp', as init_device_mesh(..., mesh_dim_names=('pp', 'dp')) makes; got {names}."
+            f"data parallel) 'dp', as init_device_mesh(..., mesh_dim_names=('pp', 'dp')) makes (beside a "
+            f"tensor-parallel plan, mesh['pp', 'dp'] of a ('pp', 'dp', 'tp') mesh); got {names}."
         )
     pp = mesh["pp"]
     if pp.size() != stages:
