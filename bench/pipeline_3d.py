@@ -87,21 +87,22 @@ def planned(mesh, sequence_parallel: bool = False) -> TinyLlama:
     return model
 
 
-def split_points(stages: int) -> tuple[str, ...]:
+def split_points(stages: int, blocks: int = BLOCKS) -> tuple[str, ...]:
     """The equal runs of layers ``TinyLlamaStage`` cuts."""
-    return tuple(f"layers.{b * BLOCKS // stages}" for b in range(1, stages))
+    return tuple(f"layers.{b * blocks // stages}" for b in range(1, stages))
 
 
 class EagerThreeD:
     """torchtitan's layout, eagerly: the planned model's stage (:class:`TinyLlamaStage`) in a ``PipelineStage`` on
     ``mesh["pp"]`` under torch's ``schedule``; after its step, each shard's gradient (a Partial one, a norm's
     weight under sequence parallel, first reduced over ``tp``) divided by the size of ``dp`` and summed over it
-    (what DDP does; DDP itself refuses DTensor parameters); then AdamW."""
+    (what DDP does; DDP itself refuses DTensor parameters; not with ``average=False``, DiLoCo's inner step); then
+    AdamW."""
 
-    def __init__(self, model: TinyLlama, mesh, schedule: str, microbatches: int) -> None:
+    def __init__(self, model: TinyLlama, mesh, schedule: str, microbatches: int, average: bool = True) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        self.mesh, self.microbatches = mesh, microbatches
+        self.mesh, self.microbatches, self.average = mesh, microbatches, average
         self.stages, self.index = mesh["pp"].size(), mesh["pp"].get_local_rank()
         self.module = TinyLlamaStage(model, self.index, self.stages)
         stage = PipelineStage(self.module, self.index, self.stages, torch.device("cpu"), group=mesh["pp"].get_group())
@@ -118,8 +119,9 @@ class EagerThreeD:
             if isinstance(g, DTensor):
                 g = p.grad = g.redistribute(g.device_mesh, p.placements)
                 g = g.to_local()
-            g.div_(dp)
-            dist.all_reduce(g, group=group)
+            if self.average:
+                g.div_(dp)
+                dist.all_reduce(g, group=group)
         self.optimizer.step()
         return loss
 

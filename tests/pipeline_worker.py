@@ -38,7 +38,7 @@ from transpiler import (  # noqa: E402
 )
 
 STEPS = 10
-BLOCKS = 8
+BLOCKS = 4  # a build costs in proportion to the blocks (each stage traces them all): one a stage at 4 stages
 BATCH = 12
 MAX_NORM = 0.2  # below every step's norm here: each step is clipped
 

@@ -102,6 +102,8 @@ class StepBuilder:
         outer_plan = None
         if self.outer is not None:
             traced.outer_update, outer_plan = trace_outer_update(self.outer, state)
+            if self.pipeline is not None:  # a stage's scalars (SGD's first momentum step) read its own state
+                outer_plan.held = plan.held
         traced.cost_model = self._cost_model(batch)
         fit_budget(traced, self.plan.variants, self.execution)
         traced.link_cost = self._link_cost()

@@ -25,7 +25,8 @@ M = TypeVar("M", bound="ModeConfig")
 # the modes that run beside a tensor-parallel plan, and under a torchft quorum (docs/strategies/tensor_parallel.md,
 # docs/fault_tolerance.md); every other one is refused there, saying which do
 TENSOR_PARALLEL_MODES = ("fused_allreduce", "zero1", "zero2", "zero3", "diloco", "streaming_diloco")
-PIPELINE_MODES = ("none", "fused_allreduce", "zero1", "zero2", "zero3")  # beside a pipeline (strategies/pipeline.md)
+# beside a pipeline (docs/strategies/pipeline.md)
+PIPELINE_MODES = ("none", "fused_allreduce", "zero1", "zero2", "zero3", "diloco")
 PIPELINE_FEATURES = ("clipping",)  # the wrapping features built beside one: the stages' norms meet by an all-reduce
 QUORUM_MODES = ("allreduce", "fused_allreduce", "zero1", "zero2", "zero3", "diloco", "streaming_diloco")
 
