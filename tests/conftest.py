@@ -35,19 +35,23 @@ def pytest_configure(config):
 # summary at the end of a run prints them: refresh this from it). `--dist loadfile` gives each worker whole files,
 # handed out in collection order (`--no-loadscope-reorder`): the heaviest first, then the others in the shuffled
 # order, so the last file a worker takes is a light one and the two end together (xdist's own order, by number
-# of tests, left files of few but long tests, such as a world of 8, for the end).
-FILE_SECONDS = {
-    "test_zero.py": 330,
-    "test_tensor_parallel.py": 330,
-    "test_pipeline.py": 250,
-    "test_diloco_w1.py": 210,
-    "test_quorum.py": 205,
-    "test_zero_static.py": 150,
-    "test_recompute.py": 150,
-    "test_pipeline_3d.py": 120,
-    "test_pipeline_features.py": 110,
-    "test_diloco.py": 95,
-    "test_generic_optimizers_world.py": 95,
+# of tests, can leave files of few but long tests, such as a world of 8, for the end).
+FILE_SECONDS = {  # commit 86a24a1, 2026-11-29
+    "test_tensor_parallel.py": 344,
+    "test_recompute.py": 292,
+    "test_zero.py": 228,
+    "test_quorum.py": 192,
+    "test_pipeline.py": 133,
+    "test_quorum_example.py": 109,
+    "test_zero_static.py": 87,
+    "test_pipeline_3d.py": 85,
+    "test_diloco_w1.py": 77,
+    "test_properties.py": 72,
+    "test_flat_update.py": 71,
+    "test_wan.py": 69,
+    "test_elastic.py": 63,
+    "test_foreach_update.py": 60,
+    "test_diloco.py": 60,
 }
 
 
