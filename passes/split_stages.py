@@ -104,8 +104,8 @@ class StageBuilder:
         self.envs: list[dict[fx.Node, fx.Node]] = [{} for _ in range(microbatches)]
         self.pieces: dict[fx.Node, fx.Node] = {}  # a batch input -> its tensor_split
         self.sums: dict[fx.Node, fx.Node] = {}  # a gradient node of this rank -> its running sum
-        # a gradient reduced over the tensor-parallel group (a Partial one): its partial sum -> the reduction
-        self.reduced: dict[fx.Node, fx.Node] = {}
+        # a gradient reduced over the tensor-parallel group (a Partial one): its partial sum -> the all-reduce and wait
+        self.reduced: dict[fx.Node, list[fx.Node]] = {}
         self.tokens: list[fx.Node] = []
         self.message: fx.Node | None = None  # the last send or receive: the next one reads it (``after``)
         nodes = [n for n in self.old.nodes if n.op not in ("placeholder", "output")]
@@ -115,13 +115,12 @@ class StageBuilder:
             held = [n for n in nodes if cut.held_by(n, c)]
             self.forward[c] = [n for n in held if n in per and n.meta.get("role") in FORWARD_ROLES]
             backward = [n for n in held if n in per and n.meta.get("role") == "backward"]
-            reductions = []
             for grad in (n for n in backward if "grad_of" in n.meta):
                 reduction = partial_reduction(grad, per)
                 if reduction:
-                    self.reduced[reduction[0].args[0]] = grad
-                    reductions += reduction
-            backward = [n for n in backward if n not in reductions]
+                    self.reduced[reduction[0].args[0]] = reduction
+            deferred = {n for reduction in self.reduced.values() for n in reduction}
+            backward = [n for n in backward if n not in deferred]
             self.backward[c] = backward
             self.grads[c] = [n for n in backward if "grad_of" in n.meta or n in self.reduced]
             # a zero-bubble order's backward in two: what the gradient the chunk before waits for needs (B), the rest
@@ -273,9 +272,10 @@ class StageBuilder:
         for grad, total in self.sums.items():
             mean = emit(self.new, torch.ops.aten.div.Tensor, (total, self.m), role="backward")
             if grad in self.reduced:  # the mean of the partial sums, then their one reduction over the group
-                grad, env = self.reduced[grad], {grad: mean}
-                for node in partial_reduction(grad, self.cut.per_microbatch):
+                env = {grad: mean}
+                for node in self.reduced[grad]:
                     env[node] = mean = self.new.node_copy(node, env.__getitem__)
+                grad = node  # the wait: the traced gradient
             mean.meta["grad_of"] = grad.meta["grad_of"]
             update_env[grad] = mean
         for node in self.update:
