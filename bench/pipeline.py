@@ -9,22 +9,24 @@ run per stage count.
 Model: a GPT of 8 blocks (width 64, 4 heads, sequence 32), batch 16, AdamW; one process per stage, one thread
 each. torch's side is a hand-built ``PipelineStage`` per rank holding the same modules (``bench/models.py``'s
 ``NarrowGPTStage``), its schedule's ``step``, then torch's AdamW (``foreach=False``, the traced update's arithmetic)
-on the stage's parameters; for ZB-H1, torch's 1F1B (its zero-bubble schedules run several stages per rank); for
-interleaved 1F1B (2 chunks per rank), ``ScheduleInterleaved1F1B`` over a ``PipelineStage`` per chunk. Per
-row: the median step time over interleaved rounds (``bench/host_ops.py``; the
-slowest rank's), the ratio of ours to torch's, the **bubble** of each rank (the share of its step it spends
-waiting for a peer: ours, the time inside ``transpiler::recv``, ``wait_sends`` and the loss's all-reduce, from the
-profiler; torch's, the time inside its schedules' ``_wait_batch_p2p``, timed by wrapping it) against the
-schedule's theory (p−1)/(m+p−1), the work ops one step dispatches (``bench/op_count.py``) and the peak bytes a
+on the stage's parameters; for ZB-H1, ``ScheduleInterleavedZeroBubble`` over the rank's one stage (its order at
+one stage per rank is ZB-H1's, action for action); for interleaved 1F1B (2 chunks per rank),
+``ScheduleInterleaved1F1B`` over a ``PipelineStage`` per chunk. Per row: the median step time over interleaved
+rounds (``bench/host_ops.py``; the slowest rank's), the ratio of ours to torch's, the **bubble** of each rank (the
+share of a step its thread did not run, from ``time.thread_time`` around each of 12 steps after a barrier, against
+the slowest rank's wall time: waiting inside a receive or a collective, or done before the slowest rank; the same
+measure for both sides, without a profiler) against the schedule's theory, the work ops one step dispatches
+(``bench/op_count.py``), the bytes it hands gloo to send (the profiler's ``gloo:send`` records) and the peak bytes a
 step allocates above what it holds (the profiler's allocation records), per stage.
 
-On a 2-core machine 4 stages share 2 cores: a rank that waits gives its core to another, and the bubble then
-counts time it could not have run anyway. The table says which machine it ran on.
+On a 2-core machine 4 stages share 2 cores: a rank also waits for a core, which the bubble counts too (four
+ranks on two cores idle half the time at least). The table says which machine it ran on.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -50,7 +52,6 @@ BEGIN, END = "<!-- bench/pipeline.py begin -->", "<!-- bench/pipeline.py end -->
 COMPILED = "<!-- bench/pipeline.py --compile begin -->", "<!-- bench/pipeline.py --compile end -->"
 BLOCKS, DIM, HEADS, BATCH = 8, 64, 4, 16
 VIRTUAL = 2  # chunks per rank under interleaved 1F1B
-WAITS = ("transpiler::recv", "transpiler::wait_sends", "_c10d_functional::wait_tensor")
 
 
 def base_model() -> NarrowGPT:
@@ -71,7 +72,13 @@ class TorchStage:
     for peers is summed in ``waited`` (seconds)."""
 
     def __init__(self, rank: int, world: int, schedule: str, microbatches: int, batch: tuple) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
+        )
 
         self.rank, self.world, self.batch, self.microbatches = rank, world, batch, microbatches
         model = base_model()
@@ -84,32 +91,19 @@ class TorchStage:
             self.optimizer = adamw([p for m in modules for p in m.parameters()])
             return
         module = NarrowGPTStage(model, rank, world)
-        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        self.schedule = kind(PipelineStage(module, rank, world, torch.device("cpu")), microbatches, loss_fn=loss_fn)
+        stage = PipelineStage(module, rank, world, torch.device("cpu"))
+        if schedule == "zbh1":
+            self.schedule = ScheduleInterleavedZeroBubble([stage], microbatches, loss_fn=loss_fn)
+        else:
+            self.schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](
+                stage, microbatches, loss_fn=loss_fn
+            )
         self.optimizer = adamw(module.parameters())
 
     def __call__(self) -> None:
         self.optimizer.zero_grad()
         pipelining_step(self.schedule, self.rank, self.world, self.batch, self.microbatches)
         self.optimizer.step()
-
-
-class WaitClock:
-    """Wraps torch's schedules' ``_wait_batch_p2p`` to sum the seconds spent inside it."""
-
-    def __init__(self) -> None:
-        from torch.distributed.pipelining import schedules
-
-        self.module, self.original, self.waited = schedules, schedules._wait_batch_p2p, 0.0
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return self.original(*args, **kwargs)
-            finally:
-                self.waited += time.perf_counter() - start
-
-        schedules._wait_batch_p2p = timed
 
 
 def our_step(world: int, schedule: str, microbatches: int, batch: tuple):
@@ -126,23 +120,25 @@ def our_step(world: int, schedule: str, microbatches: int, batch: tuple):
     return lambda: step(*batch)
 
 
-def our_bubble(run, steps: int = 3) -> float:
-    """The share of a step this rank spends waiting for peers, from the profiler's op records."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        start = time.perf_counter()
-        for _ in range(steps):
+def idle_rounds(runs: dict, rounds: int = 12) -> dict[str, list[tuple[float, float]]]:
+    """Per variant, ``rounds`` steps each after a barrier (the variants in turn): the step's wall seconds on this
+    rank and the seconds its thread ran (``time.thread_time``; a thread blocked in a receive or a collective does
+    not run). Across ranks, a rank's idle share of a step is 1 − ran / the slowest rank's wall time."""
+    out: dict[str, list[tuple[float, float]]] = {label: [] for label in runs}
+    for _ in range(rounds):
+        for label, run in runs.items():
+            dist.barrier()
+            wall, ran = time.perf_counter(), time.thread_time()
             run()
-        total = time.perf_counter() - start
-    waited = sum(e.cpu_time_total for e in profile.key_averages() if e.key in WAITS) / 1e6
-    return waited / total
+            out[label].append((time.perf_counter() - wall, time.thread_time() - ran))
+    return out
 
 
-def torch_bubble(run, clock: WaitClock, steps: int = 3) -> float:
-    clock.waited = 0.0
-    start = time.perf_counter()
-    for _ in range(steps):
+def sent_bytes(run) -> int:
+    """The bytes one step hands gloo to send (its ``gloo:send`` records' shapes; the bench's model is float32)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profile:
         run()
-    return clock.waited / (time.perf_counter() - start)
+    return sum(4 * math.prod(e.input_shapes[0]) for e in profile.events() if e.name == "gloo:send")
 
 
 def rank_main(out: str) -> None:
@@ -151,23 +147,22 @@ def rank_main(out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     counts = [int(m) for m in os.environ["BENCH_MICROBATCHES"].split(",")]
     batch = narrow_batch("gpt", BATCH, torch.Generator().manual_seed(0))
-    clock = WaitClock()
     result = {}
     for m in counts:
         for schedule in ("gpipe", "1f1b", "zbh1", "interleaved_1f1b"):
             if schedule == "1f1b" and m < world or schedule == "interleaved_1f1b" and m % world:
                 continue
-            peer = "1f1b" if schedule == "zbh1" else schedule  # torch's zero-bubble schedules are interleaved ones
-            runs = {"ours": our_step(world, schedule, m, batch), "torch": TorchStage(rank, world, peer, m, batch)}
+            runs = {"ours": our_step(world, schedule, m, batch), "torch": TorchStage(rank, world, schedule, m, batch)}
             for run in runs.values():
                 run()
             times = interleaved_ms(runs)
             row = {label: {"ms": times[label]} for label in runs}
-            row["ours"]["bubble"] = our_bubble(runs["ours"])
-            row["torch"]["bubble"] = torch_bubble(runs["torch"], clock)
+            for label, rounds in idle_rounds(runs).items():
+                row[label]["rounds"] = rounds
             compiled = bool(os.environ.get("BENCH_COMPILE"))
             for label, run in runs.items():  # a compiled program runs under no dispatch mode: its ops go uncounted
                 row[label]["work"] = "–" if compiled and label == "ours" else count_ops(run).work
+                row[label]["sent"] = sent_bytes(run)
                 dist.barrier()
                 row[label]["peak"] = allocated_peak(run)
             result[f"{schedule} m={m}"] = row
@@ -184,6 +179,12 @@ def theory(schedule: str, stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
+def idle(per_rank: list[list[tuple[float, float]]]) -> list[float]:
+    """Each rank's median share of a step it did not run: 1 − its thread's seconds / the slowest rank's wall."""
+    slowest_wall = [max(wall for wall, _ in step) for step in zip(*per_rank)]
+    return [statistics.median(1 - ran / w for (_, ran), w in zip(rounds, slowest_wall)) for rounds in per_rank]
+
+
 def slowest(per_rank: list[list[float]]) -> float:
     """The median over rounds of the slowest rank's time in each round."""
     return statistics.median(max(values) for values in zip(*per_rank))
@@ -194,12 +195,14 @@ def render(results: dict[int, list[dict]], compiled: bool = False) -> str:
     lines = [
         f"{command} on {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
         f"{torch.__version__}; GPT {BLOCKS} blocks × width {DIM}, batch {BATCH}, AdamW. Step time: the median over "
-        "rounds of the slowest rank; bubble: each rank's share of the step spent waiting for a peer, rank 0 … "
-        "p−1; peak: the most a step allocates above what it holds, per stage, KiB.",
+        "rounds of the slowest rank; bubble: each rank's share of the step its thread did not run (waiting for a "
+        "peer, or done before the slowest rank), rank 0 … "
+        "p−1; KiB sent: what one step hands gloo to send, per stage; peak: the most a step allocates above what it "
+        "holds, per stage, KiB.",
         "",
         "| stages | schedule | ours ms | torch ms | ours / torch | theory bubble | ours bubble | torch bubble "
-        "| ours work ops | torch work ops | ours peak KiB | torch peak KiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ours work ops | torch work ops | ours KiB sent | torch KiB sent | ours peak KiB | torch peak KiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for stages, ranks in results.items():
         for key in ranks[0]:
@@ -207,17 +210,18 @@ def render(results: dict[int, list[dict]], compiled: bool = False) -> str:
 
             ours, theirs = (slowest([r[key][label]["ms"] for r in ranks]) for label in ("ours", "torch"))
             bubbles = {
-                label: " / ".join(f"{r[key][label]['bubble']:.2f}" for r in ranks) for label in ("ours", "torch")
+                label: " / ".join(f"{b:.2f}" for b in idle([r[key][label]["rounds"] for r in ranks]))
+                for label in ("ours", "torch")
             }
             work = {label: " / ".join(str(r[key][label]["work"]) for r in ranks) for label in ("ours", "torch")}
-            peak = {
-                label: " / ".join(f"{r[key][label]['peak'] / 1024:.0f}" for r in ranks) for label in ("ours", "torch")
-            }
-            peer = " (torch: 1f1b)" if schedule == "zbh1" else ""
+            peak, sent = (
+                {label: " / ".join(f"{r[key][label][what] / 1024:.0f}" for r in ranks) for label in ("ours", "torch")}
+                for what in ("peak", "sent")
+            )
             lines.append(
-                f"| {stages} | {schedule}, m={m}{peer} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} | "
+                f"| {stages} | {schedule}, m={m} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} | "
                 f"{theory(schedule, stages, int(m)):.2f} | {bubbles['ours']} | {bubbles['torch']} | {work['ours']} | "
-                f"{work['torch']} | {peak['ours']} | {peak['torch']} |"
+                f"{work['torch']} | {sent['ours']} | {sent['torch']} | {peak['ours']} | {peak['torch']} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -4,8 +4,8 @@ stages as the world has ranks, trained ``STEPS`` AdamW steps on the same batches
 * by ``transpile(..., pipeline=PipelineParallel(...))``, under each schedule;
 * by ``torch.distributed.pipelining``: a hand-built ``PipelineStage`` per rank holding the same modules
   (``bench/models.py``'s ``NarrowGPTStage``), under
-  ``ScheduleGPipe`` and ``Schedule1F1B`` with the same microbatches and loss, and torch's AdamW on the stage's
-  parameters;
+  ``ScheduleGPipe``, ``Schedule1F1B`` and ``ScheduleInterleavedZeroBubble`` (one stage per rank: ZB-H1's order)
+  with the same microbatches and loss, and torch's AdamW on the stage's parameters;
 * by one process training the whole model with gradient accumulation over the same microbatches, as a user
   would write it: each microbatch's loss backpropagated, the gradients divided by the count, one update.
 
@@ -133,13 +133,16 @@ def traced(rank: int, world: int, schedule: str, microbatches: int) -> dict:
 
 
 def torch_pipelining(rank: int, world: int, schedule: str, microbatches: int) -> dict:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble
 
     model = base_model()
     module = NarrowGPTStage(model, rank, world)
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    runner = kind(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+    if schedule == "zbh1":  # torch's zero-bubble schedule at one stage per rank: ZB-H1's order
+        runner = ScheduleInterleavedZeroBubble([stage], n_microbatches=microbatches, loss_fn=loss_fn)
+    else:
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        runner = kind(stage, n_microbatches=microbatches, loss_fn=loss_fn)
     names = stage_names(model, rank, world)
     optimizer = adamw([p for n, p in model.named_parameters() if n in names])
     losses = []
@@ -381,7 +384,7 @@ def parity(rank: int, world: int, microbatches: str) -> dict:
     """Every schedule, traced and under torch's pipelining, and the accumulated single process."""
     m = int(microbatches)
     out = {f"traced {s}": traced(rank, world, s, m) for s in ("gpipe", "1f1b", "zbh1")}
-    out |= {f"torch {s}": torch_pipelining(rank, world, s, m) for s in ("gpipe", "1f1b")}
+    out |= {f"torch {s}": torch_pipelining(rank, world, s, m) for s in ("gpipe", "1f1b", "zbh1")}
     out["accumulated"] = accumulated(rank, world, m)
     dist.barrier()
     return out

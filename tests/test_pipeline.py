@@ -3,7 +3,8 @@ run over microbatches in GPipe's, 1F1B's, ZB-H1's and interleaved 1F1B's orders.
 
 In worlds of 2 and 4 over gloo (tests/pipeline_worker.py), the bench's narrow GPT (4 blocks) trains 10 AdamW steps
 on batches of 12 cut into 3 and 4 microbatches under each schedule, beside ``torch.distributed.pipelining``
-(``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B``, the same split, microbatches and loss) and beside one
+(``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleavedZeroBubble`` at one stage per
+rank, whose order is ZB-H1's; the same split, microbatches and loss) and beside one
 process training the whole model with gradient accumulation over the same microbatches. All are bitwise alike,
 parameters and losses, on every stage (checked on a 2-core AMD EPYC, torch 2.13): each stage runs the aten ops eager
 autograd runs for the same microbatch, each gradient adds the microbatches in their order and is divided once by
@@ -20,8 +21,8 @@ of another size, settings interleaving does not take), each stage's program buil
 only; its sends pairing with the next stage's receives), the split without split points (balanced: the stage
 programs equal those traced at the chosen points), and as properties (hypothesis) the schedules' orders (every
 order runs without waiting forever, each microbatch's forward and backward once per chunk, the backwards in
-microbatch order, the activations held within each schedule's bound) and the balanced cut (no contiguous cut has a
-smaller largest stage).
+microbatch order, the activations held within each schedule's bound; ZB-H1's length where the first stage's
+input gradient is empty) and the balanced cut (no contiguous cut has a smaller largest stage).
 
 Cost (2-core AMD EPYC, one process): the world of 2's parity job 17-24 s (in the quick tier and the narrow-kernel
 lane), the world of 4's 25 s, dp × pp 60 s (two modes, the clipped run and their references), BatchNorm 9 s, the
@@ -55,7 +56,7 @@ from transpiler import (
 from transpiler.graph.stage_ops import RECV, SEND
 from transpiler.graph.stage_orders import SCHEDULES, check_orders, refusal, stage_order
 
-RUNS = ("traced gpipe", "traced 1f1b", "traced zbh1", "torch 1f1b", "accumulated")
+RUNS = ("traced gpipe", "traced 1f1b", "traced zbh1", "torch 1f1b", "torch zbh1", "accumulated")
 
 
 @pytest.mark.timeout(600)
@@ -341,9 +342,46 @@ def test_every_order_runs_each_microbatch_once_without_waiting_forever(stages, m
             assert peak <= min(2 * (stages - s - 1) + (virtual - 1) * stages + 1, microbatches * virtual)
         else:
             assert peak == (microbatches if schedule == "gpipe" else min(microbatches, stages - s))
+        if schedule == "zbh1":  # ZB-H1 holds what 1F1B's first stage holds: p microbatches await their weights' part
+            awaiting = itertools.accumulate({"F": 1, "B": 0, "W": -1}[kind] for kind, _, _ in order)
+            assert max(awaiting) <= min(stages, microbatches)
     if schedule in ("gpipe", "1f1b"):  # unit-time forwards and backwards: the ideal length, m + p - 1 of each
         assert len(rounds) == 2 * (microbatches + stages - 1)
     elif schedule == "interleaved_1f1b":  # chunks of 1/v a stage's time: the bubble is 1/v of 1F1B's
         assert len(rounds) == 2 * (microbatches * virtual + stages - 1)
     elif microbatches >= stages:  # forward, input and weight gradients alike: p - 1 idle units, a third of 1F1B's
         assert len(rounds) == 3 * microbatches + stages - 1
+
+
+def finish_time(orders: list[list[tuple]], cost) -> float:
+    """When the last stage's last action ends, each stage running its order as soon as what it reads is made
+    (a forward the stage before's forward, an input gradient its forward and the stage after's input gradient, a
+    weights' gradient its input gradient); ``cost(stage, kind)`` is an action's time."""
+    ends: dict[tuple, float] = {}
+    free, heads, last = [0.0] * len(orders), [0] * len(orders), len(orders) - 1
+    while any(h < len(o) for h, o in zip(heads, orders)):
+        for s, order in enumerate(orders):
+            while heads[s] < len(order):
+                kind, i, _ = order[heads[s]]
+                reads = {"F": [("F", i, s - 1)] if s else [], "W": [("B", i, s)]}.get(
+                    kind, [("F", i, s)] + ([("B", i, s + 1)] if s < last else [])
+                )
+                if any(r not in ends for r in reads):
+                    break
+                free[s] = max([free[s]] + [ends[r] for r in reads]) + cost(s, kind)
+                ends[(kind, i, s)] = free[s]
+                heads[s] += 1
+    return max(free)
+
+
+@settings(max_examples=40, deadline=None)
+@given(stages=st.integers(2, 6), extra=st.integers(0, 8))
+def test_zbh1_keeps_its_length_where_the_first_stage_has_no_input_gradient(stages, extra):
+    """The first stage's input is the batch: its input gradient is empty and its whole backward is the weights'
+    part (two units). ZB-H1's order still ends after 3m + p - 1 units, against 1F1B's 3(m + p - 1)."""
+    m = stages + extra
+    zbh1 = [stage_order("zbh1", stages, m, s) for s in range(stages)]
+    one_f_one_b = [stage_order("1f1b", stages, m, s) for s in range(stages)]
+    first_stage = {"B": 0.0, "W": 2.0}
+    assert finish_time(zbh1, lambda s, kind: first_stage.get(kind, 1.0) if s == 0 else 1.0) == 3 * m + stages - 1
+    assert finish_time(one_f_one_b, lambda s, kind: 2.0 if kind == "B" else 1.0) == 3 * (m + stages - 1)

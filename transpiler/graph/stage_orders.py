@@ -12,12 +12,13 @@ are made in microbatch order, so they add up in the same order under all of them
 - ``gpipe``: every forward, then every backward (torch's ``ScheduleGPipe``).
 - ``1f1b``: stage ``s`` of ``p`` runs ``min(m, p - s)`` forwards, then one backward and one forward in turn, then
   the backwards left (torch's ``Schedule1F1B``; it holds at most ``p - s`` microbatches' activations, GPipe ``m``).
-- ``zbh1``: zero bubble (Qi et al., ICLR 2024, the ZB-H1 rule): a stage runs an input gradient as soon as it can,
-  else a forward while fewer than ``p - s`` microbatches await their input gradient, else the oldest weight
-  gradient left, else waits; the orders come from running that rule on all stages at once, each action one unit
-  of time. With forward, input and weight gradients alike, a stage idles ``p - 1`` units of ``3m + p - 1``
-  (1F1B: ``3(p - 1)`` of ``3(m + p - 1)``). Deferred weight gradients keep their microbatches' activations longer
-  than 1F1B does.
+- ``zbh1``: zero bubble (Qi et al., ICLR 2024, ZB-H1, the order of torch's ``ScheduleInterleavedZeroBubble`` at
+  one chunk per rank): stage ``s`` of ``p`` runs ``p - s - 1`` forwards, then a forward and an input gradient in
+  turn, each followed by the weight gradient of the microbatch ``s`` back, then the weight gradients left. With
+  forward, input and weight gradients alike, a stage idles ``p - 1`` units of ``3m + p - 1`` (1F1B: ``3(p - 1)``
+  of ``3(m + p - 1)``); where the first stage's input gradient is empty (its input is the batch) and its weight
+  gradient takes two units, the order keeps that length. A stage holds at most ``p`` microbatches whose weight
+  gradient is not made yet (1F1B's first stage: ``p``).
 - ``interleaved_1f1b``: ``v`` chunks per rank (Narayanan et al., SC 2021; torch's ``ScheduleInterleaved1F1B``):
   the microbatches go in groups of ``p``, each group through the rank's chunks in turn (backwards through them in
   reverse); rank ``r`` runs ``2(p - r - 1) + (v - 1)p`` forwards first, then one forward and one backward in turn.
@@ -50,25 +51,17 @@ def one_f_one_b(stages: int, microbatches: int, stage: int) -> list[Step]:
 
 
 def zero_bubble(stages: int, microbatches: int, stage: int) -> list[Step]:
-    orders: list[list[Step]] = [[] for _ in range(stages)]
-    done: set[tuple[int, Step]] = set()
-    forwards, backwards, weights = [0] * stages, [0] * stages, [0] * stages
-    while any(w < microbatches for w in weights):
-        now = []
-        for s in range(stages):
-            f, b, w = forwards[s], backwards[s], weights[s]
-            if b < f and (s == stages - 1 or (s + 1, ("B", b)) in done):
-                now.append((s, ("B", b)))
-            elif f < microbatches and f - b < stages - s and (s == 0 or (s - 1, ("F", f)) in done):
-                now.append((s, ("F", f)))
-            elif w < b:
-                now.append((s, ("W", w)))
-        for s, action in now:
-            done.add((s, action))
-            orders[s].append(action)
-            counts = {"F": forwards, "B": backwards, "W": weights}[action[0]]
-            counts[s] += 1
-    return orders[stage]
+    warmup = min(stages - stage - 1, microbatches)
+    order: list[Step] = [("F", i) for i in range(warmup)]
+    weights = 0
+    for i in range(microbatches):
+        if warmup + i < microbatches:
+            order.append(("F", warmup + i))
+        order.append(("B", i))
+        if i >= stage:  # the weights' gradient lags its input gradient by `stage` microbatches
+            order.append(("W", weights))
+            weights += 1
+    return order + [("W", i) for i in range(weights, microbatches)]
 
 
 def interleaved(ranks: int, microbatches: int, rank: int, virtual: int) -> list[Action]:
