@@ -68,8 +68,7 @@ def adamw(params) -> torch.optim.Optimizer:
 
 
 class TorchStage:
-    """``torch.distributed.pipelining``'s stage of this rank, its schedule and its optimizer; the time it waits
-    for peers is summed in ``waited`` (seconds)."""
+    """``torch.distributed.pipelining``'s stage of this rank, its schedule and its optimizer."""
 
     def __init__(self, rank: int, world: int, schedule: str, microbatches: int, batch: tuple) -> None:
         from torch.distributed.pipelining import (

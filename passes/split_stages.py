@@ -272,10 +272,10 @@ class StageBuilder:
         for grad, total in self.sums.items():
             mean = emit(self.new, torch.ops.aten.div.Tensor, (total, self.m), role="backward")
             if grad in self.reduced:  # the mean of the partial sums, then their one reduction over the group
-                env = {grad: mean}
-                for node in self.reduced[grad]:
+                env, reduction = {grad: mean}, self.reduced[grad]
+                for node in reduction:
                     env[node] = mean = self.new.node_copy(node, env.__getitem__)
-                grad = node  # the wait: the traced gradient
+                grad = reduction[-1]  # the wait: the traced gradient
             mean.meta["grad_of"] = grad.meta["grad_of"]
             update_env[grad] = mean
         for node in self.update:
