@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness.hosts import Hosts, namespaces_unavailable, wait_all
+from bench.harness.hosts import Hosts, launch_workers, namespaces_unavailable
 from bench.two_ranks import write_section
 from bench.wan_report import figures, tables
 from bench.wan_worker import VARIANTS
@@ -43,20 +43,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "strategies" / "low_communication.md"
 BEGIN, END = "<!-- wan:begin -->", "<!-- wan:end -->"
 WORKER = ROOT / "bench" / "wan_worker.py"
-
-
-def launch(hosts: list, options: list[str], log: Path, port: int, timeout: float) -> None:
-    """One worker per host, ranks in host order, the store on host 0; fail with the logs' tails if any fails."""
-    procs = []
-    for rank, host in enumerate(hosts):
-        env = dict(os.environ, MASTER_ADDR=hosts[0].address, MASTER_PORT=str(port), RANK=str(rank))
-        env |= {"WORLD_SIZE": str(len(hosts)), "LOCAL_RANK": "0", "HOST_ADDRESS": host.address}
-        env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        procs.append(host.run([sys.executable, str(WORKER), *options], env, log.with_suffix(f".{rank}.log")))
-    codes = wait_all(procs, timeout)
-    if any(codes):
-        tails = "\n".join(log.with_suffix(f".{r}.log").read_text()[-2000:] for r in range(len(hosts)))
-        raise SystemExit(f"a worker failed ({codes}):\n{tails}")
 
 
 def main() -> None:
@@ -94,7 +80,7 @@ def main() -> None:
         if not start.exists():
             print(f"warm start: {args.warmup_steps} DDP steps on unshaped links", flush=True)
             options = ["--warm", "--start", str(start), "--warmup-steps", str(args.warmup_steps)]
-            launch(hosts, options, out / "warm", port, timeout=3600)
+            launch_workers(hosts, WORKER, options, out / "warm", port, timeout=3600)
         for i, rate in enumerate(args.rates):
             for host in hosts:
                 host.shape(rate)
@@ -106,7 +92,7 @@ def main() -> None:
             options += ["--budget", str(args.budget), "--ddp-steps", str(args.ddp_steps)]
             options += ["--ddp-budget", str(args.ddp_budget)]
             timeout = args.ddp_budget + len(args.variants) * (args.budget + 120) + 300
-            launch(hosts, options, out / f"rate{rate:g}", port + 1 + i, timeout)
+            launch_workers(hosts, WORKER, options, out / f"rate{rate:g}", port + 1 + i, timeout)
             results += [json.loads(line) | {"rate": rate} for line in lines.read_text().splitlines()]
             print(f"{rate:g} Mbit/s took {time.monotonic() - began:.0f} s", flush=True)
     (out / "results.json").write_text(json.dumps({"setting": setting, "results": results}))

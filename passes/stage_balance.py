@@ -56,8 +56,8 @@ def segment_costs(program: StepProgram, microbatches: int) -> tuple[tuple[float,
     cut = cut_stages(program, segments)
     seconds = [0.0] * segments
     for node, holders in cut.holders.items():
-        if node.op != "call_function":
-            continue
+        if node.op != "call_function" or node.target in (STAGE_INPUT, STAGE_INPUT_GRAD):
+            continue  # a mark is no work: a segment of marks alone is empty
         once = recompute_seconds(node) + (DISPATCH_SECONDS if isinstance(node.target, torch._ops.OpOverload) else 0)
         runs = microbatches if node in cut.per_microbatch else 1
         for segment in holders:
@@ -72,22 +72,27 @@ def segment_costs(program: StepProgram, microbatches: int) -> tuple[tuple[float,
 
 
 def balance(seconds: tuple[float, ...], held_bytes: tuple[int, ...], stages: int) -> BalancedCut:
-    """The contiguous runs of ``stages`` segments whose largest estimated time is least (then largest bytes)."""
+    """The contiguous runs of ``stages`` segments whose largest estimated time is least (then largest bytes),
+    among those where every stage does some work where there are such: a stage of no ops (the segment before the
+    first block, when the model's first block reads the batch) would hand its input on untouched, and the first
+    stage would have nothing to send."""
     n = len(seconds)
     prefix_s = list(itertools.accumulate(seconds, initial=0.0))
     prefix_b = list(itertools.accumulate(held_bytes, initial=0))
 
     @cache
     def best(first: int, count: int) -> tuple[tuple[float, int], tuple[int, ...]]:
-        """The best cut of segments ``first..n-1`` into ``count`` runs: its (largest time, bytes), its starts."""
-        run = (prefix_s[n] - prefix_s[first], prefix_b[n] - prefix_b[first])
+        """The best cut of segments ``first..n-1`` into ``count`` runs: its (any run empty, largest time, bytes),
+        its starts."""
+        run = (prefix_s[n] <= prefix_s[first], prefix_s[n] - prefix_s[first], prefix_b[n] - prefix_b[first])
         if count == 1:
             return run, ()
         options = []
         for end in range(first + 1, n - count + 2):
-            head = (prefix_s[end] - prefix_s[first], prefix_b[end] - prefix_b[first])
+            empty = prefix_s[end] <= prefix_s[first]
+            head = (empty, prefix_s[end] - prefix_s[first], prefix_b[end] - prefix_b[first])
             rest, starts = best(end, count - 1)
-            options.append(((max(head[0], rest[0]), max(head[1], rest[1])), (end, *starts)))
+            options.append(((head[0] or rest[0], max(head[1], rest[1]), max(head[2], rest[2])), (end, *starts)))
         return min(options)
 
     _, starts = best(0, stages)

@@ -37,6 +37,7 @@ def test_the_top_level_is_the_design_cards():
     assert (ROOT / "passes" / "__init__.py").is_file() and not (ROOT / "transpiler" / "passes").exists()
     assert sorted(p.name for p in (ROOT / "transpiler").iterdir() if p.is_dir() and p.name != "__pycache__") == [
         "graph",
+        "planner",
         "runtime",
         "strategies",
         "trace",

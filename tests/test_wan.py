@@ -18,8 +18,8 @@ import json
 
 import pytest
 
-from bench.harness.hosts import Hosts, measure_mbit, namespaces_unavailable
-from bench.wan import launch
+from bench.harness.hosts import Hosts, launch_workers, measure_mbit, namespaces_unavailable
+from bench.wan import WORKER
 
 REASON = namespaces_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
@@ -41,12 +41,16 @@ def test_a_shaped_link_carries_its_rate_each_way():
 def test_a_short_shaped_run_sends_through_the_buckets_and_our_diloco_matches_torchfts(tmp_path):
     start, lines = tmp_path / "start.pt", tmp_path / "runs.jsonl"
     with Hosts(2, named=True) as hosts:
-        launch(hosts, ["--warm", "--start", str(start), "--warmup-steps", "0"], tmp_path / "warm", 29621, 120)
+        launch_workers(
+            hosts, WORKER, ["--warm", "--start", str(start), "--warmup-steps", "0"], tmp_path / "warm", 29621, 120
+        )
         for host in hosts:
             host.shape(200)
         variants = ["DDP", "diloco H=15", "torchft DiLoCo H=15"]
         options = ["--out", str(lines), "--start", str(start), "--variants", *variants, "--budget", "2.5"]
-        launch(hosts, [*options, "--ddp-steps", "15", "--ddp-budget", "60"], tmp_path / "run", 29622, 240)
+        launch_workers(
+            hosts, WORKER, [*options, "--ddp-steps", "15", "--ddp-budget", "60"], tmp_path / "run", 29622, 240
+        )
         buckets = [host.link_bytes() for host in hosts]
     runs = {r["label"]: r for r in map(json.loads, lines.read_text().splitlines())}
     assert list(runs) == variants

@@ -30,6 +30,7 @@ from transpiler.strategies.pipeline_parallel import PipelineParallel
 
 from .api import transpile
 from .errors import ConfigurationError, FactoryError, RenamedWarning, TranspilerError
+from .planner.command import add_commands as add_planner_commands
 
 
 def load_factory(spec: str) -> tuple:
@@ -292,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     modes = sub.add_parser("modes", help="list the modes: their configs, options and pipelines")
     modes.add_argument("--markdown", action="store_true", help="as the README's table")
     modes.set_defaults(func=cmd_modes)
+    add_planner_commands(sub, load_factory)
     return parser
 
 

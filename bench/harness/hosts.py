@@ -272,3 +272,18 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
                     pass
             raise AssertionError(f"torchrun did not finish within {timeout} s") from None
     return codes
+
+
+def launch_workers(hosts: list[Host], worker: Path, options: list[str], log: Path, port: int, timeout: float) -> None:
+    """One ``worker`` per host, ranks in host order, the store on host 0 (torchrun's variables, one rank per
+    host); fail with the logs' tails if any fails (``bench/wan.py``, ``bench/planner.py``)."""
+    procs = []
+    for rank, host in enumerate(hosts):
+        env = dict(os.environ, MASTER_ADDR=hosts[0].address, MASTER_PORT=str(port), RANK=str(rank))
+        env |= {"WORLD_SIZE": str(len(hosts)), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "HOST_ADDRESS": host.address}
+        env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        procs.append(host.run([sys.executable, str(worker), *options], env, log.with_suffix(f".{rank}.log")))
+    codes = wait_all(procs, timeout)
+    if any(codes):
+        tails = "\n".join(log.with_suffix(f".{r}.log").read_text()[-2000:] for r in range(len(hosts)))
+        raise SystemExit(f"a worker failed ({codes}):\n{tails}")

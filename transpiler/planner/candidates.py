@@ -1,0 +1,147 @@
+"""The layouts a plan weighs, and each one as what ``transpile()`` takes: a mode's config, a pipeline, a budget.
+
+The space, at world size W: the data-parallel modes over all W ranks (``fused_allreduce``, ``zero1``, ``zero2``,
+``zero3``), each also with the least recompute budget; the low-communication modes at the settings this
+project measured them with (``diloco`` H = 15 and 50; ``streaming_diloco`` int4, H = 50, 4 fragments, τ = 1;
+``sparseloco`` and ``demo`` at their authors' settings; Streaming DiLoCo in fewer fragments where the model has
+fewer than 4 modules with trainable parameters, as a fragment holds whole modules); and a 1F1B pipeline of every
+stage count that divides W and that the model has blocks for, with ``fused_allreduce`` across its data-parallel
+replicas. A layout the
+project refuses for this model and optimizer (the mode's own checks) or cannot build yet (a tensor-parallel
+degree without the model's plan, a budget beside a pipeline) is listed with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from transpiler.api import transpile
+from transpiler.errors import ConfigurationError
+from transpiler.runtime.distributed_step import DistributedStep
+from transpiler.runtime.execution import Execution
+from transpiler.strategies.mode_config import ModeConfig, Surroundings
+from transpiler.strategies.modes import mode_config
+from transpiler.strategies.pipeline_parallel import PipelineParallel
+
+from .costs import Estimate, Layout
+from .profile import StepProfile
+
+# the settings each low-communication mode was measured at (bench/wan.py), which its steps factor belongs to
+SETTINGS = {
+    "diloco": {},
+    "streaming_diloco": {
+        "sync_every": 50,
+        "fragments": 4,
+        "fragment_sync_delay": 1,
+        "fragment_update_alpha": 0.5,
+        "exchange_dtype": "int4",
+    },
+    "sparseloco": {},
+    "demo": {},
+}
+DILOCO_PERIODS = (15, 50)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout with its estimate, as ``transpile()`` takes it: ``config``, ``pipeline`` and ``execution``."""
+
+    layout: Layout
+    estimate: Estimate
+    config: ModeConfig
+    pipeline: PipelineParallel | None = None
+
+    @property
+    def label(self) -> str:
+        return self.layout.label
+
+    @property
+    def execution(self) -> Execution:
+        return Execution(memory_budget=self.layout.memory_budget)
+
+    def transpile(
+        self, model: torch.nn.Module, optimizer, loss_fn=None, example_inputs=None, **kwargs
+    ) -> DistributedStep:
+        """This candidate's step, under torchrun: ``transpile(model, optimizer, config, ..., pipeline=...,
+        execution=...)`` with a ``("pp", "dp")`` mesh where the pipeline has replicas. A pipeline's
+        ``example_inputs`` is its batch: ``pp`` of the example batches the plan was made for."""
+        if self.pipeline is not None and self.layout.dp > 1 and "mesh" not in kwargs:
+            device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+            kwargs["mesh"] = init_device_mesh(device, (self.layout.pp, self.layout.dp), mesh_dim_names=("pp", "dp"))
+        kwargs.setdefault("execution", self.execution)
+        return transpile(model, optimizer, self.config, loss_fn, example_inputs, pipeline=self.pipeline, **kwargs)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A layout left out, and why: over memory (with its estimate), or refused by the project's checks."""
+
+    label: str
+    reason: str
+    estimate: Estimate | None = None
+
+
+def layouts(profile: StepProfile, world: int) -> tuple[list[Layout], list[Rejected]]:
+    """Every layout of the space at ``world`` ranks (module docstring), and those that cannot be built yet."""
+    if world == 1:
+        return [Layout("fused_allreduce", 1)], []
+    out: list[Layout] = []
+    for mode in ("fused_allreduce", "zero1", "zero2", "zero3"):
+        out += [Layout(mode, world), *(Layout(mode, world, memory_budget=r.budget) for r in profile.recompute)]
+    out += [Layout("diloco", world, sync_every=h) for h in DILOCO_PERIODS]
+    modules = len({name.rpartition(".")[0] for name, _ in profile.parameters})  # a fragment holds whole ones
+    out += [Layout("streaming_diloco", world, sync_every=50, fragments=min(4, modules))]
+    out.append(Layout("sparseloco", world, sync_every=15))
+    out.append(Layout("demo", world))
+    refused = [
+        Rejected(f"tp={tp}", "tensor parallelism needs the model's own plan (parallelize_module): not planned yet")
+        for tp in range(2, world + 1)
+        if world % tp == 0
+    ]
+    for pp in (p for p in range(2, world + 1) if world % p == 0):
+        label = f"pipeline pp={pp}×dp={world // pp}"
+        if profile.blocks < pp:
+            refused.append(Rejected(label, f"the model has {profile.blocks} blocks to cut at, {pp} stages need {pp}"))
+            continue
+        batch = profile.batch_size * pp
+        m = next((m for m in (2 * pp, pp) if batch % m == 0), None)
+        if m is None:
+            refused.append(Rejected(label, f"its batch of {batch} does not cut into {pp} or {2 * pp} microbatches"))
+            continue
+        out.append(Layout("none" if pp == world else "fused_allreduce", world // pp, pp, m))
+        refused += [
+            Rejected(f"{label}, recompute", "a memory budget beside a pipeline is not supported yet")
+            for _ in profile.recompute[:1]
+        ]
+    return out, refused
+
+
+def config_of(layout: Layout) -> tuple[ModeConfig, PipelineParallel | None]:
+    """The mode's config and the pipeline a layout stands for."""
+    options = dict(SETTINGS.get(layout.mode, {}))
+    if layout.sync_every is not None and layout.mode != "streaming_diloco":
+        options["sync_every"] = layout.sync_every
+    if layout.mode == "streaming_diloco":
+        options["fragments"] = layout.fragments
+    config = mode_config(layout.mode, **options)
+    pipeline = PipelineParallel(stages=layout.pp, microbatches=layout.microbatches) if layout.pp > 1 else None
+    return config, pipeline
+
+
+def refusal(config: ModeConfig, pipeline: PipelineParallel | None, optimizer) -> str | None:
+    """What the project's own checks say against this config for this optimizer, or None. DeMo's optimizer is
+    checked where its pass reads the lr from the traced step; its rule is repeated here, before any build."""
+    if config.mode == "demo" and not _plain_sgd(optimizer):
+        return "DeMo steps with plain SGD on the sign of the exchanged mean: it takes torch.optim.SGD without momentum"
+    try:
+        config.strategy(Surroundings(pipeline=pipeline is not None)).check(optimizer)
+    except ConfigurationError as error:
+        return str(error)
+    return None
+
+
+def _plain_sgd(optimizer) -> bool:
+    return type(optimizer) is torch.optim.SGD and not any(g.get("momentum") for g in optimizer.param_groups)
