@@ -44,10 +44,7 @@ def module_fragments(params: list[tuple[str, int]], fragments: int) -> dict[str,
     """Each parameter's fragment (Streaming DiLoCo): whole modules (the parameters whose names share all but the
     last part), consecutive in model order and balanced by size (:func:`partition_of`); a ``ConfigurationError``
     when there are fewer modules than fragments."""
-    modules: dict[str, int] = {}
-    for name, size in params:
-        owner = name.rpartition(".")[0]
-        modules[owner] = modules.get(owner, 0) + size
+    modules = module_sizes(params)
     if fragments > len(modules):
         raise ConfigurationError(
             f"fragments={fragments}, but the model's trainable parameters sit in {len(modules)} modules, and a "
@@ -55,3 +52,12 @@ def module_fragments(params: list[tuple[str, int]], fragments: int) -> dict[str,
         )
     part = dict(zip(modules, partition_of(list(modules.values()), fragments)))
     return {name: part[name.rpartition(".")[0]] for name, _ in params}
+
+
+def module_sizes(params: list[tuple[str, int]]) -> dict[str, int]:
+    """The modules that hold the parameters (the names' all but last part), in model order, with their sizes."""
+    modules: dict[str, int] = {}
+    for name, size in params:
+        owner = name.rpartition(".")[0]
+        modules[owner] = modules.get(owner, 0) + size
+    return modules

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from passes.partitions import module_sizes
 from transpiler.api import transpile
 from transpiler.errors import ConfigurationError
 from transpiler.runtime.distributed_step import DistributedStep
@@ -92,7 +93,7 @@ def layouts(profile: StepProfile, world: int) -> tuple[list[Layout], list[Reject
     for mode in ("fused_allreduce", "zero1", "zero2", "zero3"):
         out += [Layout(mode, world), *(Layout(mode, world, memory_budget=r.budget) for r in profile.recompute)]
     out += [Layout("diloco", world, sync_every=h) for h in DILOCO_PERIODS]
-    modules = len({name.rpartition(".")[0] for name, _ in profile.parameters})  # a fragment holds whole ones
+    modules = len(module_sizes(list(profile.parameters)))  # a fragment holds whole modules
     out += [Layout("streaming_diloco", world, sync_every=50, fragments=min(4, modules))]
     out.append(Layout("sparseloco", world, sync_every=15))
     out.append(Layout("demo", world))
@@ -112,10 +113,8 @@ def layouts(profile: StepProfile, world: int) -> tuple[list[Layout], list[Reject
             refused.append(Rejected(label, f"its batch of {batch} does not cut into {pp} or {2 * pp} microbatches"))
             continue
         out.append(Layout("none" if pp == world else "fused_allreduce", world // pp, pp, m))
-        refused += [
-            Rejected(f"{label}, recompute", "a memory budget beside a pipeline is not supported yet")
-            for _ in profile.recompute[:1]
-        ]
+        if profile.recompute:
+            refused.append(Rejected(f"{label}, recompute", "a memory budget beside a pipeline is not supported yet"))
     return out, refused
 
 
@@ -132,16 +131,9 @@ def config_of(layout: Layout) -> tuple[ModeConfig, PipelineParallel | None]:
 
 
 def refusal(config: ModeConfig, pipeline: PipelineParallel | None, optimizer) -> str | None:
-    """What the project's own checks say against this config for this optimizer, or None. DeMo's optimizer is
-    checked where its pass reads the lr from the traced step; its rule is repeated here, before any build."""
-    if config.mode == "demo" and not _plain_sgd(optimizer):
-        return "DeMo steps with plain SGD on the sign of the exchanged mean: it takes torch.optim.SGD without momentum"
+    """What the project's own checks at ``transpile()`` say against this config for this optimizer, or None."""
     try:
         config.strategy(Surroundings(pipeline=pipeline is not None)).check(optimizer)
     except ConfigurationError as error:
         return str(error)
     return None
-
-
-def _plain_sgd(optimizer) -> bool:
-    return type(optimizer) is torch.optim.SGD and not any(g.get("momentum") for g in optimizer.param_groups)

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from passes.bucketing import assign_buckets, caps_in_bytes
 from passes.stage_balance import balance
 
-from .cluster import MIB, Cluster
+from .cluster import Cluster
 from .profile import StepProfile
 
 # Steps to DDP's target as a share of DDP's steps, measured by bench/wan.py (GPT of 1.8M parameters, 4 hosts of one
@@ -122,14 +123,14 @@ def estimate(layout: Layout, profile: StepProfile, cluster: Cluster, factors: di
     compute += times.update / dp if layout.mode.startswith("zero") else times.update
     peak = _memory(layout, profile, cluster)
     if layout.mode in DATA_PARALLEL:
-        seconds = _data_parallel_seconds(layout.mode, grads, dp, cluster)
+        seconds = _data_parallel_seconds(layout.mode, _buckets(_sizes(profile)), dp, cluster)
         sent = {level: _data_parallel_sent(layout.mode, grads, dp, cluster)}
         return Estimate(compute, _exposed(seconds, times.backward, cluster), peak, sent)
     every = layout.sync_every or 1
     syncs = {"demo": 1, "streaming_diloco": every / layout.fragments}.get(layout.mode, every)  # steps per sync
     extra = EXTRA_UPDATES[layout.mode] * times.update / syncs
     if layout.mode == "diloco":  # a blocking all-reduce of every parameter each H steps
-        seconds = sum(cluster.collective_seconds("all_reduce", b, dp) for b in _buckets(grads)) / every
+        seconds = sum(cluster.collective_seconds("all_reduce", b, dp) for b in _buckets(_sizes(profile))) / every
         sent_bytes = 2 * grads * (dp - 1) / dp / every
     elif layout.mode == "streaming_diloco":  # int4 fragments, each exchange behind the next inner step (τ = 1)
         wire = grads / 8  # 4 bits a value (the scales are a few bytes per tensor)
@@ -159,7 +160,8 @@ def _pipeline(layout: Layout, profile: StepProfile, cluster: Cluster) -> Estimat
     busiest, heaviest = _largest_stage(profile, pp)
     compute = slots * (times.forward + times.backward) * pp * busiest / m + times.update * heaviest
     grads = profile.parameter_bytes * heaviest
-    reduce = sum(cluster.collective_seconds("all_reduce", b, dp) for b in _buckets(int(grads))) if dp > 1 else 0.0
+    # the stage's parameters are not tracked one by one: its gradients are priced as one run of buckets
+    reduce = sum(cluster.collective_seconds("all_reduce", b, dp) for b in _buckets([int(grads)])) if dp > 1 else 0.0
     sent = {cluster.level_of(2, contiguous=dp == 1): 2 * m * message * (pp - 1) / pp}
     if dp > 1:
         level = cluster.level_of(dp)
@@ -187,17 +189,19 @@ def _exposed(seconds: float, backward: float, cluster: Cluster) -> float:
     return seconds if cluster.device == "cpu" else max(seconds - backward, 0.0)
 
 
-def _buckets(nbytes: int, cap_mb: float = 25.0, first_mb: float = 1.0) -> list[float]:
-    """DDP's bucket sizes for ``nbytes`` of gradients: a first of ``first_mb``, then ``cap_mb`` each."""
-    first = min(nbytes, first_mb * MIB)
-    rest = nbytes - first
-    full = int(rest // (cap_mb * MIB))
-    tail = rest - full * cap_mb * MIB
-    return [first] + [cap_mb * MIB] * full + ([tail] if tail > 0 else [])
+def _buckets(sizes: list[int]) -> list[int]:
+    """The bytes of each bucket ``fuse-allreduce`` and ZeRO make at their defaults (DDP's caps: 1 MiB, then 25 MiB)
+    of gradients of ``sizes`` bytes, given in model order and bucketed in reverse, as the backward makes them."""
+    cap, first = caps_in_bytes(25.0, 1.0)
+    reverse = sizes[::-1]
+    return [sum(reverse[i] for i in bucket) for bucket in assign_buckets(reverse, [()] * len(reverse), cap, first)]
 
 
-def _data_parallel_seconds(mode: str, grads: int, dp: int, cluster: Cluster) -> float:
-    buckets = _buckets(grads)
+def _sizes(profile: StepProfile) -> list[int]:
+    return [size for _, size in profile.parameters]
+
+
+def _data_parallel_seconds(mode: str, buckets: list[int], dp: int, cluster: Cluster) -> float:
     if mode == "fused_allreduce":
         return sum(cluster.collective_seconds("all_reduce", b, dp) for b in buckets)
     scatter = sum(cluster.collective_seconds("all_to_all", b, dp) for b in buckets)
@@ -239,8 +243,8 @@ def _memory(layout: Layout, profile: StepProfile, cluster: Cluster) -> int:
     held = {
         "fused_allreduce": params * 2 + state,
         "zero1": params * 2 + state / dp,
-        "zero2": params + state / dp + max(_buckets(params)),  # a bucket alive until it is sent
-        "zero3": (params + state) / dp + gathered + max(_buckets(params)),
+        "zero2": params + state / dp + max(_buckets(_sizes(profile))),  # a bucket alive until it is sent
+        "zero3": (params + state) / dp + gathered + max(_buckets(_sizes(profile))),
         "diloco": params * 3 + state,
         "streaming_diloco": params * 2 + params / layout.fragments + state,  # the global copy, a fragment's
         "sparseloco": params * 3 + state,

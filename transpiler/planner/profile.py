@@ -67,10 +67,6 @@ class StepProfile:
     def parameter_bytes(self) -> int:
         return sum(size for _, size in self.parameters)
 
-    @property
-    def elements(self) -> int:
-        return self.parameter_bytes // 4
-
 
 def profile_step(
     model: torch.nn.Module,

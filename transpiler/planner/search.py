@@ -23,7 +23,7 @@ from transpiler.trace.optimizers import as_optimizer
 
 from .candidates import Candidate, Rejected, config_of, layouts, refusal
 from .cluster import MIB, Cluster
-from .costs import STEPS_FACTORS, estimate
+from .costs import STEPS_FACTORS, Estimate, estimate
 from .profile import StepProfile, profile_step
 
 OBJECTIVES = ("time_to_target", "step_time")
@@ -57,8 +57,7 @@ class Plan:
         return self.ranked[0]
 
     def score(self, candidate: Candidate) -> float:
-        e = candidate.estimate
-        return e.to_target if self.objective == "time_to_target" else e.step
+        return score(candidate.estimate, self.objective)
 
     def table(self) -> str:
         """The ranked candidates and the rejected ones as text (``transpiler plan``)."""
@@ -174,6 +173,10 @@ def rank(
             )
             continue
         fitting.append(Candidate(layout, cost, config, pipeline))
-    result = Plan([], rejected, profile, cluster, objective, factors=factors)
-    fitting.sort(key=result.score)
+    fitting.sort(key=lambda c: score(c.estimate, objective))
     return Plan(fitting, rejected, profile, cluster, objective, time.perf_counter() - start, factors)
+
+
+def score(estimate: Estimate, objective: str) -> float:
+    """What the objective ranks by: the time to the target (step × steps factor) or the step alone."""
+    return estimate.to_target if objective == "time_to_target" else estimate.step

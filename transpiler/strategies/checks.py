@@ -58,6 +58,24 @@ class PlainSGD:
 
 
 @dataclass(frozen=True)
+class SGDWithoutMomentum:
+    """DeMo takes the optimizer's lr into its momentum and steps with SGD on the sign of the exchanged mean, as its
+    authors' ``DeMo(torch.optim.SGD)`` does: SGD without momentum (weight decay allowed), or a chain of them. The
+    ``demo-exchange`` pass finds the lr in the traced step; this says so before anything is traced."""
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> None:
+        members = getattr(optimizer, "members", [optimizer])  # a chain of optimizers: each of them
+        if not all(isinstance(m, torch.optim.SGD) for m in members) or any(
+            g.get("momentum") or g.get("nesterov") for m in members for g in m.param_groups
+        ):
+            raise ConfigurationError(
+                "DeMo takes the optimizer's lr into its momentum (δ = β·δ + lr·g) and steps with SGD on the sign of "
+                "the exchanged mean, as its authors' DeMo(torch.optim.SGD) does: give torch.optim.SGD(params, "
+                f"lr=...) without momentum (weight_decay is allowed); got {type(optimizer).__name__}."
+            )
+
+
+@dataclass(frozen=True)
 class BasisReadable:
     """DimReduce's basis file (its pass reads it when it runs) can be read now, whatever the optimizer."""
 

@@ -11,7 +11,7 @@ from transpiler.errors import ConfigurationError
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.rank_layouts import AdaSumLayout
 
-from .checks import HAS_TWIN, BasisReadable, Elementwise, PlainSGD
+from .checks import HAS_TWIN, BasisReadable, Elementwise, PlainSGD, SGDWithoutMomentum
 from .config import feature, knob, own
 from .features import Accumulation, Clipping, Compression, Freeze, LossScaling, Sparsification
 from .mode_config import ModeConfig, ModeName
@@ -304,4 +304,4 @@ class DeMo(ModeConfig):
             bucket_cap_mb=self.bucket_cap_mb,
             first_bucket_mb=self.first_bucket_mb,
         )
-        return Recipe({"step": [exchange]}, prefix(), [], tail())
+        return Recipe({"step": [exchange]}, prefix(), [], tail(), checks=(SGDWithoutMomentum(),))
