@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from transpiler import Execution, transpile
+from transpiler.planner.programs import profile_kernels
 
 ROUNDS, STEPS, WARMUP, PROFILED = 5, 5, 3, 3
 
@@ -134,14 +135,8 @@ def profiled(step: Callable, device: torch.device) -> tuple[float, float]:
     """Kernels and device milliseconds per step (0, 0 without CUDA)."""
     if device.type != "cuda":
         return 0.0, 0.0
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(PROFILED):
-            step()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    device_us = sum(e.device_time for e in kernels)
-    return len(kernels) / PROFILED, device_us / 1e3 / PROFILED
+    kernels, seconds = profile_kernels(step, PROFILED)
+    return kernels, seconds * 1e3
 
 
 def peak_mib(step: Callable, device: torch.device) -> float:

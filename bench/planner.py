@@ -74,7 +74,7 @@ def repriced(run: dict, model: str) -> list[dict]:
         }
     )
     cluster = Cluster.from_dict(run["cluster"])
-    space = {layout.label: layout for layout in layouts(profile, cluster.world_size)[0]}
+    space = {layout.label: layout for layout in layouts(profile, cluster)[0]}
     rows = []
     for row in run["rows"]:
         e = estimate(space[row["label"]], profile, cluster, STEPS_FACTORS)

@@ -23,8 +23,10 @@ from transpiler import ConfigurationError, StaticWorld
 from transpiler.cli import main
 from transpiler.planner import Cluster, ComputeTimes, Link, StepProfile, plan, profile_step, simple_cluster
 from transpiler.planner.candidates import layouts
+from transpiler.planner.cluster import ProgramTimes
 from transpiler.planner.costs import Layout, estimate
 from transpiler.planner.profile import RecomputeLevel
+from transpiler.planner.programs import REPLAY_FIXED, REPLAY_PER_KERNEL
 from transpiler.planner.search import rank
 
 MIB = 1024 * 1024
@@ -103,7 +105,7 @@ def test_every_layout_is_ranked_within_memory_or_left_out_with_a_reason(hosts, p
     assert all(c.estimate.peak <= cluster.memory_per_rank for c in made.ranked)
     scores = [made.score(c) for c in made.ranked]
     assert scores == sorted(scores)
-    space, _ = layouts(profile, cluster.world_size)
+    space, _ = layouts(profile, cluster)
     seen = {c.label for c in made.ranked} | {r.label for r in made.rejected}
     assert {layout.label for layout in space} <= seen
     assert all(r.reason for r in made.rejected)
@@ -117,7 +119,7 @@ def test_every_layout_is_ranked_within_memory_or_left_out_with_a_reason(hosts, p
 def test_a_slower_link_never_makes_a_layout_faster(fast, slower, hosts):
     profile = gpt_like()
     quick, slow = simple_cluster(hosts, 1, fast, 1e4), simple_cluster(hosts, 1, fast * slower, 1e4)
-    for layout in layouts(profile, hosts)[0]:
+    for layout in layouts(profile, quick)[0]:
         before, after = (estimate(layout, profile, c, {}) for c in (quick, slow))
         assert after.step >= before.step - 1e-12, layout.label
         assert after.peak == before.peak and after.sent == before.sent
@@ -179,6 +181,60 @@ def test_demo_needs_plain_sgd_and_the_steps_factors_can_be_overridden():
         steps_factors={"streaming_diloco": 3.0},
     )
     assert even.best.config.mode != "streaming_diloco"
+
+
+def gpu_programs(compiled: bool = True, captured: bool = True) -> dict[str, ProgramTimes]:
+    """GPT-2's program (mode ``none``) on an H200 as a calibration measured it (2026-11-29): host-bound uncaptured
+    (39.8 ms for 34.3 ms of kernels), 11.6 ms of kernels compiled, after a 94 s first call."""
+    default = ProgramTimes(wall=0.0398, device=0.0343, kernels=2547, peak=7_748 * MIB, first_call=5.8)
+    capture = ProgramTimes(wall=0.0345, device=0.0343, kernels=2551, peak=7_800 * MIB, first_call=7.0)
+    compiled_program = ProgramTimes(wall=0.0171, device=0.0116, kernels=653, peak=5_081 * MIB, first_call=93.5)
+    return {"default": default, **({"cuda_graph": capture} if captured else {})} | (
+        {"compile": compiled_program} if compiled else {}
+    )
+
+
+@pytest.mark.quick
+def test_on_a_gpu_the_flags_are_priced_from_the_measured_programs_and_a_compile_pays_for_itself_or_not(tmp_path):
+    gpu = dataclasses.replace(simple_cluster(1, 1, 1000, 40_000, device="cuda"), programs=gpu_programs())
+    gpu.save(tmp_path / "gpu.json")
+    assert Cluster.load(tmp_path / "gpu.json").programs == gpu.programs
+    made = ranked(gpt_like(), gpu, objective="step_time")
+    order = [c.label for c in made.ranked]
+    assert order == [
+        "fused_allreduce, compiled, captured",
+        "fused_allreduce, compiled",
+        "fused_allreduce, captured",
+        "fused_allreduce",
+    ]
+    # at one rank nothing is sent: each step is its program's, compiled and captured the compiled program's device
+    # time plus the replay's cost measured on the uncompiled one
+    steps = [c.estimate.step for c in made.ranked]
+    assert steps == pytest.approx([0.0116 + (0.0345 - 0.0343), 0.0171, 0.0345, 0.0398])
+    best = made.best
+    assert best.estimate.peak - made.ranked[-1].estimate.peak == (5_081 - 7_748) * MIB
+    assert best.execution.compile and best.execution.cuda_graph and best.estimate.setup == 93.5
+    assert "setup (s)" in made.table()
+    # a run of 1,000 steps does not earn back a 94 s compile: 11.8 ms + 94 ms a step against 34.5 + 7 ms captured
+    short = rank(gpt_like(), gpu, torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), "step_time", {}, 0.0, 1000)
+    assert short.best.label == "fused_allreduce, captured"
+    # a capture not measured (a cluster file by hand): a replay at the constants
+    unmeasured = ranked(
+        gpt_like(), dataclasses.replace(gpu, programs=gpu_programs(captured=False)), objective="step_time"
+    )
+    assert unmeasured.best.estimate.step == pytest.approx(0.0116 + REPLAY_FIXED + 653 * REPLAY_PER_KERNEL)
+    # nothing compiled measured: the compiled layouts are left out with the command that measures them
+    uncompiled = ranked(gpt_like(), dataclasses.replace(gpu, programs=gpu_programs(compiled=False)))
+    assert [c.label for c in uncompiled.ranked] == ["fused_allreduce, captured", "fused_allreduce"]
+    assert any("calibrate --compile" in r.reason for r in uncompiled.rejected)
+    # the generic optimizer path computes its step sizes in Python: never captured
+    generic = ranked(gpt_like(), gpu, torch.optim.Adagrad([nn.Parameter(torch.zeros(1))]))
+    assert {c.label for c in generic.ranked} == {"fused_allreduce", "fused_allreduce, compiled"}
+    assert all("generic path" in r.reason for r in generic.rejected if "captured" in r.label)
+    four = ranked(gpt_like(), dataclasses.replace(gpu, hosts=4))
+    assert {c.layout.mode for c in four.ranked if c.layout.cuda_graph} == {"fused_allreduce", "zero1", "zero2", "zero3"}
+    with pytest.raises(ConfigurationError, match="'default' always"):
+        Cluster.from_dict({**gpu.to_dict(), "programs": {"compile": dataclasses.asdict(gpu.programs["compile"])}})
 
 
 @pytest.mark.quick

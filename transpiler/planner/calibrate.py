@@ -6,13 +6,15 @@ host for ``host``; one rank of each host for ``network``), each collective the c
 sizes from 4 KiB upward, three times after a warm-up (median), until one takes a quarter of a second or 16 MiB is
 reached; ``alpha + beta * bytes`` is fitted by least squares and the ranks keep the element-wise maximum. The
 model's forward, backward and update are timed on every rank at once, so the compute carries the host's
-contention (two ranks on one core each take about twice a rank's time alone). Rank 0 writes the cluster
+contention (two ranks on one core each take about twice a rank's time alone); on a GPU, so is the project's
+program for it, uncaptured and (``--compile``) compiled (``planner/programs.py``). Rank 0 writes the cluster
 (``planner/cluster.py``), with the link levels a group could not span given the bandwidth and latency of the
 slowest one measured.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -24,8 +26,9 @@ import torch.distributed as dist
 from transpiler.errors import ConfigurationError
 from transpiler.graph.cost_model import fit_alpha_beta
 
-from .cluster import MIB, Cluster, ComputeTimes, Link
+from .cluster import MIB, Cluster, ComputeTimes, Link, ProgramTimes
 from .profile import measure_compute
+from .programs import measure_programs
 
 SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)  # bytes of the tensor each rank holds
 ENOUGH = 0.25  # seconds: a collective this slow ends the sweep (a slow link would take minutes at 16 MiB)
@@ -33,11 +36,17 @@ TIMEOUT = timedelta(seconds=120)
 
 
 def calibrate(
-    factory: tuple, memory_mib: float, device: str = "cpu", ranks_per_host: int | None = None
+    factory: tuple,
+    memory_mib: float,
+    device: str = "cpu",
+    ranks_per_host: int | None = None,
+    compile: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> Cluster | None:
     """Measure (module docstring); rank 0 gets the cluster, the others None. Under torchrun the process group is
     made here (and ended) unless the caller made one; ``ranks_per_host`` defaults to torchrun's
-    ``LOCAL_WORLD_SIZE``."""
+    ``LOCAL_WORLD_SIZE``. On a GPU the program is timed too, compiled as well where ``compile``, every step
+    under ``autocast`` where given (a dtype)."""
     started = not dist.is_initialized()  # a caller's group is left as it was
     if started:
         missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR") if name not in os.environ]
@@ -67,8 +76,12 @@ def calibrate(
         }
     model, optimizer, loss_fn, batch = factory
     dist.barrier()
-    compute = measure_compute(model, optimizer, loss_fn, tuple(batch))
+    compute = measure_compute(model, optimizer, loss_fn, tuple(batch), autocast)
     slowest = _agree_compute(compute, device)
+    programs = {}
+    if device == "cuda":
+        dist.barrier()
+        programs = _agree_programs(measure_programs(model, optimizer, loss_fn, tuple(batch), compile, autocast))
     if started:
         dist.destroy_process_group()
     if rank != 0:
@@ -83,6 +96,7 @@ def calibrate(
         network_link=network,
         device=device,
         compute=slowest,
+        programs=programs,
     )
 
 
@@ -147,6 +161,15 @@ def _agree_compute(compute: ComputeTimes, device: str) -> ComputeTimes:
     values = torch.tensor([compute.forward, compute.backward, compute.update], dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return ComputeTimes(*values.tolist(), under_load=True)
+
+
+def _agree_programs(programs: dict[str, ProgramTimes]) -> dict[str, ProgramTimes]:
+    """Each measured figure's maximum over the ranks (the slowest rank sets the step)."""
+    values = torch.tensor([dataclasses.astuple(t) for t in programs.values()], dtype=torch.float64, device="cuda")
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {
+        flag: ProgramTimes(*row[:3], int(row[3]), row[4]) for flag, row in zip(programs, values.tolist(), strict=True)
+    }
 
 
 def _link(measured: dict[str, tuple[float, float, int]], ranks: int) -> Link | None:

@@ -6,13 +6,16 @@ project measured them with (``diloco`` H = 15 and 50; ``streaming_diloco`` int4,
 ``sparseloco`` and ``demo`` at their authors' settings; Streaming DiLoCo in fewer fragments where the model has
 fewer than 4 modules with trainable parameters, as a fragment holds whole modules); and a 1F1B pipeline of every
 stage count that divides W and that the model has blocks for, with ``fused_allreduce`` across its data-parallel
-replicas. A layout the
+replicas. On a GPU whose
+programs a calibration measured, each data-parallel mode without a budget also runs captured (``cuda_graph``),
+and compiled and compiled and captured where the compiled program was measured. A layout the
 project refuses for this model and optimizer (the mode's own checks) or cannot build yet (a tensor-parallel
 degree without the model's plan, a budget beside a pipeline) is listed with the reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +29,10 @@ from transpiler.runtime.execution import Execution
 from transpiler.strategies.mode_config import ModeConfig, Surroundings
 from transpiler.strategies.modes import mode_config
 from transpiler.strategies.pipeline_parallel import PipelineParallel
+from transpiler.trace.optimizers import TWINS
 
-from .costs import Estimate, Layout
+from .cluster import Cluster
+from .costs import DATA_PARALLEL, Estimate, Layout
 from .profile import StepProfile
 
 # the settings each low-communication mode was measured at (bench/wan.py), which its steps factor belongs to
@@ -61,7 +66,8 @@ class Candidate:
 
     @property
     def execution(self) -> Execution:
-        return Execution(memory_budget=self.layout.memory_budget)
+        layout = self.layout
+        return Execution(memory_budget=layout.memory_budget, compile=layout.compile, cuda_graph=layout.cuda_graph)
 
     def transpile(
         self, model: torch.nn.Module, optimizer, loss_fn=None, example_inputs=None, **kwargs
@@ -85,8 +91,28 @@ class Rejected:
     estimate: Estimate | None = None
 
 
-def layouts(profile: StepProfile, world: int) -> tuple[list[Layout], list[Rejected]]:
-    """Every layout of the space at ``world`` ranks (module docstring), and those that cannot be built yet."""
+def layouts(profile: StepProfile, cluster: Cluster) -> tuple[list[Layout], list[Rejected]]:
+    """Every layout of the space on ``cluster`` (module docstring), and those that cannot be built yet."""
+    space, refused = _layouts(profile, cluster.world_size)
+    if not cluster.programs:
+        return space, refused
+    flags = [(False, True)]
+    if "compile" in cluster.programs:
+        flags += [(True, False), (True, True)]
+    else:
+        refused.append(
+            Rejected("compiled", "the compiled program was not measured: transpiler calibrate --compile on the GPU")
+        )
+    flagged = [
+        dataclasses.replace(layout, compile=compiled, cuda_graph=captured)
+        for layout in space
+        if layout.mode in DATA_PARALLEL and layout.pp == 1 and layout.memory_budget is None
+        for compiled, captured in flags
+    ]
+    return space + flagged, refused
+
+
+def _layouts(profile: StepProfile, world: int) -> tuple[list[Layout], list[Rejected]]:
     if world == 1:
         return [Layout("fused_allreduce", 1)], []
     out: list[Layout] = []
@@ -130,8 +156,13 @@ def config_of(layout: Layout) -> tuple[ModeConfig, PipelineParallel | None]:
     return config, pipeline
 
 
-def refusal(config: ModeConfig, pipeline: PipelineParallel | None, optimizer) -> str | None:
-    """What the project's own checks at ``transpile()`` say against this config for this optimizer, or None."""
+def refusal(layout: Layout, config: ModeConfig, pipeline: PipelineParallel | None, optimizer) -> str | None:
+    """What the project's own checks at ``transpile()`` say against this layout for this optimizer, or None."""
+    if layout.cuda_graph and type(optimizer) not in TWINS:
+        return (
+            f"cuda_graph=True: {type(optimizer).__name__} takes the generic path, whose step sizes are computed in "
+            "Python each step (SGD, Adam and AdamW capture)"
+        )
     try:
         config.strategy(Surroundings(pipeline=pipeline is not None)).check(optimizer)
     except ConfigurationError as error:

@@ -28,6 +28,9 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_to_all", "p2p")  # what a link i
 LEVELS = ("host", "network")
 
 
+FIELDS = ("hosts", "ranks_per_host", "device", "memory_per_rank_mib", "links", "compute", "programs")
+
+
 @dataclass(frozen=True)
 class Link:
     """One link level: ``bandwidth`` in bytes per second per rank each way, ``latency`` in seconds per message, and
@@ -74,9 +77,23 @@ class ComputeTimes:
 
 
 @dataclass(frozen=True)
+class ProgramTimes:
+    """One program's step on a GPU (``planner/programs.py``), uncaptured: seconds per step (``wall``,
+    synchronised), kernels' seconds per step (``device``), kernels per step, the peak bytes allocated, and the
+    first call's seconds (tracing, the passes, the compile)."""
+
+    wall: float
+    device: float
+    kernels: float
+    peak: int
+    first_call: float
+
+
+@dataclass(frozen=True)
 class Cluster:
     """Hosts of ``ranks_per_host`` ranks each; ``device`` ``"cpu"`` or ``"cuda"``; ``memory_per_rank`` bytes a
-    rank may use; the two link levels; the model's compute where a calibration measured it."""
+    rank may use; the two link levels; the model's compute where a calibration measured it, and on a GPU its
+    program's (``programs``: ``"default"``, ``"cuda_graph"`` where captured, ``"compile"`` where compiled)."""
 
     hosts: int
     ranks_per_host: int
@@ -85,6 +102,7 @@ class Cluster:
     network_link: Link
     device: str = "cpu"
     compute: ComputeTimes | None = None
+    programs: dict[str, ProgramTimes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.hosts < 1 or self.ranks_per_host < 1:
@@ -133,17 +151,22 @@ class Cluster:
         }
         if self.compute is not None:
             data["compute"] = dataclasses.asdict(self.compute)
+        if self.programs:
+            data["programs"] = {flag: dataclasses.asdict(times) for flag, times in self.programs.items()}
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cluster:
         """A cluster from its JSON form (module docstring); an error names what is missing or wrong."""
-        unknown = set(data) - {"hosts", "ranks_per_host", "device", "memory_per_rank_mib", "links", "compute"}
+        unknown = set(data) - set(FIELDS)
         if unknown:
             raise ConfigurationError(f"unknown cluster fields {sorted(unknown)}; see transpiler/planner/cluster.py.")
         try:
             links = {level: _link(level, data["links"].get(level)) for level in LEVELS}
             compute = ComputeTimes(**data["compute"]) if "compute" in data else None
+            programs = {flag: ProgramTimes(**times) for flag, times in data.get("programs", {}).items()}
+            if "default" not in programs and programs or set(programs) - {"default", "cuda_graph", "compile"}:
+                raise ValueError(f"programs: 'default' always, 'cuda_graph', 'compile'; got {sorted(programs)}")
             return cls(
                 hosts=int(data["hosts"]),
                 ranks_per_host=int(data.get("ranks_per_host", 1)),
@@ -152,6 +175,7 @@ class Cluster:
                 network_link=links["network"],
                 device=data.get("device", "cpu"),
                 compute=compute,
+                programs=programs,
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ConfigurationError(

@@ -7,11 +7,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from transpiler.errors import ConfigurationError
 
 from .calibrate import calibrate
 from .cluster import Cluster, simple_cluster
 from .search import OBJECTIVES, plan
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_commands(sub: argparse._SubParsersAction, load_factory: Callable[[str], tuple]) -> None:
@@ -30,6 +34,7 @@ def add_commands(sub: argparse._SubParsersAction, load_factory: Callable[[str], 
     planning.add_argument("--mbit", type=float, help="without --cluster: the link between hosts, Mbit/s")
     planning.add_argument("--memory-mib", type=float, help="memory per rank, MiB (overrides the file's)")
     planning.add_argument("--objective", choices=OBJECTIVES, default="time_to_target")
+    planning.add_argument("--steps", type=int, help="the run's length: a compile's first call is spread over it")
     planning.add_argument("--json", metavar="FILE", help="also write the plan as JSON here")
     planning.set_defaults(func=lambda args: _plan(args, load_factory))
     measuring = sub.add_parser(
@@ -42,6 +47,12 @@ def add_commands(sub: argparse._SubParsersAction, load_factory: Callable[[str], 
     measuring.add_argument("factory", metavar="FILE.py:FACTORY")
     measuring.add_argument("--memory-mib", type=float, required=True, help="memory each rank may use, MiB")
     measuring.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    measuring.add_argument(
+        "--compile",
+        action="store_true",
+        help="on a GPU: also compile the program and time it (a minute or more), so plans may pick compile=True",
+    )
+    measuring.add_argument("--autocast", choices=sorted(AUTOCAST), help="time every step under autocast to this type")
     measuring.add_argument("-o", "--output", default="cluster.json")
     measuring.set_defaults(func=lambda args: _calibrate(args, load_factory))
 
@@ -61,7 +72,7 @@ def _plan(args: argparse.Namespace, load_factory: Callable[[str], tuple]) -> int
     cluster = _cluster(args)
     model, optimizer, loss_fn, batch = load_factory(args.factory)
     print(f"planning for {cluster.world_size} ranks: tracing the step once...", file=sys.stderr)
-    made = plan(model, optimizer, loss_fn, tuple(batch), cluster, objective=args.objective)
+    made = plan(model, optimizer, loss_fn, tuple(batch), cluster, objective=args.objective, steps=args.steps)
     sys.stdout.write(made.table())
     if args.json:
         Path(args.json).write_text(made.to_json() + "\n")
@@ -70,7 +81,12 @@ def _plan(args: argparse.Namespace, load_factory: Callable[[str], tuple]) -> int
 
 
 def _calibrate(args: argparse.Namespace, load_factory: Callable[[str], tuple]) -> int:
-    cluster = calibrate(load_factory(args.factory), args.memory_mib, args.device)
+    if args.compile and args.device != "cuda":
+        raise ConfigurationError("--compile prices compile=True on a GPU: give --device cuda too.")
+    autocast = AUTOCAST[args.autocast] if args.autocast else None
+    cluster = calibrate(
+        load_factory(args.factory), args.memory_mib, args.device, compile=args.compile, autocast=autocast
+    )
     if cluster is not None:
         cluster.save(args.output)
         print(f"wrote {args.output}", file=sys.stderr)

@@ -19,6 +19,10 @@ Every layout trains the same global batch, the example batch on each of the clus
   gradient buckets, optimizer state over dp for ZeRO, the DiLoCo family's global copies) plus the step's own
   tensors at their peak from the schedule (``graph/memory.py``), after recompute where a budget is set, and
   zero3's gathered units.
+- **Execution flags** (on a GPU whose programs a calibration measured: ``planner/programs.py``): the compute
+  above scaled to the program's step under the flags: as measured, or for compiled and captured the compiled
+  program's device time plus a replay's cost; the peak moved by what compiling moved the measured program's;
+  the first call's seconds as ``setup``, spread over the run where ``plan(steps=...)`` says how long it is.
 - **Steps to the target** are 1 for data-parallel modes (the same arithmetic as one process) and, for the
   low-communication modes, the factors measured on this project's bench (``STEPS_FACTORS``); a user with other
   measurements passes their own.
@@ -26,6 +30,7 @@ Every layout trains the same global batch, the example batch on each of the clus
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from passes.bucketing import assign_buckets, caps_in_bytes
@@ -33,6 +38,7 @@ from passes.stage_balance import balance
 
 from .cluster import Cluster
 from .profile import StepProfile
+from .programs import flags_key, step_seconds
 
 # Steps to DDP's target as a share of DDP's steps, measured by bench/wan.py (GPT of 1.8M parameters, 4 hosts of one
 # rank, warm start, constant lr; docs/strategies/low_communication.md): the steps each mode took to DDP's held-out
@@ -72,6 +78,8 @@ class Layout:
     memory_budget: float | None = None
     sync_every: int | None = None
     fragments: int = 4  # Streaming DiLoCo's: at most the modules that hold trainable parameters
+    compile: bool = False
+    cuda_graph: bool = False
 
     @property
     def label(self) -> str:
@@ -84,6 +92,7 @@ class Layout:
             parts.append(f"pp={self.pp}×dp={self.dp} m={self.microbatches}")
         if self.memory_budget is not None:
             parts.append("recompute" if self.memory_budget == 0 else f"budget {self.memory_budget:g}")
+        parts += [flag for flag, on in (("compiled", self.compile), ("captured", self.cuda_graph)) if on]
         return ", ".join(parts)
 
     @property
@@ -95,13 +104,15 @@ class Layout:
 class Estimate:
     """What a layout is predicted to cost per step: ``compute`` and exposed ``communication`` seconds (averaged
     over a round for the modes that sync every H steps), ``peak`` bytes per rank, ``sent`` bytes per rank per
-    step by link level, and ``steps_factor``: steps to the target over data parallelism's."""
+    step by link level, ``steps_factor``: steps to the target over data parallelism's, and ``setup``: seconds
+    once, before the first step (a compile)."""
 
     compute: float
     communication: float
     peak: int
     sent: dict[str, float] = field(default_factory=dict)
     steps_factor: float = 1.0
+    setup: float = 0.0
 
     @property
     def step(self) -> float:
@@ -115,6 +126,31 @@ class Estimate:
 
 def estimate(layout: Layout, profile: StepProfile, cluster: Cluster, factors: dict[str, float]) -> Estimate:
     """The cost of ``layout`` on ``cluster`` for the step ``profile`` describes (module docstring)."""
+    if not cluster.programs:
+        return _estimate(layout, profile, cluster, factors)
+    # on a GPU with measured programs: the eager compute rescaled to the program's under the layout's flags
+    default = cluster.programs["default"]
+    flagged = step_seconds(cluster.programs, layout.compile, layout.cuda_graph)
+    if flagged is None:
+        raise ValueError(f"{layout.label}: the compiled program was not measured")
+    scale = flagged / profile.compute.step
+    times = profile.compute
+    scaled = dataclasses.replace(
+        profile,
+        compute=dataclasses.replace(
+            times, forward=times.forward * scale, backward=times.backward * scale, update=times.update * scale
+        ),
+    )
+    plain = _estimate(layout, scaled, cluster, factors)
+    # the peak moves with the compile only: a captured step's tensors live in its graph's private pool, which the
+    # allocator's peak does not count, and which holds what the uncaptured step's peak holds (bench/gpu.py counts
+    # the pool whole: 3% over the uncaptured peak on GPT-2)
+    moved = cluster.programs["compile"].peak - default.peak if layout.compile else 0
+    first = cluster.programs.get(flags_key(layout.compile, layout.cuda_graph))
+    return dataclasses.replace(plain, peak=plain.peak + moved, setup=(first or default).first_call)
+
+
+def _estimate(layout: Layout, profile: StepProfile, cluster: Cluster, factors: dict[str, float]) -> Estimate:
     if layout.pp > 1:
         return _pipeline(layout, profile, cluster)
     times, grads, dp = profile.compute, profile.parameter_bytes, layout.dp

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -164,23 +165,32 @@ def _blocks(model: torch.nn.Module, loss_fn, batch: tuple) -> tuple[int, int, tu
     return len(children), max(sizes, default=0), seconds, tuple(held)
 
 
-def measure_compute(model: torch.nn.Module, optimizer, loss_fn, batch: tuple) -> ComputeTimes:
+def measure_compute(model: torch.nn.Module, optimizer, loss_fn, batch: tuple, autocast=None) -> ComputeTimes:
     """Forward with the loss, backward and update, each the median of three timed runs after a warm-up, on copies
-    of the model and optimizer (the originals are untouched)."""
+    of the model and optimizer (the originals are untouched); the forward under ``autocast`` (a dtype) where
+    given, and each phase waited for on a GPU."""
     twin, inner = copy.deepcopy((model, as_optimizer(optimizer)))
     params = [p for p in twin.parameters() if p.requires_grad]
+    cuda = any(p.is_cuda for p in params)
+    context = torch.autocast("cuda" if cuda else "cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+
+    def now() -> float:
+        torch.cuda.synchronize() if cuda else None
+        return time.perf_counter()
+
     runs = []
     for run in range(1 + TIMED_RUNS):
-        start = time.perf_counter()
-        out = twin(*batch[:-1]) if loss_fn is not None else twin(*batch)
-        loss = loss_fn(out, batch[-1]) if loss_fn is not None else out
-        forward = time.perf_counter()
+        start = now()
+        with context:
+            out = twin(*batch[:-1]) if loss_fn is not None else twin(*batch)
+            loss = loss_fn(out, batch[-1]) if loss_fn is not None else out
+        forward = now()
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-        backward = time.perf_counter()
+        backward = now()
         for p, g in zip(params, grads):
             p.grad = g
         inner.step()
-        end = time.perf_counter()
+        end = now()
         if run:
             runs.append((forward - start, backward - forward, end - backward))
     medians = [statistics.median(column) for column in zip(*runs)]

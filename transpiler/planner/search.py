@@ -41,6 +41,7 @@ class Plan:
     objective: str
     seconds: float = 0.0
     factors: Mapping[str, float] = field(default_factory=dict)
+    steps: int | None = None
 
     @property
     def best(self) -> Candidate:
@@ -57,7 +58,7 @@ class Plan:
         return self.ranked[0]
 
     def score(self, candidate: Candidate) -> float:
-        return score(candidate.estimate, self.objective)
+        return score(candidate.estimate, self.objective, self.steps)
 
     def table(self) -> str:
         """The ranked candidates and the rejected ones as text (``transpiler plan``)."""
@@ -68,9 +69,11 @@ class Plan:
             f"tensors, {self.profile.parameter_bytes / MIB:,.2f} MiB; ranked by {self.objective.replace('_', ' ')}; "
             f"planned in {self.seconds:.1f} s"
         )
+        setup = any(c.estimate.setup for c in self.ranked)  # a column only where a flag costs a first call
         rows = [
-            "| # | candidate | step (ms) | compute | communication | steps × | × best | peak (MiB) | sent/step (MiB) |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| # | candidate | step (ms) | compute | communication | steps × | × best | peak (MiB) | sent/step (MiB) |"
+            + (" setup (s) |" if setup else ""),
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if setup else ""),
         ]
         for i, c in enumerate(self.ranked, 1):
             e = c.estimate
@@ -78,6 +81,7 @@ class Plan:
             rows.append(
                 f"| {i} | {c.label} | {e.step * 1e3:,.1f} | {e.compute * 1e3:,.1f} | {e.communication * 1e3:,.1f} | "
                 f"{e.steps_factor:.2f} | {self.score(c) / best:.2f} | {e.peak / MIB:,.1f} | {sent} |"
+                + (f" {e.setup:,.1f} |" if setup else "")
             )
         rejected = [f"- {r.label}: {r.reason}" for r in self.rejected]
         return "\n".join([head, "", *rows, "", "Left out:" if rejected else "", *rejected]).rstrip() + "\n"
@@ -90,6 +94,8 @@ class Plan:
                 "config": c.config.to_dict(),
                 "pipeline": c.pipeline.to_dict() if c.pipeline is not None else None,
                 "memory_budget": c.layout.memory_budget,
+                "execution": c.execution.to_dict(),
+                "setup_seconds": e.setup,
                 "step_seconds": e.step,
                 "compute_seconds": e.compute,
                 "communication_seconds": e.communication,
@@ -104,6 +110,7 @@ class Plan:
             "ranked": [one(c) for c in self.ranked],
             "rejected": [{"label": r.label, "reason": r.reason} for r in self.rejected],
             "seconds": self.seconds,
+            "steps": self.steps,
         }
 
     def to_json(self) -> str:
@@ -120,13 +127,15 @@ def plan(
     objective: str = "time_to_target",
     steps_factors: Mapping[str, float] | None = None,
     profile: StepProfile | None = None,
+    steps: int | None = None,
 ) -> Plan:
     """Rank the layouts for this step on ``cluster``. ``example_batch`` is one rank's batch, as ``transpile()``
     takes it; every layout trains W of them per step. ``objective``: ``"time_to_target"`` (step time × the steps
     to the same loss, data parallelism's being 1) or ``"step_time"``. ``steps_factors`` overrides the defaults
     (``planner/costs.py``'s ``STEPS_FACTORS``: the ones bench/wan.py measured, none below 1; keys as there;
     ``MEASURED_STEPS_FACTORS`` as measured). ``profile``: one taken before (a test's, or
-    a sweep's), else taken now, with the cluster's measured compute where it has one."""
+    a sweep's), else taken now, with the cluster's measured compute where it has one. ``steps``: how many steps the
+    run will take, where known: a layout's one-time cost (a compile) is then spread over them."""
     if objective not in OBJECTIVES:
         raise ConfigurationError(f"objective is one of {OBJECTIVES}, got {objective!r}.")
     factors = {**STEPS_FACTORS, **(steps_factors or {})}
@@ -135,7 +144,9 @@ def plan(
         raise ConfigurationError(f"steps_factors has unknown keys {sorted(unknown)}; known: {sorted(STEPS_FACTORS)}.")
     start = time.perf_counter()
     profile = profile or agreed(lambda: profile_step(model, optimizer, loss_fn, tuple(example_batch), cluster.compute))
-    return rank(profile, cluster, as_optimizer(optimizer), objective, factors, start)
+    if steps is not None and steps < 1:
+        raise ConfigurationError(f"steps is the run's length, at least 1; got {steps}.")
+    return rank(profile, cluster, as_optimizer(optimizer), objective, factors, start, steps)
 
 
 def agreed(take: Callable[[], StepProfile]) -> StepProfile:
@@ -150,14 +161,20 @@ def agreed(take: Callable[[], StepProfile]) -> StepProfile:
 
 
 def rank(
-    profile: StepProfile, cluster: Cluster, optimizer, objective: str, factors: Mapping[str, float], start: float
+    profile: StepProfile,
+    cluster: Cluster,
+    optimizer,
+    objective: str,
+    factors: Mapping[str, float],
+    start: float,
+    steps: int | None = None,
 ) -> Plan:
     """The plan from a profile: price every layout, leave out the refused and those over memory, sort the rest."""
-    space, rejected = layouts(profile, cluster.world_size)
+    space, rejected = layouts(profile, cluster)
     fitting: list[Candidate] = []
     for layout in space:
         config, pipeline = config_of(layout)
-        why = refusal(config, pipeline, optimizer)
+        why = refusal(layout, config, pipeline, optimizer)
         if why is not None:
             rejected.append(Rejected(layout.label, f"refused: {why}"))
             continue
@@ -173,10 +190,12 @@ def rank(
             )
             continue
         fitting.append(Candidate(layout, cost, config, pipeline))
-    fitting.sort(key=lambda c: score(c.estimate, objective))
-    return Plan(fitting, rejected, profile, cluster, objective, time.perf_counter() - start, factors)
+    fitting.sort(key=lambda c: score(c.estimate, objective, steps))
+    return Plan(fitting, rejected, profile, cluster, objective, time.perf_counter() - start, factors, steps)
 
 
-def score(estimate: Estimate, objective: str) -> float:
-    """What the objective ranks by: the time to the target (step × steps factor) or the step alone."""
-    return estimate.to_target if objective == "time_to_target" else estimate.step
+def score(estimate: Estimate, objective: str, steps: int | None = None) -> float:
+    """What the objective ranks by: the time to the target (step × steps factor) or the step alone, with the
+    one-time setup spread over ``steps`` where the run's length is known (else left out: a long run)."""
+    per_step = estimate.to_target if objective == "time_to_target" else estimate.step
+    return per_step + (estimate.setup / steps if steps else 0.0)
