@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from tests.worlds import run_in_world
-from transpiler import ConfigurationError, StaticWorld
+from transpiler import ConfigurationError, Execution, PipelineParallel, StaticWorld, transpile
 from transpiler.cli import main
 from transpiler.planner import Cluster, ComputeTimes, Link, StepProfile, plan, profile_step, simple_cluster
 from transpiler.planner.candidates import layouts
@@ -283,8 +283,15 @@ def test_a_real_step_is_profiled_and_its_pick_builds(tmp_path):
     assert profile.recompute[0].transient <= profile.transient and profile.compute.step > 0
     made = plan(model, optimizer, loss_fn, batch, simple_cluster(2, 1, 1000, 64), profile=profile)
     data = made.best.config.to_dict()
-    step = made.best.transpile(model, optimizer, loss_fn, batch, mesh=StaticWorld(size=2, rank=0))
+    step = transpile(model, optimizer, made.best, loss_fn, batch, mesh=StaticWorld(size=2, rank=0))
     assert step.programs and json.loads(made.to_json())["ranked"][0]["config"] == data
+    # a pick sets its budget and flags, the execution given keeps the rest; it sets the pipeline itself
+    budgeted = next(c for c in made.ranked if c.layout.memory_budget is not None)
+    config, execution, _, pipeline = budgeted.transpile_arguments(Execution(timeout=30), None, None)
+    assert config == budgeted.config and pipeline is None
+    assert execution.memory_budget == budgeted.layout.memory_budget and execution.timeout == 30
+    with pytest.raises(ConfigurationError, match="sets the pipeline itself"):
+        transpile(model, optimizer, budgeted, loss_fn, batch, pipeline=PipelineParallel(stages=2, microbatches=2))
 
 
 def test_the_cli_prints_the_plan_and_bad_input_is_one_line(tmp_path, capsys):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -46,10 +46,20 @@ from .errors import ConfigurationError
 Mesh = DeviceMesh | StaticWorld
 
 
+@runtime_checkable
+class Planned(Protocol):
+    """A plan's pick (``transpiler.planner``'s ``Candidate``) given as ``transpile()``'s config: it sets the mode's
+    config, the pipeline, the execution flags it was priced with and the mesh a pipeline with replicas needs."""
+
+    def transpile_arguments(
+        self, execution: Execution | None, mesh: Mesh | None, pipeline: PipelineParallel | None
+    ) -> tuple[ModeConfig, Execution, Mesh | None, PipelineParallel | None]: ...
+
+
 def transpile(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-    config: ModeConfig | str = "fused_allreduce",
+    config: ModeConfig | Planned | str = "fused_allreduce",
     loss_fn: LossFn = None,
     example_inputs: tuple | None = None,
     *,
@@ -65,10 +75,12 @@ def transpile(
 
     ``config`` is the mode's config (``ZeRO(stage=3)``, ``DataParallel(bucket_cap_mb=4)``, ``DiLoCo(sync_every=
     50)``...; ``transpiler modes`` lists them), or a mode's name for its defaults (``"zero3"``), or
-    ``PassPipeline(spec)`` for passes of your choosing. ``loss_fn(model(*batch[:-1]), batch[-1])`` is the loss;
-    without it the model's output is. ``example_inputs`` is one batch as ``step`` will get it; without it the step
-    is traced on its first call. ``optimizer`` may be a list of optimizers over disjoint parameters (Muon for the
-    matrices, AdamW for the rest), stepped as one (``trace/optimizers/chain.py``).
+    ``PassPipeline(spec)`` for passes of your choosing, or a plan's pick (``plan(...).best``: its config, pipeline
+    and execution flags, the ``execution`` given here keeping its other settings).
+    ``loss_fn(model(*batch[:-1]), batch[-1])`` is the loss; without it the model's output is. ``example_inputs``
+    is one batch as ``step`` will get it; without it the step is traced on its first call. ``optimizer`` may be a
+    list of optimizers over disjoint parameters (Muon for the matrices, AdamW for the rest), stepped as one
+    (``trace/optimizers/chain.py``).
 
     ``mesh``: the 1-D device mesh the mode spans (``mesh["dp"]`` of a ``("dp", "tp")`` mesh), for a model under
     torch's tensor-parallel plan, traced through DTensor (each rank's programs, model and optimizer hold its shards
@@ -83,6 +95,8 @@ def transpile(
     ``mesh["pp", "dp"]`` beside a plan on ``mesh["tp"]``. ``mode=``... (before issue 73) warn ``RenamedWarning``.
     """
     config, execution, mesh = keywords_of_before(config, execution, mesh, deprecated)
+    if isinstance(config, Planned):
+        config, execution, mesh, pipeline = config.transpile_arguments(execution, mesh, pipeline)
     optimizer, config = checked_arguments(model, optimizer, fault_tolerance, trace), as_config(config)
     planned = tensor_parallel_planned(model, mesh, pipeline)
     placement, stage = place(mesh, execution, planned, pipeline, trace, fault_tolerance)

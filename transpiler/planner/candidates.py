@@ -69,17 +69,31 @@ class Candidate:
         layout = self.layout
         return Execution(memory_budget=layout.memory_budget, compile=layout.compile, cuda_graph=layout.cuda_graph)
 
+    def transpile_arguments(
+        self, execution: Execution | None, mesh, pipeline: PipelineParallel | None
+    ) -> tuple[ModeConfig, Execution, object, PipelineParallel | None]:
+        """What ``transpile(model, optimizer, candidate, ...)`` runs: this candidate's config and pipeline, the
+        ``execution`` given (or the default) with this candidate's budget and flags, and under torchrun a
+        ``("pp", "dp")`` mesh where the pipeline has replicas and no mesh was given."""
+        if pipeline is not None:
+            raise ConfigurationError(
+                f"the plan's pick ({self.label}) sets the pipeline itself: leave pipeline= out, or give a mode's "
+                "config instead of the pick."
+            )
+        layout = self.layout
+        flags = {"memory_budget": layout.memory_budget, "compile": layout.compile, "cuda_graph": layout.cuda_graph}
+        execution = dataclasses.replace(execution, **flags) if execution is not None else self.execution
+        if self.pipeline is not None and layout.dp > 1 and mesh is None:
+            device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+            mesh = init_device_mesh(device, (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
+        return self.config, execution, mesh, self.pipeline
+
     def transpile(
         self, model: torch.nn.Module, optimizer, loss_fn=None, example_inputs=None, **kwargs
     ) -> DistributedStep:
-        """This candidate's step, under torchrun: ``transpile(model, optimizer, config, ..., pipeline=...,
-        execution=...)`` with a ``("pp", "dp")`` mesh where the pipeline has replicas. A pipeline's
+        """This candidate's step, under torchrun: ``transpile(model, optimizer, candidate, ...)``. A pipeline's
         ``example_inputs`` is its batch: ``pp`` of the example batches the plan was made for."""
-        if self.pipeline is not None and self.layout.dp > 1 and "mesh" not in kwargs:
-            device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-            kwargs["mesh"] = init_device_mesh(device, (self.layout.pp, self.layout.dp), mesh_dim_names=("pp", "dp"))
-        kwargs.setdefault("execution", self.execution)
-        return transpile(model, optimizer, self.config, loss_fn, example_inputs, pipeline=self.pipeline, **kwargs)
+        return transpile(model, optimizer, self, loss_fn, example_inputs, **kwargs)
 
 
 @dataclass(frozen=True)
