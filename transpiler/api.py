@@ -73,14 +73,11 @@ def transpile(
 ) -> DistributedStep:
     """Trace one training step and rewrite it into this rank's distributed program.
 
-    ``config`` is the mode's config (``ZeRO(stage=3)``, ``DataParallel(bucket_cap_mb=4)``, ``DiLoCo(sync_every=
-    50)``...; ``transpiler modes`` lists them), or a mode's name for its defaults (``"zero3"``), or
-    ``PassPipeline(spec)`` for passes of your choosing, or a plan's pick (``plan(...).best``: its config, pipeline
-    and execution flags, the ``execution`` given here keeping its other settings).
-    ``loss_fn(model(*batch[:-1]), batch[-1])`` is the loss; without it the model's output is. ``example_inputs``
-    is one batch as ``step`` will get it; without it the step is traced on its first call. ``optimizer`` may be a
-    list of optimizers over disjoint parameters (Muon for the matrices, AdamW for the rest), stepped as one
-    (``trace/optimizers/chain.py``).
+    ``config``: a mode's config (``ZeRO(stage=3)``, ``DiLoCo(sync_every=50)``...; ``transpiler modes``), a mode's
+    name for its defaults (``"zero3"``), ``PassPipeline(spec)``, or a plan's pick (``plan(...).best``: its config,
+    pipeline and flags; ``execution`` keeps its other settings). ``loss_fn(model(*batch[:-1]), batch[-1])`` is the
+    loss, else the model's output is. ``example_inputs``: one batch as ``step`` gets it (else traced on the first
+    call). ``optimizer``: one, or a list over disjoint parameters stepped as one (``trace/optimizers/chain.py``).
 
     ``mesh``: the 1-D device mesh the mode spans (``mesh["dp"]`` of a ``("dp", "tp")`` mesh), for a model under
     torch's tensor-parallel plan, traced through DTensor (each rank's programs, model and optimizer hold its shards
@@ -95,8 +92,7 @@ def transpile(
     ``mesh["pp", "dp"]`` beside a plan on ``mesh["tp"]``. ``mode=``... (before issue 73) warn ``RenamedWarning``.
     """
     config, execution, mesh = keywords_of_before(config, execution, mesh, deprecated)
-    if isinstance(config, Planned):
-        config, execution, mesh, pipeline = config.transpile_arguments(execution, mesh, pipeline)
+    config, execution, mesh, pipeline = planned_arguments(config, execution, mesh, pipeline)
     optimizer, config = checked_arguments(model, optimizer, fault_tolerance, trace), as_config(config)
     planned = tensor_parallel_planned(model, mesh, pipeline)
     placement, stage = place(mesh, execution, planned, pipeline, trace, fault_tolerance)
@@ -140,6 +136,15 @@ def transpile(
     if example_inputs is not None:
         step.prepare(tuple(example_inputs))
     return step
+
+
+def planned_arguments(
+    config: ModeConfig | Planned | str, execution: Execution | None, mesh: Mesh | None, pipeline
+) -> tuple[ModeConfig | str, Execution | None, Mesh | None, PipelineParallel | None]:
+    """A plan's pick's config, execution, mesh and pipeline (``Planned``); the arguments as given otherwise."""
+    if isinstance(config, Planned):
+        return config.transpile_arguments(execution, mesh, pipeline)
+    return config, execution, mesh, pipeline
 
 
 def checked_arguments(
