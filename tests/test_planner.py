@@ -310,6 +310,13 @@ def test_the_cli_prints_the_plan_and_bad_input_is_one_line(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{}")
     assert main(["plan", f"{factory_file}:factory", "--cluster", str(tmp_path / "bad.json")]) == 2
     assert "a cluster needs hosts" in capsys.readouterr().err
+    assert (
+        main(["plan", f"{factory_file}:factory", "--hosts", "4", "--mbit", "20", "--memory-mib", "64", "--steps", "0"])
+        == 2
+    )
+    assert "steps is the run's length, at least 1; got 0" in capsys.readouterr().err
+    assert main(["calibrate", f"{factory_file}:factory", "--memory-mib", "64", "--compile"]) == 2
+    assert "--compile prices compile=True on a GPU: give --device cuda too" in capsys.readouterr().err
 
 
 def calibrated(rank: int, world: int) -> dict:

@@ -142,10 +142,10 @@ def plan(
     unknown = set(factors) - set(STEPS_FACTORS)
     if unknown:
         raise ConfigurationError(f"steps_factors has unknown keys {sorted(unknown)}; known: {sorted(STEPS_FACTORS)}.")
-    start = time.perf_counter()
-    profile = profile or agreed(lambda: profile_step(model, optimizer, loss_fn, tuple(example_batch), cluster.compute))
     if steps is not None and steps < 1:
         raise ConfigurationError(f"steps is the run's length, at least 1; got {steps}.")
+    start = time.perf_counter()
+    profile = profile or agreed(lambda: profile_step(model, optimizer, loss_fn, tuple(example_batch), cluster.compute))
     return rank(profile, cluster, as_optimizer(optimizer), objective, factors, start, steps)
 
 
