@@ -7,7 +7,7 @@ sizes from 4 KiB upward, three times after a warm-up (median), until one takes a
 reached; ``alpha + beta * bytes`` is fitted by least squares and the ranks keep the element-wise maximum. The
 model's forward, backward and update are timed on every rank at once, so the compute carries the host's
 contention (two ranks on one core each take about twice a rank's time alone); on a GPU, so is the project's
-program for it, uncaptured and (``--compile``) compiled (``planner/programs.py``). Rank 0 writes the cluster
+program for it, uncaptured, captured and (``--compile``) compiled (``planner/programs.py``). Rank 0 writes the cluster
 (``planner/cluster.py``), with the link levels a group could not span given the bandwidth and latency of the
 slowest one measured.
 """
