@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.diloco import corpus, model_for, windows
-from transpiler import TraceCache
+from transpiler import TraceCache, transpile
 from transpiler.planner.calibrate import calibrate
 from transpiler.planner.costs import STEPS_FACTORS
 from transpiler.planner.profile import profile_step
@@ -83,7 +83,7 @@ def measure(candidate, name: str, steps: int, cache: TraceCache) -> dict:
     batch = make(gen, factor)
     began = time.perf_counter()
     kwargs = {} if candidate.pipeline is not None else {"trace": cache}
-    step = candidate.transpile(model, optimizer, loss_fn, batch, **kwargs)
+    step = transpile(model, optimizer, candidate, loss_fn, batch, **kwargs)
     period = round_of(candidate)
     for _ in range(2 * period if period > 1 else 2):  # two rounds: every variant built (Streaming's last apply
         # comes one step after the first round)

@@ -22,9 +22,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from passes.partitions import module_sizes
-from transpiler.api import transpile
 from transpiler.errors import ConfigurationError
-from transpiler.runtime.distributed_step import DistributedStep
 from transpiler.runtime.execution import Execution
 from transpiler.strategies.mode_config import ModeConfig, Surroundings
 from transpiler.strategies.modes import mode_config
@@ -53,7 +51,9 @@ DILOCO_PERIODS = (15, 50)
 
 @dataclass(frozen=True)
 class Candidate:
-    """A layout with its estimate, as ``transpile()`` takes it: ``config``, ``pipeline`` and ``execution``."""
+    """A layout with its estimate, which ``transpile(model, optimizer, candidate, ...)`` runs (``transpile_arguments``:
+    its ``config``, ``pipeline`` and ``execution``). A pipeline's ``example_inputs`` is its batch: ``pp`` of the
+    example batches the plan was made for."""
 
     layout: Layout
     estimate: Estimate
@@ -87,13 +87,6 @@ class Candidate:
             device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
             mesh = init_device_mesh(device, (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
         return self.config, execution, mesh, self.pipeline
-
-    def transpile(
-        self, model: torch.nn.Module, optimizer, loss_fn=None, example_inputs=None, **kwargs
-    ) -> DistributedStep:
-        """This candidate's step, under torchrun: ``transpile(model, optimizer, candidate, ...)``. A pipeline's
-        ``example_inputs`` is its batch: ``pp`` of the example batches the plan was made for."""
-        return transpile(model, optimizer, self, loss_fn, example_inputs, **kwargs)
 
 
 @dataclass(frozen=True)

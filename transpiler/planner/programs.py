@@ -66,10 +66,11 @@ def measure_programs(
     wrap them. Captured only on a GPU and for an optimizer a capture takes (SGD, Adam, AdamW); compiled only where
     ``compile``. On the CPU (a dry run) the device figures are 0."""
     cuda = any(p.is_cuda for p in model.parameters())
-    flags = ["default"] + ["cuda_graph"] * (cuda and type(as_optimizer(optimizer)) in TWINS) + ["compile"] * compile
+    optimizer = as_optimizer(optimizer)
+    flags = ["default"] + ["cuda_graph"] * (cuda and type(optimizer) in TWINS) + ["compile"] * compile
     out = {}
     for flag in flags:
-        twin, inner = copy.deepcopy((model, as_optimizer(optimizer)))
+        twin, inner = copy.deepcopy((model, optimizer))
         execution = Execution(compile=flag == "compile", cuda_graph=flag == "cuda_graph")
         step = transpile(twin, inner, "none", loss_fn, execution=execution)
         context = torch.autocast("cuda" if cuda else "cpu", dtype=autocast) if autocast else contextlib.nullcontext()
