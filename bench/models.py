@@ -313,3 +313,22 @@ def llama_tp_plan(model: TinyLlama, sequence_parallel: bool) -> dict:
             block["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         plan.update({f"layers.{i}.{k}": v for k, v in block.items()})
     return plan
+
+
+def llama_factory() -> tuple:
+    """FACTORY for the CLI: a TinyLlama with AdamW and a next-token loss (``transpiler plan
+    bench/models.py:llama_factory --tp-plan bench/models.py:llama_sequence_parallel_plan``)."""
+    torch.manual_seed(0)
+    model = TinyLlama()
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), next_token_loss, (tokens, tokens)
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a language model's logits (batch, seq, vocab) against tokens (batch, seq)."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+def llama_sequence_parallel_plan(model: TinyLlama) -> dict:
+    """``--tp-plan`` for the CLI: torchtitan's plan with sequence parallelism (:func:`llama_tp_plan`)."""
+    return llama_tp_plan(model, sequence_parallel=True)

@@ -1,8 +1,8 @@
 """Does the planner pick right? Every candidate it ranks, run for real on 4 namespace hosts behind shaped links
 (docs/planner.md).
 
-    sudo python -m bench.planner [--models gpt mlp] [--rates 1000 100 20] [--steps 6] [--out DIR] [--no-doc]
-                                 [--report]
+    sudo python -m bench.planner [--models gpt mlp llama] [--rates 1000 100 20] [--steps 6] [--out DIR]
+                                 [--no-doc] [--report]
 
 Needs root (network namespaces, ``tc``; ``bench/harness/hosts.py``). Per model and link rate, one world of four
 hosts of one rank (``bench/planner_worker.py``) calibrates (``transpiler calibrate``'s code, timed), plans
@@ -13,7 +13,9 @@ candidates predicted to fit; the best measured among those measured to fit; the 
 target of the pick over the best's; time to the target is the step time × the steps factor, measured by
 ``bench/wan.py``, for the low-communication modes, and the step time for the others); the hand rule of the docs
 (``streaming_diloco`` below 100 Mbit/s, else DDP's mode ``fused_allreduce`` where it fits, else ``zero3``) and its
-regret. ``--report`` writes the tables and the figure again from ``--out``, running nothing.
+regret. The llama (``TinyLlama`` with torchtitan's tensor-parallel plan) runs on one host of four ranks over
+loopback instead (``torchrun``, no namespaces), where the plan also weighs tp = 2 and 4. ``--report`` writes the
+tables and the figure again from ``--out``, running nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +43,7 @@ from transpiler.planner.candidates import layouts
 from transpiler.planner.cluster import Cluster, ComputeTimes
 from transpiler.planner.costs import STEPS_FACTORS, estimate
 from transpiler.planner.profile import StepProfile, profile_step
+from transpiler.planner.tensor_parallel import TensorParallelShape
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "planner.md"
@@ -62,9 +66,14 @@ def repriced(run: dict, model: str) -> list[dict]:
     if "profile" not in run:
         return run["rows"]
     saved, static = run["profile"], static_profile(model)
+    split = saved.get("tensor_parallel")
     profile = StepProfile(
         **{
             **saved,
+            "tensor_parallel": split
+            and TensorParallelShape(
+                frozenset(split["sharded"]), split["split_share"], tuple(tuple(e) for e in split["exchanges"])
+            ),
             "parameters": tuple(tuple(p) for p in saved["parameters"]),
             "compute": ComputeTimes(**saved["compute"]),
             "segment_seconds": tuple(saved.get("segment_seconds", ())),
@@ -126,12 +135,13 @@ def tables(results: dict) -> str:
     regrets, errors, pairs, rule_regrets, within = [], [], [], [], []
     for key, run in results.items():
         model, rate = key.split("@")
+        link, rate = ("one host", float("inf")) if rate == "host" else (f"{float(rate):g} Mbit/s", float(rate))
         rows = repriced(run, model)
         ran = [r for r in rows if "error" not in r]
         pairs += [(to_target(r, "predicted"), to_target(r, "measured")) for r in ran]
         within.append(spearmanr([to_target(r, "predicted") for r in ran], [to_target(r, "measured") for r in ran]))
         for budget in budgets_of(rows).values():
-            s = scenario(rows, float(rate), budget)
+            s = scenario(rows, rate, budget)
             regrets.append(s["regret"] if s["regret"] is not None else float("inf"))  # a pick over budget fails
             errors.append(s["error"])
             rule = f"{s['rule']['label']} ({s['rule_regret']:.2f})" if s["rule"] else "none fits"
@@ -139,7 +149,7 @@ def tables(results: dict) -> str:
                 rule_regrets.append(s["rule_regret"])
             memory = "unbounded" if budget == UNBOUNDED else f"{budget / 2**20:.1f} MiB"
             lines.append(
-                f"| {model} | {float(rate):g} Mbit/s | {memory} | {s['pick']['label']} | "
+                f"| {model} | {link} | {memory} | {s['pick']['label']} | "
                 f"{s['pick']['predicted_step'] * 1e3:.0f} ms | {s['pick']['measured_step'] * 1e3:.0f} ms"
                 f"{'' if s['fits'] else ' (over budget)'} | {s['best']['label']} | "
                 f"{'over budget' if s['regret'] is None else format(s['regret'], '.2f')} | {rule} |"
@@ -180,6 +190,25 @@ def figure(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def one_host(steps: int, out: Path) -> dict:
+    """The llama's world: four ranks of one host over loopback (tensor-parallel groups stay within a host), run by
+    torchrun; its plan weighs tp = 2 and 4 with torchtitan's plan beside the rest."""
+    began, part = time.monotonic(), out / "llama@host.json"
+    command = ["torchrun", "--standalone", "--nproc-per-node", "4", str(WORKER), "--model", "llama"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    with open(out / "llama@host.log", "w") as log:
+        subprocess.run(
+            [*command, "--steps", str(steps), "--out", str(part)],
+            env=env,
+            stdout=log,
+            stderr=log,
+            timeout=3600,
+            check=True,
+        )
+    print(f"llama on one host took {time.monotonic() - began:.0f} s", flush=True)
+    return json.loads(part.read_text())
+
+
 def planning_time() -> str:
     """Plan a 110M-parameter GPT (12 blocks of width 768, vocab 16,384, 4 × 128 tokens per rank) for 4 hosts at
     100 Mbit/s, with the compute given as a calibration would give it: what planning costs after calibration."""
@@ -199,7 +228,7 @@ def planning_time() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["gpt", "mlp"], choices=["gpt", "mlp"])
+    parser.add_argument("--models", nargs="+", default=["gpt", "mlp", "llama"], choices=["gpt", "mlp", "llama"])
     parser.add_argument("--rates", type=float, nargs="+", default=[1000, 100, 20])
     parser.add_argument("--steps", type=int, default=6, help="at least this many timed steps per candidate")
     parser.add_argument(
@@ -220,14 +249,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "results.json"
     results = json.loads(saved.read_text()) if saved.exists() else {}
-    if not args.report:
+    if not args.report and "llama" in args.models:
+        results["llama@host"] = one_host(args.steps, out)
+        saved.write_text(json.dumps(results))
+    if not args.report and set(args.models) - {"llama"}:
         why = namespaces_unavailable()
         if why:
             raise SystemExit(f"bench/planner.py needs network namespaces: {why}")
         signal.signal(signal.SIGTERM, lambda *_: sys.exit("bench/planner.py: terminated"))
         with Hosts(4) as hosts:
             port = 29400 + os.getpid() % 100
-            for model in args.models:
+            for model in (m for m in args.models if m != "llama"):
                 for rate in args.rates:
                     for host in hosts:
                         host.shape(rate)

@@ -1,12 +1,13 @@
-"""One rank of ``bench/planner.py``, on a host of its own behind a shaped link: calibrate, plan, then run every
-candidate the plan ranked (at an unbounded memory budget: the budgets are applied afterwards, to the predicted and
-the measured figures alike) and write what each cost.
+"""One rank of ``bench/planner.py``, on a host of its own behind a shaped link (the llama's: four ranks on one
+host): calibrate, plan, then run every candidate the plan ranked (at an unbounded memory budget: the budgets are
+applied afterwards, to the predicted and the measured figures alike) and write what each cost.
 
-Per candidate: a fresh model and optimizer from the same seed, built with ``Candidate.transpile`` (one
-``TraceCache`` for the modes that take one), warmed up through two rounds of its schedule (every program
-traced), then timed over whole rounds (DiLoCo's H steps, Streaming DiLoCo's 50, one step for the others), at least
-``--steps`` steps: the slowest rank's wall time over the window, after a barrier, divided by the steps. Its
-memory is the built programs' own count (``step.memory_estimate``, the largest over its variants).
+Per candidate: a fresh model and optimizer from the same seed, built with ``transpile(model, optimizer,
+candidate, ...)`` (one ``TraceCache`` for the modes that take one; a tensor-parallel pick's plan applied first),
+warmed up through two rounds of its schedule (every program traced), then timed over whole rounds (DiLoCo's H
+steps, Streaming DiLoCo's 50, one step for the others), at least ``--steps`` steps: the slowest rank's wall time
+over the window, after a barrier, divided by the steps. Its memory is the built programs' own count
+(``step.memory_estimate``, the largest over its variants).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.diloco import corpus, model_for, windows
+from bench.models import TinyLlama, llama_tp_plan, next_token_loss
 from transpiler import TraceCache, transpile
 from transpiler.planner.calibrate import calibrate
 from transpiler.planner.costs import STEPS_FACTORS
@@ -32,6 +34,7 @@ from transpiler.planner.search import agreed, rank
 from transpiler.runtime.global_weights import land_in_flight
 
 PER_RANK = 8  # sequences of 64 characters per rank and step (bench/wan.py's)
+LLAMA_VOCAB = 512
 
 
 class WideMLP(nn.Module):
@@ -58,6 +61,14 @@ def factory(name: str, seed: int = 0) -> tuple:
             nn.CrossEntropyLoss(),
             (lambda gen, k: windows(train, PER_RANK * k, gen)),
         )
+    if name == "llama":
+        model = TinyLlama(vocab=LLAMA_VOCAB, dim=256, heads=4, hidden=1024, blocks=2)
+        return (
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-3),
+            next_token_loss,
+            (lambda gen, k: (torch.randint(0, LLAMA_VOCAB, (8 * k, 64), generator=gen),) * 2),
+        )
     model = WideMLP()
     return (
         model,
@@ -65,6 +76,11 @@ def factory(name: str, seed: int = 0) -> tuple:
         nn.MSELoss(),
         (lambda gen, k: (torch.randn(32 * k, 256, generator=gen), torch.randn(32 * k, 512, generator=gen))),
     )
+
+
+def tp_plan_of(name: str, model: nn.Module) -> dict | None:
+    """The bench model's tensor-parallel plan: torchtitan's for the llama (sequence parallel), none for the rest."""
+    return llama_tp_plan(model, sequence_parallel=True) if name == "llama" else None
 
 
 def round_of(candidate) -> int:
@@ -77,12 +93,15 @@ def round_of(candidate) -> int:
 
 def measure(candidate, name: str, steps: int, cache: TraceCache) -> dict:
     model, optimizer, loss_fn, make = factory(name)
-    rank = dist.get_rank()
-    gen = torch.Generator().manual_seed(100 + rank)
-    factor = candidate.layout.pp
+    tp = candidate.layout.tp
+    gen = torch.Generator().manual_seed(100 + dist.get_rank() // tp)  # a tensor-parallel group's ranks: one batch
+    factor = candidate.layout.pp * tp
     batch = make(gen, factor)
     began = time.perf_counter()
-    kwargs = {} if candidate.pipeline is not None else {"trace": cache}
+    kwargs = {} if candidate.pipeline is not None or tp > 1 else {"trace": cache}
+    if tp > 1:  # the plan applied over the pick's mesh, and the optimizer built on the shards, as docs/planner.md
+        kwargs["mesh"] = candidate.apply_tensor_parallel(model, tp_plan_of(name, model))
+        optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)
     step = transpile(model, optimizer, candidate, loss_fn, batch, **kwargs)
     period = round_of(candidate)
     for _ in range(2 * period if period > 1 else 2):  # two rounds: every variant built (Streaming's last apply
@@ -107,7 +126,7 @@ def measure(candidate, name: str, steps: int, cache: TraceCache) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("gpt", "mlp"), required=True)
+    parser.add_argument("--model", choices=("gpt", "mlp", "llama"), required=True)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", type=int, default=0, help="run only the first N candidates (0: all)")
@@ -124,7 +143,10 @@ def main() -> None:
     cluster = shared[0]
     model, optimizer, loss_fn, make = factory(args.model)
     began = time.perf_counter()
-    profile = agreed(lambda: profile_step(model, optimizer, loss_fn, make(torch.Generator(), 1), cluster.compute))
+    plan_tp = tp_plan_of(args.model, model)
+    profile = agreed(
+        lambda: profile_step(model, optimizer, loss_fn, make(torch.Generator(), 1), cluster.compute, tp_plan=plan_tp)
+    )
     made = rank(profile, cluster, optimizer, "time_to_target", STEPS_FACTORS, began)
     planning_s = time.perf_counter() - began
     cache = TraceCache()
@@ -156,6 +178,8 @@ def main() -> None:
         rejected = [{"label": r.label, "reason": r.reason} for r in made.rejected]
         summary = {"calibration_s": calibration_s, "planning_s": planning_s, "cluster": cluster.to_dict()}
         summary["profile"] = dataclasses.asdict(profile)  # the report prices the candidates again from it
+        if profile.tensor_parallel is not None:
+            summary["profile"]["tensor_parallel"]["sharded"] = sorted(profile.tensor_parallel.sharded)
         with open(args.out, "w") as out:
             json.dump({"rows": rows, "rejected": rejected, **summary}, out)
     dist.destroy_process_group()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import importlib.util
 import sys
 import warnings
 from pathlib import Path
@@ -30,46 +29,8 @@ from transpiler.strategies.pipeline_parallel import PipelineParallel
 
 from .api import transpile
 from .errors import ConfigurationError, FactoryError, RenamedWarning, TranspilerError
+from .factory_file import load_callable, load_factory
 from .planner.command import add_commands as add_planner_commands
-
-
-def load_factory(spec: str) -> tuple:
-    """Import FILE.py:FACTORY and call it; any failure becomes a FactoryError with the cause."""
-    path_text, sep, name = spec.rpartition(":")
-    if not sep or not path_text or not name:
-        raise FactoryError(f"expected FILE.py:FACTORY, got '{spec}'.")
-    path = Path(path_text)
-    if not path.is_file():
-        raise FactoryError(f"no such file: {path}.")
-    if path.suffix != ".py":
-        raise FactoryError(f"FACTORY must be in a Python file ending in .py; got {path}.")
-    module_name = f"_transpiler_factory_{path.stem}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look their module up here
-    sys.path.insert(0, str(path.parent.resolve()))
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException as exc:  # SystemExit and KeyboardInterrupt too: never a silent exit
-        raise FactoryError(f"importing {path} failed: {_describe(exc)}") from exc
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise FactoryError(f"{path} has no callable '{name}'.")
-    try:
-        made = factory()
-    except BaseException as exc:
-        raise FactoryError(f"{name}() in {path} failed: {_describe(exc)}") from exc
-    if not isinstance(made, tuple) or len(made) != 4:
-        raise FactoryError(
-            f"{name}() must return (model, optimizer, loss_fn, example_batch); got {type(made).__name__}."
-        )
-    return made
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, SystemExit):
-        return f"it called sys.exit({exc.code!r}); a FACTORY must return (model, optimizer, loss_fn, batch)"
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _render(program: StepProgram, fmt: str, *, diff: bool) -> str:
@@ -293,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     modes = sub.add_parser("modes", help="list the modes: their configs, options and pipelines")
     modes.add_argument("--markdown", action="store_true", help="as the README's table")
     modes.set_defaults(func=cmd_modes)
-    add_planner_commands(sub, load_factory)
+    add_planner_commands(sub, load_factory, load_callable)
     return parser
 
 

@@ -9,8 +9,10 @@ stage count that divides W and that the model has blocks for, with ``fused_allre
 replicas. On a GPU whose
 programs a calibration measured, each data-parallel mode without a budget also runs captured (``cuda_graph``),
 and compiled and compiled and captured where the compiled program was measured. A layout the
-project refuses for this model and optimizer (the mode's own checks) or cannot build yet (a tensor-parallel
-degree without the model's plan, a budget beside a pipeline) is listed with the reason.
+project refuses for this model and optimizer (the mode's own checks) or cannot build yet (a budget beside a
+pipeline) is listed with the reason. Where the user gives the model's tensor-parallel plan, each degree ``tp`` that
+divides both W and a host's ranks runs the data-parallel modes over the ``W / tp`` groups (without a plan, or
+where a group would span hosts, the degree is listed with the reason).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
 
 from passes.partitions import module_sizes
 from transpiler.errors import ConfigurationError
 from transpiler.runtime.execution import Execution
+from transpiler.strategies.checks import Elementwise
 from transpiler.strategies.mode_config import ModeConfig, Surroundings
 from transpiler.strategies.modes import mode_config
 from transpiler.strategies.pipeline_parallel import PipelineParallel
@@ -69,6 +73,17 @@ class Candidate:
         layout = self.layout
         return Execution(memory_budget=layout.memory_budget, compile=layout.compile, cuda_graph=layout.cuda_graph)
 
+    def apply_tensor_parallel(self, model: torch.nn.Module, tp_plan: dict):
+        """Under torchrun, for a tensor-parallel pick: a ``("dp", "tp")`` mesh of this pick's shape (on the GPUs
+        under NCCL), the plan applied to ``model`` over its ``tp`` groups (``parallelize_module``); returns
+        ``mesh["dp"]``, what ``transpile(..., mesh=)`` takes. Build the optimizer after it (it must hold the
+        shards). None for a pick without tensor parallelism."""
+        if self.layout.tp == 1:
+            return None
+        mesh = init_device_mesh(_device(), (self.layout.dp, self.layout.tp), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], tp_plan)
+        return mesh["dp"]
+
     def transpile_arguments(
         self, execution: Execution | None, mesh, pipeline: PipelineParallel | None
     ) -> tuple[ModeConfig, Execution, object, PipelineParallel | None]:
@@ -83,10 +98,19 @@ class Candidate:
         layout = self.layout
         flags = {"memory_budget": layout.memory_budget, "compile": layout.compile, "cuda_graph": layout.cuda_graph}
         execution = dataclasses.replace(execution, **flags) if execution is not None else self.execution
+        if layout.tp > 1 and mesh is None:
+            raise ConfigurationError(
+                f"the plan's pick ({self.label}) is tensor parallel: mesh = pick.apply_tensor_parallel(model, "
+                "tp_plan), then build the optimizer on the model's parameters (its shards now), and give "
+                "transpile(..., mesh=mesh)."
+            )
         if self.pipeline is not None and layout.dp > 1 and mesh is None:
-            device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-            mesh = init_device_mesh(device, (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
+            mesh = init_device_mesh(_device(), (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
         return self.config, execution, mesh, self.pipeline
+
+
+def _device() -> str:
+    return "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
 
 
 @dataclass(frozen=True)
@@ -100,7 +124,7 @@ class Rejected:
 
 def layouts(profile: StepProfile, cluster: Cluster) -> tuple[list[Layout], list[Rejected]]:
     """Every layout of the space on ``cluster`` (module docstring), and those that cannot be built yet."""
-    space, refused = _layouts(profile, cluster.world_size)
+    space, refused = _layouts(profile, cluster.world_size, cluster.ranks_per_host)
     if not cluster.programs:
         return space, refused
     flags = [(False, True)]
@@ -113,13 +137,13 @@ def layouts(profile: StepProfile, cluster: Cluster) -> tuple[list[Layout], list[
     flagged = [
         dataclasses.replace(layout, compile=compiled, cuda_graph=captured)
         for layout in space
-        if layout.mode in DATA_PARALLEL and layout.pp == 1 and layout.memory_budget is None
+        if layout.mode in DATA_PARALLEL and layout.pp == 1 and layout.tp == 1 and layout.memory_budget is None
         for compiled, captured in flags
     ]
     return space + flagged, refused
 
 
-def _layouts(profile: StepProfile, world: int) -> tuple[list[Layout], list[Rejected]]:
+def _layouts(profile: StepProfile, world: int, ranks_per_host: int) -> tuple[list[Layout], list[Rejected]]:
     if world == 1:
         return [Layout("fused_allreduce", 1)], []
     out: list[Layout] = []
@@ -130,11 +154,8 @@ def _layouts(profile: StepProfile, world: int) -> tuple[list[Layout], list[Rejec
     out += [Layout("streaming_diloco", world, sync_every=50, fragments=min(4, modules))]
     out.append(Layout("sparseloco", world, sync_every=15))
     out.append(Layout("demo", world))
-    refused = [
-        Rejected(f"tp={tp}", "tensor parallelism needs the model's own plan (parallelize_module): not planned yet")
-        for tp in range(2, world + 1)
-        if world % tp == 0
-    ]
+    more, refused = _tensor_parallel(profile, world, ranks_per_host)
+    out += more
     for pp in (p for p in range(2, world + 1) if world % p == 0):
         label = f"pipeline pp={pp}×dp={world // pp}"
         if profile.blocks < pp:
@@ -148,6 +169,26 @@ def _layouts(profile: StepProfile, world: int) -> tuple[list[Layout], list[Rejec
         out.append(Layout("none" if pp == world else "fused_allreduce", world // pp, pp, m))
         if profile.recompute:
             refused.append(Rejected(f"{label}, recompute", "a memory budget beside a pipeline is not supported yet"))
+    return out, refused
+
+
+def _tensor_parallel(profile: StepProfile, world: int, ranks_per_host: int) -> tuple[list[Layout], list[Rejected]]:
+    """Each tensor-parallel degree that divides the world: the data-parallel modes over the groups (one mode where
+    there is one group), where the user gave a plan and a group fits in a host."""
+    out, refused = [], []
+    for tp in (t for t in range(2, world + 1) if world % t == 0):
+        if profile.tensor_parallel is None:
+            refused.append(Rejected(f"tp={tp}", "give plan(..., tp_plan=) the model's parallelize_module plan"))
+        elif ranks_per_host % tp:
+            refused.append(
+                Rejected(
+                    f"tp={tp}",
+                    f"a group of {tp} would span hosts of {ranks_per_host} rank(s): its exchanges run "
+                    "every layer, so tp divides the ranks of a host",
+                )
+            )
+        else:
+            out += [Layout(mode, world // tp, tp=tp) for mode in (DATA_PARALLEL if world > tp else DATA_PARALLEL[:1])]
     return out, refused
 
 
@@ -171,7 +212,10 @@ def refusal(layout: Layout, config: ModeConfig, pipeline: PipelineParallel | Non
             "Python each step (SGD, Adam and AdamW capture)"
         )
     try:
-        config.strategy(Surroundings(pipeline=pipeline is not None)).check(optimizer)
+        if layout.tp > 1:
+            Elementwise("tensor parallel")(optimizer)
+        surroundings = Surroundings(pipeline=pipeline is not None, tensor_parallel=layout.tp > 1)
+        config.strategy(surroundings).check(optimizer)
     except ConfigurationError as error:
         return str(error)
     return None

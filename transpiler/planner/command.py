@@ -18,8 +18,11 @@ from .search import OBJECTIVES, plan
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def add_commands(sub: argparse._SubParsersAction, load_factory: Callable[[str], tuple]) -> None:
-    """Add ``plan`` and ``calibrate`` to the CLI's subcommands; ``load_factory`` reads FILE.py:FACTORY."""
+def add_commands(
+    sub: argparse._SubParsersAction, load_factory: Callable[[str], tuple], load_callable: Callable[[str], tuple]
+) -> None:
+    """Add ``plan`` and ``calibrate`` to the CLI's subcommands; ``load_factory`` reads FILE.py:FACTORY and calls
+    it, ``load_callable`` reads FILE.py:NAME."""
     planning = sub.add_parser(
         "plan",
         help="rank the layouts for a model on a cluster: mode, mesh, recompute, settings",
@@ -36,7 +39,13 @@ def add_commands(sub: argparse._SubParsersAction, load_factory: Callable[[str], 
     planning.add_argument("--objective", choices=OBJECTIVES, default="time_to_target")
     planning.add_argument("--steps", type=int, help="the run's length: a compile's first call is spread over it")
     planning.add_argument("--json", metavar="FILE", help="also write the plan as JSON here")
-    planning.set_defaults(func=lambda args: _plan(args, load_factory))
+    planning.add_argument(
+        "--tp-plan",
+        metavar="FILE.py:FUNCTION",
+        help="FUNCTION(model) returns the model's tensor-parallel plan (parallelize_module's dict): the plan then "
+        "also weighs tensor-parallel degrees within a host",
+    )
+    planning.set_defaults(func=lambda args: _plan(args, load_factory, load_callable))
     measuring = sub.add_parser(
         "calibrate",
         help="under torchrun: measure the links and the model's step, write a cluster file",
@@ -68,11 +77,14 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     return simple_cluster(args.hosts, args.ranks_per_host, args.mbit, args.memory_mib)
 
 
-def _plan(args: argparse.Namespace, load_factory: Callable[[str], tuple]) -> int:
+def _plan(args: argparse.Namespace, load_factory: Callable[[str], tuple], load_callable: Callable) -> int:
     cluster = _cluster(args)
     model, optimizer, loss_fn, batch = load_factory(args.factory)
+    tp_plan = load_callable(args.tp_plan)[0](model) if args.tp_plan else None
     print(f"planning for {cluster.world_size} ranks: tracing the step once...", file=sys.stderr)
-    made = plan(model, optimizer, loss_fn, tuple(batch), cluster, objective=args.objective, steps=args.steps)
+    made = plan(
+        model, optimizer, loss_fn, tuple(batch), cluster, objective=args.objective, steps=args.steps, tp_plan=tp_plan
+    )
     sys.stdout.write(made.table())
     if args.json:
         Path(args.json).write_text(made.to_json() + "\n")

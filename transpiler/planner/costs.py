@@ -39,6 +39,7 @@ from passes.stage_balance import balance
 from .cluster import Cluster
 from .profile import StepProfile
 from .programs import flags_key, step_seconds
+from .tensor_parallel import split_profile
 
 # Steps to DDP's target as a share of DDP's steps, measured by bench/wan.py (GPT of 1.8M parameters, 4 hosts of one
 # rank, warm start, constant lr; docs/strategies/low_communication.md): the steps each mode took to DDP's held-out
@@ -80,6 +81,7 @@ class Layout:
     fragments: int = 4  # Streaming DiLoCo's: at most the modules that hold trainable parameters
     compile: bool = False
     cuda_graph: bool = False
+    tp: int = 1  # a tensor-parallel group of tp ranks of one host under the user's plan, the mode over dp of them
 
     @property
     def label(self) -> str:
@@ -90,6 +92,8 @@ class Layout:
             parts[0] += f" fragments={self.fragments}"
         if self.pp > 1:
             parts.append(f"pp={self.pp}×dp={self.dp} m={self.microbatches}")
+        if self.tp > 1:
+            parts.append(f"dp={self.dp}×tp={self.tp}")
         if self.memory_budget is not None:
             parts.append("recompute" if self.memory_budget == 0 else f"budget {self.memory_budget:g}")
         parts += [flag for flag, on in (("compiled", self.compile), ("captured", self.cuda_graph)) if on]
@@ -153,6 +157,8 @@ def estimate(layout: Layout, profile: StepProfile, cluster: Cluster, factors: di
 def _estimate(layout: Layout, profile: StepProfile, cluster: Cluster, factors: dict[str, float]) -> Estimate:
     if layout.pp > 1:
         return _pipeline(layout, profile, cluster)
+    if layout.tp > 1:
+        return _tensor_parallel(layout, profile, cluster, factors)
     times, grads, dp = profile.compute, profile.parameter_bytes, layout.dp
     level = cluster.level_of(dp)
     compute = times.forward * (1 + _recompute(layout, profile)[1]) + times.backward
@@ -182,6 +188,18 @@ def _estimate(layout: Layout, profile: StepProfile, cluster: Cluster, factors: d
         sent_bytes = payload * (dp - 1) / every
     factor = factors.get(layout.factor_key, 1.0)
     return Estimate(compute + extra, seconds, peak, {level: sent_bytes}, factor)
+
+
+def _tensor_parallel(layout: Layout, profile: StepProfile, cluster: Cluster, factors: dict[str, float]) -> Estimate:
+    """The mode over ``dp`` groups of ``tp`` ranks each (planner/tensor_parallel.py): priced as on the profile one
+    rank of a group sees, on a cluster whose hosts hold ``ranks_per_host / tp`` groups (a ``dp`` group's ranks are
+    one of each), plus the plan's exchanges within the group, which nothing overlaps."""
+    tp, shape = layout.tp, profile.tensor_parallel
+    groups = dataclasses.replace(cluster, ranks_per_host=cluster.ranks_per_host // tp)
+    plain = _estimate(dataclasses.replace(layout, tp=1), split_profile(profile, tp), groups, factors)
+    sent, level = dict(plain.sent), cluster.level_of(tp)
+    sent[level] = sent.get(level, 0.0) + shape.sent(tp)
+    return dataclasses.replace(plain, communication=plain.communication + shape.seconds(cluster, tp), sent=sent)
 
 
 def _pipeline(layout: Layout, profile: StepProfile, cluster: Cluster) -> Estimate:
@@ -240,6 +258,8 @@ def _sizes(profile: StepProfile) -> list[int]:
 def _data_parallel_seconds(mode: str, buckets: list[int], dp: int, cluster: Cluster) -> float:
     if mode == "fused_allreduce":
         return sum(cluster.collective_seconds("all_reduce", b, dp) for b in buckets)
+    if mode == "zero3" and cluster.device == "cpu":  # one unit of every parameter (_gathers): one of each
+        buckets = [sum(buckets)]
     scatter = sum(cluster.collective_seconds("all_to_all", b, dp) for b in buckets)
     return scatter + _gathers(mode, cluster) * sum(cluster.collective_seconds("all_gather", b, dp) for b in buckets)
 

@@ -7,7 +7,9 @@
   (``passes/recompute.py``): the peak it reaches, and the work it adds as a share of the forward's, both priced on
   the pass's own roofline (``passes/recompute_cost.py``) so only their ratio counts.
 - **Compute**: forward with the loss, backward and the update, timed eagerly on a copy of the model and optimizer
-  (a warm-up, then the median of three), unless the cluster carries times a calibration measured.
+  (a warm-up, then the median of seven), unless the cluster carries times a calibration measured.
+- **Tensor parallelism**, where the user gives a plan: what it splits, read against the model
+  (``planner/tensor_parallel.py``).
 - **Pipeline cuts**: the blocks a pipeline may cut at (the longest ``ModuleList`` or ``Sequential``, as
   ``PipelineParallel`` takes them) and the bytes of the largest tensor entering one, what a stage sends a
   microbatch's share of.
@@ -33,8 +35,9 @@ from transpiler.strategies.pipeline_parallel import longest_block_list
 from transpiler.trace.optimizers import as_optimizer
 
 from .cluster import ComputeTimes
+from .tensor_parallel import TensorParallelShape, tensor_parallel_shape
 
-TIMED_RUNS = 3
+TIMED_RUNS = 7  # a calibration under load varied by up to 1.8× over three runs (bench/planner.py's MLP update)
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class StepProfile:
     compute: ComputeTimes
     segment_seconds: tuple[float, ...] = ()  # the forward before the first block, each block (the last with the rest)
     segment_bytes: tuple[int, ...] = ()  # the trainable parameters first used in each of those segments
+    tensor_parallel: TensorParallelShape | None = None  # what the user's tensor-parallel plan splits, where given
 
     @property
     def parameter_bytes(self) -> int:
@@ -76,9 +80,11 @@ def profile_step(
     batch: tuple,
     compute: ComputeTimes | None = None,
     budgets: tuple[float, ...] = (0.0,),
+    tp_plan: dict | None = None,
 ) -> StepProfile:
     """Trace the step once and take what the planner prices (module docstring); ``compute`` given (a
-    calibration's) is kept, else measured here."""
+    calibration's) is kept, else measured here. ``tp_plan``: the user's tensor-parallel plan, read against the
+    model (planner/tensor_parallel.py)."""
     trace = trace_training_step(model, optimizer, loss_fn, batch)
     estimate = memory_estimate(trace.program)
     trainable = tuple((n, p.numel() * p.element_size()) for n, p in model.named_parameters() if p.requires_grad)
@@ -100,6 +106,7 @@ def profile_step(
         segment_seconds=segments,
         segment_bytes=segment_bytes,
         compute=compute or measure_compute(model, optimizer, loss_fn, batch),
+        tensor_parallel=tensor_parallel_shape(model, tp_plan, loss_fn, batch) if tp_plan is not None else None,
     )
 
 
@@ -166,7 +173,7 @@ def _blocks(model: torch.nn.Module, loss_fn, batch: tuple) -> tuple[int, int, tu
 
 
 def measure_compute(model: torch.nn.Module, optimizer, loss_fn, batch: tuple, autocast=None) -> ComputeTimes:
-    """Forward with the loss, backward and update, each the median of three timed runs after a warm-up, on copies
+    """Forward with the loss, backward and update, each the median of seven timed runs after a warm-up, on copies
     of the model and optimizer (the originals are untouched); the forward under ``autocast`` (a dtype) where
     given, and each phase waited for on a GPU."""
     twin, inner = copy.deepcopy((model, as_optimizer(optimizer)))

@@ -35,7 +35,7 @@ from .cluster import ProgramTimes
 
 REPLAY_FIXED = 6e-4  # seconds a captured step adds whatever its size (module docstring)
 REPLAY_PER_KERNEL = 3e-7  # and per kernel of the graph
-ROUNDS, STEPS, WARMUP, PROFILED = 3, 5, 2, 3
+ROUNDS, STEPS, WARMUP, PROFILED = 5, 5, 2, 3
 
 
 def step_seconds(programs: dict[str, ProgramTimes], compile: bool, cuda_graph: bool) -> float | None:
@@ -64,51 +64,66 @@ def measure_programs(
     """``{"default": ..., "cuda_graph": ..., "compile": ...}``: each program built on copies of the model and
     optimizer (the originals are untouched), its steps under ``autocast`` where given, as the user's loop would
     wrap them. Captured only on a GPU and for an optimizer a capture takes (SGD, Adam, AdamW); compiled only where
-    ``compile``. On the CPU (a dry run) the device figures are 0."""
+    ``compile``. The programs stay resident together and are timed in ``ROUNDS`` rounds that take them in turn, as
+    bench/gpu.py times its variants (a machine's drift then moves them alike); each one's peak counts its own
+    tensors and what was resident before it was built (the user's model), not its siblings'. On the CPU (a dry run)
+    the device figures are 0."""
     cuda = any(p.is_cuda for p in model.parameters())
     optimizer = as_optimizer(optimizer)
     flags = ["default"] + ["cuda_graph"] * (cuda and type(optimizer) in TWINS) + ["compile"] * compile
-    out = {}
+    context = torch.autocast("cuda" if cuda else "cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+    runs, first, resident = {}, {}, {}
     for flag in flags:
+        before = _allocated(cuda)
         twin, inner = copy.deepcopy((model, optimizer))
         execution = Execution(compile=flag == "compile", cuda_graph=flag == "cuda_graph")
         step = transpile(twin, inner, "none", loss_fn, execution=execution)
-        context = torch.autocast("cuda" if cuda else "cpu", dtype=autocast) if autocast else contextlib.nullcontext()
 
-        def run(step=step, context=context) -> None:
+        def run(step=step) -> None:
             with context:
                 step(*batch)
 
-        out[flag] = _measure(run, cuda)
-        del step, twin, inner
-        if cuda:
-            torch.cuda.empty_cache()
+        runs[flag], first[flag] = run, _seconds(run, cuda)
+        resident[flag] = _allocated(cuda) - before
+    times = _interleaved(runs, cuda)
+    if not cuda:
+        return {flag: ProgramTimes(times[flag], 0.0, 0.0, 0, first[flag]) for flag in flags}
+    out = {}
+    for flag, run in runs.items():
+        kernels, device = profile_kernels(run)
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - sum(b for f, b in resident.items() if f != flag)
+        out[flag] = ProgramTimes(times[flag], device, kernels, peak, first[flag])
     return out
 
 
-def _measure(run, cuda: bool) -> ProgramTimes:
-    def now() -> float:
-        torch.cuda.synchronize() if cuda else None
-        return time.perf_counter()
+def _allocated(cuda: bool) -> int:
+    return torch.cuda.memory_allocated() if cuda else 0
 
-    start = now()
-    run()
-    first = now() - start
-    rounds = []
+
+def _seconds(run, cuda: bool, calls: int = 1) -> float:
+    """Seconds per call over ``calls`` calls, synchronised before and after on a GPU (one call: the first, with
+    its tracing, the passes, a compile, the warm-up)."""
+    torch.cuda.synchronize() if cuda else None
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    torch.cuda.synchronize() if cuda else None
+    return (time.perf_counter() - start) / calls
+
+
+def _interleaved(runs: dict, cuda: bool) -> dict[str, float]:
+    """Seconds per call of each run: the median of ``ROUNDS`` rounds, each taking the runs in turn, ``WARMUP``
+    untimed calls then ``STEPS`` timed ones."""
+    rounds: dict[str, list[float]] = {flag: [] for flag in runs}
     for _ in range(ROUNDS):
-        for _ in range(WARMUP):
-            run()
-        start = now()
-        for _ in range(STEPS):
-            run()
-        rounds.append((now() - start) / STEPS)
-    if not cuda:
-        return ProgramTimes(statistics.median(rounds), 0.0, 0.0, 0, first)
-    kernels, device = profile_kernels(run)
-    torch.cuda.reset_peak_memory_stats()
-    run()
-    torch.cuda.synchronize()
-    return ProgramTimes(statistics.median(rounds), device, kernels, torch.cuda.max_memory_allocated(), first)
+        for flag, run in runs.items():
+            for _ in range(WARMUP):
+                run()
+            rounds[flag].append(_seconds(run, cuda, STEPS))
+    return {flag: statistics.median(times) for flag, times in rounds.items()}
 
 
 def profile_kernels(run, steps: int = PROFILED) -> tuple[float, float]:

@@ -4,7 +4,7 @@ out with the reason, the rest ranked.
 The space is small (tens of layouts at a few hosts: ``planner/candidates.py``), so the search is exhaustive, memory
 first: a layout over the budget is never ranked, whatever its time. Each estimate is arithmetic on one profile of
 the step (``planner/profile.py``), so planning costs one trace, the recompute pass at each budget and, without a
-calibration, three timed eager steps; nothing runs distributed.
+calibration, seven timed eager steps; nothing runs distributed.
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ def plan(
     steps_factors: Mapping[str, float] | None = None,
     profile: StepProfile | None = None,
     steps: int | None = None,
+    tp_plan: dict | None = None,
 ) -> Plan:
     """Rank the layouts for this step on ``cluster``. ``example_batch`` is one rank's batch, as ``transpile()``
     takes it; every layout trains W of them per step. ``objective``: ``"time_to_target"`` (step time × the steps
@@ -135,7 +136,9 @@ def plan(
     (``planner/costs.py``'s ``STEPS_FACTORS``: the ones bench/wan.py measured, none below 1; keys as there;
     ``MEASURED_STEPS_FACTORS`` as measured). ``profile``: one taken before (a test's, or
     a sweep's), else taken now, with the cluster's measured compute where it has one. ``steps``: how many steps the
-    run will take, where known: a layout's one-time cost (a compile) is then spread over them."""
+    run will take, where known: a layout's one-time cost (a compile) is then spread over them. ``tp_plan``: the
+    model's tensor-parallel plan, the dict ``parallelize_module`` takes; with it the plan also weighs tensor-parallel
+    degrees within a host (``Candidate.apply_tensor_parallel`` applies a pick's)."""
     if objective not in OBJECTIVES:
         raise ConfigurationError(f"objective is one of {OBJECTIVES}, got {objective!r}.")
     factors = {**STEPS_FACTORS, **(steps_factors or {})}
@@ -145,7 +148,9 @@ def plan(
     if steps is not None and steps < 1:
         raise ConfigurationError(f"steps is the run's length, at least 1; got {steps}.")
     start = time.perf_counter()
-    profile = profile or agreed(lambda: profile_step(model, optimizer, loss_fn, tuple(example_batch), cluster.compute))
+    profile = profile or agreed(
+        lambda: profile_step(model, optimizer, loss_fn, tuple(example_batch), cluster.compute, tp_plan=tp_plan)
+    )
     return rank(profile, cluster, as_optimizer(optimizer), objective, factors, start, steps)
 
 
