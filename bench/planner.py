@@ -194,7 +194,8 @@ def one_host(steps: int, out: Path) -> dict:
     """The llama's world: four ranks of one host over loopback (tensor-parallel groups stay within a host), run by
     torchrun; its plan weighs tp = 2 and 4 with torchtitan's plan beside the rest."""
     began, part = time.monotonic(), out / "llama@host.json"
-    command = ["torchrun", "--standalone", "--nproc-per-node", "4", str(WORKER), "--model", "llama"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(WORKER)]
+    command += ["--model", "llama"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     with open(out / "llama@host.log", "w") as log:
         subprocess.run(
