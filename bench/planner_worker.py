@@ -101,7 +101,7 @@ def measure(candidate, name: str, steps: int, cache: TraceCache) -> dict:
     kwargs = {} if candidate.pipeline is not None or tp > 1 else {"trace": cache}
     if tp > 1:  # the plan applied over the pick's mesh, and the optimizer built on the shards, as docs/planner.md
         kwargs["mesh"] = candidate.apply_tensor_parallel(model, tp_plan_of(name, model))
-        optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=optimizer.defaults["lr"])  # every bench model's
     step = transpile(model, optimizer, candidate, loss_fn, batch, **kwargs)
     period = round_of(candidate)
     for _ in range(2 * period if period > 1 else 2):  # two rounds: every variant built (Streaming's last apply
