@@ -36,14 +36,13 @@ from scipy.stats import spearmanr
 
 from bench.harness.hosts import Hosts, launch_workers, namespaces_unavailable
 from bench.models import NarrowGPT
-from bench.planner_worker import factory
+from bench.planner_worker import factory, tp_plan_of
 from bench.two_ranks import write_section
 from transpiler.planner import plan, simple_cluster
 from transpiler.planner.candidates import layouts
 from transpiler.planner.cluster import Cluster, ComputeTimes
 from transpiler.planner.costs import STEPS_FACTORS, estimate
 from transpiler.planner.profile import StepProfile, profile_step
-from transpiler.planner.tensor_parallel import TensorParallelShape
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "planner.md"
@@ -56,24 +55,21 @@ UNBOUNDED = float("inf")
 def static_profile(model: str) -> StepProfile:
     """The bench model's profile traced here: its bytes do not depend on the run (its times are the run's)."""
     made, optimizer, loss_fn, make = factory(model)
-    return profile_step(made, optimizer, loss_fn, make(torch.Generator(), 1), ComputeTimes(1.0, 1.0, 1.0))
+    batch, tp_plan = make(torch.Generator(), 1), tp_plan_of(model, made)
+    return profile_step(made, optimizer, loss_fn, batch, ComputeTimes(1.0, 1.0, 1.0), tp_plan=tp_plan)
 
 
 def repriced(run: dict, model: str) -> list[dict]:
     """The run's rows with their predictions made again by the cost model as it is now, from the times and
-    cluster the run measured and the bytes of the step traced now, so the tables always show the committed
-    model's predictions."""
+    cluster the run measured and the bytes of the step traced now (with what the llama's plan splits and
+    exchanges), so the tables always show the committed model's predictions."""
     if "profile" not in run:
         return run["rows"]
     saved, static = run["profile"], static_profile(model)
-    split = saved.get("tensor_parallel")
     profile = StepProfile(
         **{
             **saved,
-            "tensor_parallel": split
-            and TensorParallelShape(
-                frozenset(split["sharded"]), split["split_share"], tuple(tuple(e) for e in split["exchanges"])
-            ),
+            "tensor_parallel": static.tensor_parallel,
             "parameters": tuple(tuple(p) for p in saved["parameters"]),
             "compute": ComputeTimes(**saved["compute"]),
             "segment_seconds": tuple(saved.get("segment_seconds", ())),

@@ -178,8 +178,7 @@ def main() -> None:
         rejected = [{"label": r.label, "reason": r.reason} for r in made.rejected]
         summary = {"calibration_s": calibration_s, "planning_s": planning_s, "cluster": cluster.to_dict()}
         summary["profile"] = dataclasses.asdict(profile)  # the report prices the candidates again from it
-        if profile.tensor_parallel is not None:
-            summary["profile"]["tensor_parallel"]["sharded"] = sorted(profile.tensor_parallel.sharded)
+        summary["profile"].pop("tensor_parallel")  # the report reads the plan against the model again
         with open(args.out, "w") as out:
             json.dump({"rows": rows, "rejected": rejected, **summary}, out)
     dist.destroy_process_group()

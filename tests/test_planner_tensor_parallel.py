@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from bench.models import TinyLlama, llama_tp_plan, next_token_loss
 from tests.worlds import run_in_world
 from transpiler import ConfigurationError, transpile
 from transpiler.cli import main
+from transpiler.graph.collectives import collective_sequence
 from transpiler.planner import ComputeTimes, plan, profile_step, simple_cluster
 from transpiler.planner.costs import STEPS_FACTORS, Layout, estimate
 from transpiler.planner.search import rank
@@ -41,11 +43,23 @@ def test_a_plan_is_read_against_the_model_as_megatron_pairs_exchange():
     split = {f"layers.{b}.{name}.weight" for b in range(BLOCKS) for name in linears}
     assert shape.sharded == split | {"tok_embeddings.weight", "output.weight"}  # the norms stay whole
     assert shape.split_share == 1.0  # every linear layer is planned
-    tokens, activation = BATCH * SEQ, BATCH * SEQ * DIM * 4
-    expected = [("all_reduce", activation)]  # the row-split embedding: its output, forward only
-    expected += [("all_reduce", activation)] * 2 * 2 * BLOCKS  # wo and w2: output forward, input gradient backward
-    expected += [("all_gather", tokens * VOCAB * 4), ("all_reduce", activation)]  # the head made whole
+    activation, logits, norm = BATCH * SEQ * DIM * 4, BATCH * SEQ * VOCAB * 4, DIM * 4
+    split = [("reduce_scatter", activation), ("all_gather", activation)]  # forward, backward: or the reverse
+    expected = split  # the embedding's output, split along the sequence
+    expected += (split * 4 + [("all_reduce", norm)] * 2) * BLOCKS  # wo, w2, two prepared inputs; two norms
+    expected += [
+        ("all_reduce", norm),
+        ("all_gather", activation),
+        ("all_gather", logits),
+        ("reduce_scatter", activation),
+    ]
     assert sorted(shape.exchanges) == sorted(expected)
+    whole = tensor_parallel_shape(model, llama_tp_plan(model, sequence_parallel=False), loss_fn, batch)
+    expected = [("all_reduce", activation)] * (1 + 2 * 2 * BLOCKS) + [
+        ("all_gather", logits),
+        ("all_reduce", activation),
+    ]
+    assert sorted(whole.exchanges) == sorted(expected)  # Megatron's pairs: one all-reduce each way
     # a plan of the feed-forward only splits its share of the multiply-adds
     ffn = {
         f"layers.{b}.feed_forward.{w}": llama_tp_plan(model, False)[f"layers.{b}.feed_forward.{w}"]
@@ -147,12 +161,27 @@ def tensor_parallel_pick(rank: int, world: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = transpile(model, optimizer, pick, loss_fn, batch, mesh=mesh)
     losses = [float(step(*batch)) for _ in range(3)]
-    return {"label": pick.label, "losses": losses, "wq": tuple(model.layers[0].attention.wq.weight.shape)}
+    issued = Counter(
+        next(kind for kind in ("all_reduce", "all_gather", "reduce_scatter") if c.op.startswith(kind))
+        for program in step.programs.values()
+        for c in collective_sequence(program.graph)
+        if c.group == "tp"
+    )
+    counted = Counter(kind for kind, _ in made.profile.tensor_parallel.exchanges)
+    return {
+        "label": pick.label,
+        "losses": losses,
+        "wq": tuple(model.layers[0].attention.wq.weight.shape),
+        "issued": dict(issued),
+        "counted": dict(counted),
+    }
 
 
 def test_a_tensor_parallel_pick_runs_in_a_world_of_two(tmp_path):
     """A real world of two (about 10 s): the pick of tp=2 applies the plan over its mesh and trains, each rank
-    holding half of every split weight, both ranks computing the same losses."""
+    holding half of every split weight, both ranks computing the same losses; the built program issues on ``tp``
+    the collectives the planner priced, kind by kind."""
     ranks = run_in_world(2, "tests.test_planner_tensor_parallel:tensor_parallel_pick", tmp_path, timeout=120)
     assert ranks[0]["label"] == "fused_allreduce, dp=1×tp=2" and ranks[0]["losses"] == ranks[1]["losses"]
     assert ranks[0]["wq"] == (DIM // 2, DIM) and ranks[0]["losses"][-1] < ranks[0]["losses"][0]
+    assert ranks[0]["issued"] == ranks[0]["counted"]  # the planner counts the collectives the program issues on tp

@@ -44,16 +44,17 @@ class Link:
     def seconds(self, kind: str, nbytes: float, ranks: int) -> float:
         """What one ``kind`` collective of ``nbytes`` per rank costs over ``ranks`` ranks on this level: the
         measured fit where there is one for that group size, else a ring's rounds and bytes (all-reduce: 2(n−1)
-        rounds moving 2(n−1)/n of the bytes; all-gather and all-to-all: n−1 rounds and (n−1)/n; point-to-point:
-        one message of all of them). A fit's intercept is at least the ring's rounds at the link's latency: the
-        fits of the collectives other than the all-reduce come out at 0 where small sizes are noisy, which priced a
-        layout of four collectives like one of two at the same bytes."""
+        rounds moving 2(n−1)/n of the bytes; all-gather, reduce-scatter and all-to-all: n−1 rounds and (n−1)/n;
+        point-to-point: one message of all of them). A fit's intercept is at least the ring's rounds at the link's
+        latency: the fits of the collectives other than the all-reduce come out at 0 where small sizes are noisy,
+        which priced a layout of four collectives like one of two at the same bytes."""
         if ranks <= 1 and kind != "p2p":
             return 0.0
         rounds, share = {
             "all_reduce": (2 * (ranks - 1), 2 * (ranks - 1) / ranks),
             "all_gather": (ranks - 1, (ranks - 1) / ranks),
             "all_to_all": (ranks - 1, (ranks - 1) / ranks),
+            "reduce_scatter": (ranks - 1, (ranks - 1) / ranks),
             "p2p": (1, 1.0),
         }[kind]
         if kind in self.measured and self.measured[kind][2] == ranks:

@@ -12,11 +12,19 @@ with hooks on the linear and embedding layers gives
   input features). The step's measured forward and backward are taken to split by that share (the pointwise
   work and attention's own matmuls between split layers go with them, as a head split divides them too): each
   rank runs the share 1/tp and the rest whole;
-- **the exchanges**, per example batch, as Megatron-LM's pairs make them: a row-split linear layer all-reduces its
-  output in the forward and the matching input gradient in the backward (under sequence parallelism a
-  reduce-scatter and an all-gather each way: the same ring bytes); a row-split embedding only in the forward; a
-  column-split layer whose output is made whole (an output head) all-gathers its output and all-reduces its input's
-  gradient.
+- **the exchanges**, collective by collective as DTensor makes them for each style (a ring moves ``(n−1)/n`` of
+  the bytes in an all-gather or a reduce-scatter, twice that in an all-reduce), per example batch:
+
+  - a row-split layer whose output is made whole all-reduces it in the forward, and a linear one the same size
+    again in the backward (the input gradient of the column-split layers before it);
+  - a row-split layer whose output stays split along the sequence reduce-scatters it forward and all-gathers its
+    gradient backward;
+  - a column-split layer whose output is made whole (a head) all-gathers it forward (and a sequence-split input
+    first), and all-reduces its input's gradient backward (reduce-scatters, where the input came split);
+  - an input prepared from a sequence split to whole is all-gathered forward, its gradient reduce-scattered
+    backward;
+  - sequence-parallel parameters (a norm's) have their gradients all-reduced in the backward (a few hundred
+    bytes, counted as the others are).
 
 A ``tp`` group takes ``tp`` example batches (every layout trains W of them per step), so a rank computes
 ``tp × (1 − s + s / tp)`` of one batch's forward and backward for a split share ``s``: tensor parallelism pays on
@@ -36,7 +44,11 @@ from transpiler.errors import ConfigurationError
 
 from .cluster import Cluster
 
-RING_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n}
+RING_SHARE = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+}
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,12 @@ class TensorParallelShape:
         """The exchanges of a step of ``tp`` example batches over a group of ``tp`` ranks of one host."""
         return sum(cluster.collective_seconds(kind, size * tp, tp) for kind, size in self.exchanges)
 
+    @property
+    def gathered(self) -> int:
+        """Bytes per example batch that an all-gather makes whole (a prepared input, a head's output): held whole,
+        not 1/tp, on every rank of the group."""
+        return sum(size for kind, size in self.exchanges if kind == "all_gather")
+
     def sent(self, tp: int) -> float:
         """Bytes a rank sends over ``tp`` per step (a ring's share of each exchange)."""
         return sum(RING_SHARE[kind](tp) * size * tp for kind, size in self.exchanges)
@@ -65,18 +83,16 @@ def tensor_parallel_shape(model: nn.Module, plan: dict, loss_fn, batch: tuple) -
     exchanges: list[tuple[str, int]] = []
 
     def seen(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        style, size = styles.get(names[module]), output.numel() * output.element_size()
-        kind = type(style).__name__
+        style = styles.get(names[module])
         if isinstance(module, nn.Linear):
             work["all"] += output.numel() * module.in_features
-            work["split"] += output.numel() * module.in_features if kind in _SPLITS else 0
-        if kind == "RowwiseParallel":
-            exchanges.extend([("all_reduce", size)] * (2 if isinstance(module, nn.Linear) else 1))
-        elif kind == "ColwiseParallel" and type(style.output_layouts[0]).__name__ == "Replicate":
-            exchanges.extend([("all_gather", size), ("all_reduce", args[0].numel() * args[0].element_size())])
+            work["split"] += output.numel() * module.in_features if type(style).__name__ in _SPLITS else 0
+        if style is not None:
+            exchanges.extend(_exchanges(module, style, _bytes(args[0]), _bytes(output)))
 
-    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
-    handles = [m.register_forward_hook(seen) for m in layers]
+    watched = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding)) or m in styles.values()]
+    watched += [model.get_submodule(name) for name in styles]
+    handles = [m.register_forward_hook(seen) for m in dict.fromkeys(watched)]
     try:
         with torch.no_grad():
             model(*batch[:-1]) if loss_fn is not None else model(*batch)
@@ -88,6 +104,32 @@ def tensor_parallel_shape(model: nn.Module, plan: dict, loss_fn, batch: tuple) -
         split_share=work["split"] / work["all"] if work["all"] else 0.0,
         exchanges=tuple(exchanges),
     )
+
+
+def _exchanges(module: nn.Module, style: object, given: int, made: int) -> list[tuple[str, int]]:
+    """One module's collectives per example batch by its style (module docstring's table), as (kind, bytes)."""
+    kind = type(style).__name__
+    if kind == "RowwiseParallel":
+        if _split(style.output_layouts):
+            return [("reduce_scatter", made), ("all_gather", made)]
+        return [("all_reduce", made)] * (2 if isinstance(module, nn.Linear) else 1)
+    if kind == "ColwiseParallel" and not _split(style.output_layouts):
+        if _split(style.input_layouts):
+            return [("all_gather", given), ("all_gather", made), ("reduce_scatter", given)]
+        return [("all_gather", made), ("all_reduce", given)]
+    if kind == "PrepareModuleInput" and _split(style.input_layouts) and not _split(style.desired_input_layouts):
+        return [("all_gather", given), ("reduce_scatter", given)]
+    if kind == "SequenceParallel":
+        return [("all_reduce", sum(_bytes(p) for p in module.parameters() if p.requires_grad))]
+    return []
+
+
+def _split(layouts) -> bool:
+    return any(type(layout).__name__ == "Shard" for layout in layouts or ())
+
+
+def _bytes(value) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 _SPLITS = ("ColwiseParallel", "RowwiseParallel")
@@ -124,7 +166,8 @@ def _sharded(model: nn.Module, styles: dict[str, object]) -> set[str]:
 
 def split_profile(profile, tp: int):
     """The profile one rank of a ``tp`` group sees (module docstring): its shares of the split parameters, their
-    gradients and optimizer state, ``tp`` example batches of work, activations and batch."""
+    gradients and optimizer state, ``tp`` example batches of work, activations and batch, where what an all-gather
+    made whole is held whole."""
     shape = profile.tensor_parallel
     per_batch = 1 - shape.split_share + shape.split_share / tp
     parameters = tuple((n, size // tp if n in shape.sharded else size) for n, size in profile.parameters)
@@ -136,7 +179,7 @@ def split_profile(profile, tp: int):
         state_bytes=int(profile.state_bytes * kept),
         batch_bytes=profile.batch_bytes * tp,
         batch_size=profile.batch_size * tp,
-        transient=int(profile.transient * tp * per_batch),
+        transient=int(profile.transient * tp * per_batch + shape.gathered * tp * (1 - 1 / tp)),
         recompute=(),
         largest_module_bytes=int(profile.largest_module_bytes * kept),
         compute=dataclasses.replace(
