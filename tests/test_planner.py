@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from tests.test_planner_tensor_parallel import tensor_parallel_pick
 from tests.worlds import run_in_world
 from transpiler import ConfigurationError, Execution, PipelineParallel, StaticWorld, transpile
 from transpiler.cli import main
@@ -321,7 +322,8 @@ def test_the_cli_prints_the_plan_and_bad_input_is_one_line(tmp_path, capsys):
 
 def calibrated(rank: int, world: int) -> dict:
     """A job of tests/worlds.py: calibrate this world as hosts of one rank, then plan on every rank from rank 0's
-    cluster."""
+    cluster; then plan a small llama for the two ranks on one host with its tensor-parallel plan and run the pick
+    of tp=2 (tests/test_planner_tensor_parallel.py)."""
     import torch.distributed as dist
 
     from transpiler.planner.calibrate import calibrate
@@ -330,13 +332,15 @@ def calibrated(rank: int, world: int) -> dict:
     shared = [calibrate((model, optimizer, loss_fn, batch), memory_mib=256, ranks_per_host=1)]
     dist.broadcast_object_list(shared, src=0)
     made = plan(model, optimizer, loss_fn, batch, shared[0])
-    return {"cluster": shared[0].to_dict(), "ranked": [c.label for c in made.ranked], "profile": made.profile}
+    result = {"cluster": shared[0].to_dict(), "ranked": [c.label for c in made.ranked], "profile": made.profile}
+    return result | {"tensor_parallel": tensor_parallel_pick()}
 
 
 def test_a_calibration_measures_the_link_and_the_step_in_a_world_of_two(tmp_path):
-    """A real world of two on loopback (about 10 s): the fits are positive and price the collectives as measured,
+    """A real world of two on loopback (about 15 s): the fits are positive and price the collectives as measured,
     and both ranks plan alike from rank 0's profile (each rank's own timings once ranked pipelines differently on
-    bench/planner.py's ranks, which then built different steps and waited on each other)."""
+    bench/planner.py's ranks, which then built different steps and waited on each other); a tensor-parallel pick
+    runs as planned."""
     ranks = run_in_world(2, "tests.test_planner:calibrated", tmp_path, timeout=120)
     assert ranks[0]["ranked"] == ranks[1]["ranked"] and ranks[0]["profile"] == ranks[1]["profile"]
     cluster = Cluster.from_dict(ranks[0]["cluster"])
@@ -346,3 +350,9 @@ def test_a_calibration_measures_the_link_and_the_step_in_a_world_of_two(tmp_path
     assert all(ranks == 2 and alpha >= 0 and beta >= 0 for alpha, beta, ranks in measured.values())
     assert measured["all_reduce"][1] > 0 and cluster.network_link.bandwidth > 0
     assert cluster.compute.forward > 0 and cluster.compute.backward > 0
+    # the pick of tp=2 applies the plan over its mesh and trains, each rank holding half of every split weight,
+    # both computing the same losses, and its program issues on tp the collectives the planner priced
+    tp = ranks[0]["tensor_parallel"]
+    assert tp["label"] == "fused_allreduce, dp=1×tp=2" and tp["losses"] == ranks[1]["tensor_parallel"]["losses"]
+    assert tp["wq"] == (8, 16) and tp["losses"][-1] < tp["losses"][0]
+    assert tp["issued"] == tp["counted"] and sum(tp["issued"].values()) == 26
