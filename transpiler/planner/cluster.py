@@ -31,6 +31,17 @@ LEVELS = ("host", "network")
 FIELDS = ("hosts", "ranks_per_host", "device", "memory_per_rank_mib", "links", "compute", "programs")
 
 
+def ring(kind: str, ranks: int) -> tuple[int, float]:
+    """A ring's rounds and the share of the bytes each rank sends for one ``kind`` collective over ``ranks``."""
+    return {
+        "all_reduce": (2 * (ranks - 1), 2 * (ranks - 1) / ranks),
+        "all_gather": (ranks - 1, (ranks - 1) / ranks),
+        "all_to_all": (ranks - 1, (ranks - 1) / ranks),
+        "reduce_scatter": (ranks - 1, (ranks - 1) / ranks),
+        "p2p": (1, 1.0),
+    }[kind]
+
+
 @dataclass(frozen=True)
 class Link:
     """One link level: ``bandwidth`` in bytes per second per rank each way, ``latency`` in seconds per message, and
@@ -50,13 +61,7 @@ class Link:
         which priced a layout of four collectives like one of two at the same bytes."""
         if ranks <= 1 and kind != "p2p":
             return 0.0
-        rounds, share = {
-            "all_reduce": (2 * (ranks - 1), 2 * (ranks - 1) / ranks),
-            "all_gather": (ranks - 1, (ranks - 1) / ranks),
-            "all_to_all": (ranks - 1, (ranks - 1) / ranks),
-            "reduce_scatter": (ranks - 1, (ranks - 1) / ranks),
-            "p2p": (1, 1.0),
-        }[kind]
+        rounds, share = ring(kind, ranks)
         if kind in self.measured and self.measured[kind][2] == ranks:
             alpha, beta, _ = self.measured[kind]
             return max(alpha, rounds * self.latency) + beta * nbytes

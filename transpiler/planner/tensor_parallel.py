@@ -36,19 +36,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from transpiler.errors import ConfigurationError
 
-from .cluster import Cluster
+from .cluster import Cluster, ring
 
-RING_SHARE = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-}
+if TYPE_CHECKING:
+    from .profile import StepProfile
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,7 @@ class TensorParallelShape:
 
     def sent(self, tp: int) -> float:
         """Bytes a rank sends over ``tp`` per step (a ring's share of each exchange)."""
-        return sum(RING_SHARE[kind](tp) * size * tp for kind, size in self.exchanges)
+        return sum(ring(kind, tp)[1] * size * tp for kind, size in self.exchanges)
 
 
 def tensor_parallel_shape(model: nn.Module, plan: dict, loss_fn, batch: tuple) -> TensorParallelShape:
@@ -90,7 +88,7 @@ def tensor_parallel_shape(model: nn.Module, plan: dict, loss_fn, batch: tuple) -
         if style is not None:
             exchanges.extend(_exchanges(module, style, _bytes(args[0]), _bytes(output)))
 
-    watched = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding)) or m in styles.values()]
+    watched = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
     watched += [model.get_submodule(name) for name in styles]
     handles = [m.register_forward_hook(seen) for m in dict.fromkeys(watched)]
     try:
@@ -164,7 +162,7 @@ def _sharded(model: nn.Module, styles: dict[str, object]) -> set[str]:
     return out
 
 
-def split_profile(profile, tp: int):
+def split_profile(profile: StepProfile, tp: int) -> StepProfile:
     """The profile one rank of a ``tp`` group sees (module docstring): its shares of the split parameters, their
     gradients and optimizer state, ``tp`` example batches of work, activations and batch, where what an all-gather
     made whole is held whole."""
