@@ -21,6 +21,7 @@ import contextlib
 import copy
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -172,10 +173,19 @@ def _blocks(model: torch.nn.Module, loss_fn, batch: tuple) -> tuple[int, int, tu
     return len(children), max(sizes, default=0), seconds, tuple(held)
 
 
-def measure_compute(model: torch.nn.Module, optimizer, loss_fn, batch: tuple, autocast=None) -> ComputeTimes:
-    """Forward with the loss, backward and update, each the median of seven timed runs after a warm-up, on copies
-    of the model and optimizer (the originals are untouched); the forward under ``autocast`` (a dtype) where
-    given, and each phase waited for on a GPU."""
+def measure_compute(
+    model: torch.nn.Module,
+    optimizer,
+    loss_fn,
+    batch: tuple,
+    autocast=None,
+    runs: int = TIMED_RUNS,
+    align: Callable[[], object] | None = None,
+) -> ComputeTimes:
+    """Forward with the loss, backward and update, each the median of ``runs`` timed runs after a warm-up, on
+    copies of the model and optimizer (the originals are untouched); the forward under ``autocast`` (a dtype)
+    where given, and each phase waited for on a GPU. ``align``, where given, is called before every run (a
+    calibration's barrier: every rank starts each run together, as a synchronous step's collectives make them)."""
     twin, inner = copy.deepcopy((model, as_optimizer(optimizer)))
     params = [p for p in twin.parameters() if p.requires_grad]
     cuda = any(p.is_cuda for p in params)
@@ -185,8 +195,9 @@ def measure_compute(model: torch.nn.Module, optimizer, loss_fn, batch: tuple, au
         torch.cuda.synchronize() if cuda else None
         return time.perf_counter()
 
-    runs = []
-    for run in range(1 + TIMED_RUNS):
+    timed = []
+    for run in range(1 + runs):
+        align() if align is not None else None
         start = now()
         with context:
             out = twin(*batch[:-1]) if loss_fn is not None else twin(*batch)
@@ -199,6 +210,6 @@ def measure_compute(model: torch.nn.Module, optimizer, loss_fn, batch: tuple, au
         inner.step()
         end = now()
         if run:
-            runs.append((forward - start, backward - forward, end - backward))
-    medians = [statistics.median(column) for column in zip(*runs)]
+            timed.append((forward - start, backward - forward, end - backward))
+    medians = [statistics.median(column) for column in zip(*timed)]
     return ComputeTimes(*medians)
