@@ -7,7 +7,8 @@
   (``passes/recompute.py``): the peak it reaches, and the work it adds as a share of the forward's, both priced on
   the pass's own roofline (``passes/recompute_cost.py``) so only their ratio counts.
 - **Compute**: forward with the loss, backward and the update, timed eagerly on a copy of the model and optimizer
-  (a warm-up, then the median of seven), unless the cluster carries times a calibration measured.
+  (a warm-up, then the median of seven runs' totals, split as the phases' medians split), unless the cluster carries
+  times a calibration measured.
 - **Tensor parallelism**, where the user gives a plan: what it splits, read against the model
   (``planner/tensor_parallel.py``).
 - **Pipeline cuts**: the blocks a pipeline may cut at (the longest ``ModuleList`` or ``Sequential``, as
@@ -182,10 +183,11 @@ def measure_compute(
     runs: int = TIMED_RUNS,
     align: Callable[[], object] | None = None,
 ) -> ComputeTimes:
-    """Forward with the loss, backward and update, each the median of ``runs`` timed runs after a warm-up, on
-    copies of the model and optimizer (the originals are untouched); the forward under ``autocast`` (a dtype)
-    where given, and each phase waited for on a GPU. ``align``, where given, is called before every run (a
-    calibration's barrier: every rank starts each run together, as a synchronous step's collectives make them)."""
+    """Forward with the loss, backward and update over ``runs`` timed runs after a warm-up (the median run's
+    total, split as the phases' medians split), on copies of the model and optimizer (the originals are
+    untouched); the forward under ``autocast`` (a dtype) where given, and each phase waited for on a GPU.
+    ``align``, where given, is called before every run (a calibration's barrier: every rank starts each run
+    together, as a synchronous step's collectives make them)."""
     twin, inner = copy.deepcopy((model, as_optimizer(optimizer)))
     params = [p for p in twin.parameters() if p.requires_grad]
     cuda = any(p.is_cuda for p in params)
@@ -211,5 +213,10 @@ def measure_compute(
         end = now()
         if run:
             timed.append((forward - start, backward - forward, end - backward))
+    # the step is the median of the runs' totals, split as the phases' medians split: ranks sharing cores are
+    # preempted at random points, so each phase's own median leaves out what a run lost to another rank (the
+    # MLP of bench/planner.py, 4 ranks on 2 cores: the phases' medians summed to 9–15% below the runs' median in
+    # four aligned calibrations, and to 19.5 ms in one where its inner steps then measured 35 ms)
     medians = [statistics.median(column) for column in zip(*timed)]
-    return ComputeTimes(*medians)
+    scale = statistics.median(sum(run) for run in timed) / (sum(medians) or 1.0)
+    return ComputeTimes(*(phase * scale for phase in medians))

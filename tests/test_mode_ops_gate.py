@@ -1,0 +1,40 @@
+"""Issue 77's regression gate: no mode's step dispatches more than 5% more work ops than docs/performance.md
+records (``bench/mode_ops.py``). Op counts are exact on any machine, so this is a test, not a timing.
+
+Cost: one job in the session's world of 2 (every mode built and run 8 steps on two narrow models), about 40 s on
+2 cores; the checker's own test is static.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from bench.mode_ops import SETTINGS, over_recorded, recorded
+from tests.worlds import run_in_world
+
+
+def test_the_table_records_every_mode_on_both_models() -> None:
+    record = recorded()
+    assert set(record) == {"gpt", "cnn"}
+    for name, modes in record.items():
+        assert set(modes) == set(SETTINGS), name
+        assert all(ops["work"] > 0 and ops["views"] >= 0 for ops in modes.values())
+
+
+def test_the_gate_fails_a_mode_above_its_record_and_one_missing_from_it() -> None:
+    record = recorded()
+    counted = copy.deepcopy(record)
+    assert over_recorded(counted, record) == []
+    counted["gpt"]["demo"]["work"] = int(record["gpt"]["demo"]["work"] * 1.06) + 1
+    del record["cnn"]["zero2"]
+    found = over_recorded(counted, record)
+    assert len(found) == 2
+    assert found[0].startswith("demo on gpt") and "not in the table" in found[1]
+    counted["gpt"]["demo"]["work"] = int(record["gpt"]["demo"]["work"] * 1.04)  # within the slack
+    assert len(over_recorded(counted, record)) == 1
+
+
+def test_no_mode_dispatches_more_work_than_the_table(tmp_path) -> None:
+    ranks = run_in_world(2, "bench.mode_ops:counts", tmp_path, timeout=280)
+    assert ranks[0] == ranks[1], "every rank dispatches the same ops"
+    assert over_recorded(ranks[0], recorded()) == []
