@@ -13,20 +13,24 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from transpiler.graph.op_counts import is_view_op
 
 
 class DispatchCounter(TorchDispatchMode):
-    """Counts each aten op dispatched while it is active (``counts``: op -> calls)."""
+    """Counts each aten op dispatched while it is active (``counts``: op -> calls), and the bytes handed to
+    collectives (``sent``: :func:`collective_input_bytes`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter = Counter()
+        self.sent = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func] += 1
+        self.sent += collective_input_bytes(func, args)
         return func(*args, **(kwargs or {}))
 
     @property
@@ -36,6 +40,42 @@ class DispatchCounter(TorchDispatchMode):
     @property
     def views(self) -> int:
         return sum(n for func, n in self.counts.items() if is_view_op(func))
+
+
+# eager (c10d) collectives whose first argument is their output: the input is the second
+_OUTPUT_FIRST = {
+    "allgather_",
+    "_allgather_base_",
+    "allgather_coalesced_",
+    "allgather_into_tensor_coalesced_",
+    "reduce_scatter_",
+    "_reduce_scatter_base_",
+    "reduce_scatter_tensor_coalesced_",
+    "alltoall_",
+    "alltoall_base_",
+}
+_NOT_SENT = {"wait_tensor", "barrier", "monitored_barrier_", "recv_", "recv_any_source_"}
+
+
+def collective_input_bytes(func, args: tuple) -> int:
+    """Bytes of a collective's input tensor(s) (0 for any other op): what the rank hands to it, not what its
+    algorithm moves (a ring all-reduce sends about twice that); functional (``_c10d_functional``) or eager
+    (``c10d``; a broadcast counts its tensor on every rank)."""
+    if getattr(func, "namespace", None) not in ("c10d", "_c10d_functional"):
+        return 0
+    name = func._schema.name.partition("::")[2]
+    if name in _NOT_SENT:
+        return 0
+    given = args[1] if func.namespace == "c10d" and name in _OUTPUT_FIRST else args[0]
+    return sum(t.numel() * t.element_size() for t in _tensors(given))
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def count_ops(run: Callable[[], object]) -> DispatchCounter:

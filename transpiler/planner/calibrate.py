@@ -5,12 +5,11 @@ torchrun's nodes (``WORLD_SIZE / LOCAL_WORLD_SIZE``). Per level, on a group that
 host for ``host``; one rank of each host for ``network``), each collective the cost model prices is timed at
 sizes from 4 KiB upward, three times after a warm-up (median), until one takes a quarter of a second or 16 MiB is
 reached; ``alpha + beta * bytes`` is fitted by least squares and the ranks keep the element-wise maximum. The
-model's forward, backward and update are timed on every rank at once and in step (a barrier before each of
-``ALIGNED_RUNS`` runs), so the compute carries the host's contention (two ranks on one core each take about twice a
-rank's time alone) as a synchronous step meets it; on a GPU, so is the project's
-program for it, uncaptured, captured and (``--compile``) compiled (``planner/programs.py``). Rank 0 writes the cluster
-(``planner/cluster.py``), with the link levels a group could not span given the bandwidth and latency of the
-slowest one measured.
+model's forward, backward and update are timed on every rank at once (``CALIBRATION_RUNS`` runs), so the compute
+carries the host's contention (two ranks on one core each take about twice a rank's time alone); on a GPU, so is
+the project's program for it, uncaptured, captured and (``--compile``) compiled (``planner/programs.py``). Rank 0
+writes the cluster (``planner/cluster.py``), with the link levels a group could not span given the bandwidth and
+latency of the slowest one measured.
 """
 
 from __future__ import annotations
@@ -34,10 +33,12 @@ from .programs import measure_programs
 SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)  # bytes of the tensor each rank holds
 ENOUGH = 0.25  # seconds: a collective this slow ends the sweep (a slow link would take minutes at 16 MiB)
 TIMEOUT = timedelta(seconds=120)
-# the compute's timed runs, every rank starting each one together: bench/planner.py's MLP (4 ranks on 2 cores)
-# varied 27–46 ms a step over eight unaligned calibrations of 7 runs, 28–31 ms over four aligned ones of 21, and
-# aligned is what its programs took in the grid (29–32 ms of compute), their collectives keeping the ranks in step
-ALIGNED_RUNS = 21
+# the compute's timed runs. Each rank runs its own, not in step with the others: over four calibrations of each of
+# bench/planner.py's three models (4 ranks on 2 cores), 21 unaligned runs came within 0–9% of the inner step of
+# the project's own program timed beside them (MLP 24–26 ms against 21–26, GPT 129–133 against 133–135, llama
+# 139–145 against 145–148); starting every run together after a barrier came 7–10% low (GPT, llama), and on the
+# MLP, whose phases last a few of the scheduler's time slices, 15–35% low
+CALIBRATION_RUNS = 21
 
 
 def calibrate(
@@ -81,7 +82,7 @@ def calibrate(
         }
     model, optimizer, loss_fn, batch = factory
     dist.barrier()
-    compute = measure_compute(model, optimizer, loss_fn, tuple(batch), autocast, runs=ALIGNED_RUNS, align=dist.barrier)
+    compute = measure_compute(model, optimizer, loss_fn, tuple(batch), autocast, runs=CALIBRATION_RUNS)
     slowest = _agree_compute(compute, device)
     programs = {}
     if device == "cuda":

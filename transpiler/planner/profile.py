@@ -22,7 +22,6 @@ import contextlib
 import copy
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -181,13 +180,10 @@ def measure_compute(
     batch: tuple,
     autocast=None,
     runs: int = TIMED_RUNS,
-    align: Callable[[], object] | None = None,
 ) -> ComputeTimes:
     """Forward with the loss, backward and update over ``runs`` timed runs after a warm-up (the median run's
     total, split as the phases' medians split), on copies of the model and optimizer (the originals are
-    untouched); the forward under ``autocast`` (a dtype) where given, and each phase waited for on a GPU.
-    ``align``, where given, is called before every run (a calibration's barrier: every rank starts each run
-    together, as a synchronous step's collectives make them)."""
+    untouched); the forward under ``autocast`` (a dtype) where given, and each phase waited for on a GPU."""
     twin, inner = copy.deepcopy((model, as_optimizer(optimizer)))
     params = [p for p in twin.parameters() if p.requires_grad]
     cuda = any(p.is_cuda for p in params)
@@ -199,7 +195,6 @@ def measure_compute(
 
     timed = []
     for run in range(1 + runs):
-        align() if align is not None else None
         start = now()
         with context:
             out = twin(*batch[:-1]) if loss_fn is not None else twin(*batch)
@@ -215,8 +210,8 @@ def measure_compute(
             timed.append((forward - start, backward - forward, end - backward))
     # the step is the median of the runs' totals, split as the phases' medians split: ranks sharing cores are
     # preempted at random points, so each phase's own median leaves out what a run lost to another rank (the
-    # MLP of bench/planner.py, 4 ranks on 2 cores: the phases' medians summed to 9–15% below the runs' median in
-    # four aligned calibrations, and to 19.5 ms in one where its inner steps then measured 35 ms)
+    # MLP of bench/planner.py, 4 ranks on 2 cores: its phases' medians summed to 19.5 ms in one calibration where
+    # its inner steps then measured 35 ms)
     medians = [statistics.median(column) for column in zip(*timed)]
     scale = statistics.median(sum(run) for run in timed) / (sum(medians) or 1.0)
     return ComputeTimes(*(phase * scale for phase in medians))
