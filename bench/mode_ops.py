@@ -140,7 +140,7 @@ def main() -> None:
     ranks = two_rank_results(__file__, lambda out, _tmp: [out], port=29561)
     body = (
         f"`python -m bench.mode_ops` (W=2 over gloo, torch {torch.__version__}): aten ops of {WINDOW} steps after "
-        f"{WARMUP}, rank 0 (every rank dispatches the same); GPT {PER_RANK['gpt']} and CNN {PER_RANK['cnn']} samples "
+        f"{WARMUP}, rank 0 (the gate holds every rank to it); GPT {PER_RANK['gpt']} and CNN {PER_RANK['cnn']} samples "
         "per rank, AdamW (DeMo: SGD).\n\n" + table(ranks[0])
     )
     print(body)

@@ -1,7 +1,7 @@
 """Issue 77's regression gate: no mode's step dispatches more than 5% more work ops than docs/performance.md
 records (``bench/mode_ops.py``). Op counts are exact on any machine, so this is a test, not a timing.
 
-Cost: one job in the session's world of 2 (every mode built and run 8 steps on two narrow models), about 40 s on
+Cost: one job in the session's world of 2 (every mode built and run 8 steps on two narrow models), about 80 s on
 2 cores; the checker's own test is static.
 """
 
@@ -36,5 +36,6 @@ def test_the_gate_fails_a_mode_above_its_record_and_one_missing_from_it() -> Non
 
 def test_no_mode_dispatches_more_work_than_the_table(tmp_path) -> None:
     ranks = run_in_world(2, "bench.mode_ops:counts", tmp_path, timeout=280)
-    assert ranks[0] == ranks[1], "every rank dispatches the same ops"
-    assert over_recorded(ranks[0], recorded()) == []
+    record = recorded()
+    for rank, counted in enumerate(ranks):
+        assert over_recorded(counted, record) == [], f"rank {rank}"
