@@ -68,12 +68,14 @@ def _optimizer(mode: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def counts(rank: int, world: int) -> dict[str, dict[str, dict[str, int]]]:
+def counts(rank: int, world: int, models: str = ",".join(NARROW)) -> dict[str, dict[str, dict[str, int]]]:
     """``{model: {mode: {"work": n, "views": n}}}``: the ops of ``WINDOW`` steps after ``WARMUP``, on this rank
-    of a live world (module docstring). A world job (``tests/worlds.py``) as well as the bench's rank body."""
+    of a live world (module docstring), for the narrow ``models`` named (comma-separated). A world job
+    (``tests/worlds.py``) as well as the bench's rank body."""
     out: dict[str, dict[str, dict[str, int]]] = {}
     loss_fn, traces = torch.nn.CrossEntropyLoss(), TraceCache()  # one trace per model and optimizer, every mode's
-    for name, build in NARROW.items():
+    for name in models.split(","):
+        build = NARROW[name]
         torch.manual_seed(0)
         base = build()
         gen = torch.Generator().manual_seed(rank)
