@@ -103,6 +103,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes an eager model and its optimizer hold between steps: parameters, gradients and optimizer state (this
+    rank's shards), each storage once; of a wrapping optimizer (``PostLocalSGDOptimizer``,
+    ``ZeroRedundancyOptimizer``), the state of the one it wraps (``optim``)."""
+    params = list(model.parameters())
+    tensors = [local(p) for p in params] + [local(p.grad) for p in params if p.grad is not None]
+    state = getattr(optimizer, "optim", optimizer).state
+    tensors += [local(v) for s in state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 class Variant:
     """One variant's step on this rank, what it holds between steps, and its parameters whole afterwards."""
 
@@ -152,11 +163,7 @@ class Variant:
             return self.transpiled.memory_report().held
         if self.optimizer is None:
             return None
-        tensors = [local(p) for p in self.model.parameters()]
-        tensors += [local(p.grad) for p in self.model.parameters() if p.grad is not None]
-        tensors += [local(v) for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-        return sum(storages.values())
+        return held_bytes(self.model, self.optimizer)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """The parameters whole (FSDP2's DTensors gathered, zero3's inside ``gathered()``)."""

@@ -18,8 +18,8 @@ about one kernel launch each on a GPU, and views), the bytes this rank hands to 
 (``bench/op_count.py``: each collective's input, what a rank contributes, not what the algorithm moves), the
 bytes it holds between steps (parameters, gradients and optimizer state, each storage once; ours
 ``memory_report().held``), and the step time: ``ROUNDS`` rounds, each timing the mode's steps then the peer's
-(``WARMUP`` untimed, then ``STEPS`` timed, after a barrier), the ratio of the two per round, its median over the
-rounds, the slower rank's. Not in this run yet: tensor parallelism against eager TP + FSDP2
+(``bench/host_ops.py:interleaved_ms``: untimed steps, then timed ones after a barrier), the ratio of the two per
+round, its median over the rounds, the slower rank's. Not in this run yet: tensor parallelism against eager TP + FSDP2
 (``bench/tensor_parallel.py``), the DiLoCo family against torchft's (``bench/wan.py``), SparseLoCo and DeMo in their
 authors' loops, the quorum against torchft's ``Manager`` (``bench/fault_tolerance.py``).
 """
@@ -30,7 +30,6 @@ import copy
 import os
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -40,7 +39,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bench.fsdp import adamw, eager_step, fsdp2, local
+from bench.fsdp import adamw, fsdp2, held_bytes
+from bench.host_ops import ROUNDS, STEPS, interleaved_ms
 from bench.models import NarrowGPT, narrow_batch
 from bench.op_count import count_ops
 from bench.two_ranks import entry, finish_rank, two_rank_results, write_section
@@ -49,7 +49,7 @@ from transpiler import Compression, mode_config, transpile
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "performance.md"
 BEGIN, END = "<!-- peers -->", "<!-- /peers -->"
-PER_RANK, ROUND, WARMUP, STEPS, ROUNDS = 4, 4, 4, 12, 7
+PER_RANK, ROUND, WARMUP = 4, 4, 4  # samples per rank; steps counted; steps before counting
 PERIOD = 4  # local_sgd's k and PostLocalSGDOptimizer's period
 MODELS: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "narrow": ("narrow GPT (12 blocks, d=16: the host's dispatching is the step)", lambda: NarrowGPT()),
@@ -75,11 +75,7 @@ class Built:
     def held_bytes(self) -> int:
         if self.transpiled is not None:
             return self.transpiled.memory_report().held
-        params = list(self.model.parameters())
-        tensors = [local(p) for p in params] + [local(p.grad) for p in params if p.grad is not None]
-        state = getattr(self.optimizer, "optim", self.optimizer).state  # PostLocalSGDOptimizer wraps one
-        tensors += [local(v) for s in state.values() for v in s.values() if torch.is_tensor(v)]
-        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+        return held_bytes(self.model, self.optimizer)
 
 
 def build(label: str, base: nn.Module, batches: list[tuple]) -> Built:
@@ -136,9 +132,13 @@ def _register_hook(label: str, ddp: DDP) -> None:
 
 
 def _eager(model: nn.Module, optimizer: torch.optim.Optimizer, feed) -> Callable[[], None]:
+    loss_fn = nn.CrossEntropyLoss()
+
     def run() -> None:
         x, y = next(feed)
-        eager_step(model, optimizer, (x, y))()
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
 
     return run
 
@@ -162,18 +162,8 @@ def measure(base: nn.Module, batches: list[tuple], ours: str, peer: str) -> dict
             "sent": counter.sent,
             "held": variant.held_bytes(),
         }
-    ratios, ms = [], {"ours": [], "peer": []}
-    for _ in range(ROUNDS):
-        for key, variant in variants.items():
-            for _ in range(WARMUP):
-                variant.run()
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(STEPS):
-                variant.run()
-            ms[key].append((time.perf_counter() - start) / STEPS * 1e3)
-        ratios.append(ms["ours"][-1] / ms["peer"][-1])
-    row["ratio"] = statistics.median(ratios)
+    ms = interleaved_ms({key: variant.run for key, variant in variants.items()})  # bench/host_ops.py's rounds
+    row["ratio"] = statistics.median(ours / peer for ours, peer in zip(ms["ours"], ms["peer"]))
     row["ms"] = {key: statistics.median(times) for key, times in ms.items()}
     return row
 
