@@ -5,11 +5,11 @@ torchrun's nodes (``WORLD_SIZE / LOCAL_WORLD_SIZE``). Per level, on a group that
 host for ``host``; one rank of each host for ``network``), each collective the cost model prices is timed at
 sizes from 4 KiB upward, three times after a warm-up (median), until one takes a quarter of a second or 16 MiB is
 reached; ``alpha + beta * bytes`` is fitted by least squares and the ranks keep the element-wise maximum. The
-model's forward, backward and update are timed on every rank at once (``CALIBRATION_RUNS`` runs), so the compute
-carries the host's contention (two ranks on one core each take about twice a rank's time alone); on a GPU, so is
-the project's program for it, uncaptured, captured and (``--compile``) compiled (``planner/programs.py``). Rank 0
-writes the cluster (``planner/cluster.py``), with the link levels a group could not span given the bandwidth and
-latency of the slowest one measured.
+model's forward, backward and update are timed on every rank at once (``CALIBRATION_RUNS`` runs, more where they
+take under ``CALIBRATION_SECONDS``), so the compute carries the host's contention (two ranks on one core each take
+about twice a rank's time alone); on a GPU, so is the project's program for it, uncaptured, captured and
+(``--compile``) compiled (``planner/programs.py``). Rank 0 writes the cluster (``planner/cluster.py``), with the
+link levels a group could not span given the bandwidth and latency of the slowest one measured.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ TIMEOUT = timedelta(seconds=120)
 # bench/planner.py's three models (4 ranks on 2 cores), 21 unaligned runs came within 0–9% of the inner step of
 # the project's own program timed beside them (MLP 24–26 ms against 21–26, GPT 129–133 against 133–135, llama
 # 139–145 against 145–148); starting every run together after a barrier came 7–10% low (GPT, llama), and on the
-# MLP, whose phases last a few of the scheduler's time slices, 15–35% low
+# MLP, whose phases last a few of the scheduler's time slices, 15–35% low. A short step gets more runs, for
+# ``CALIBRATION_SECONDS`` at least: the MLP's step (28 ms) varied by 10% between calibrations of 21 runs, 7% of 100
 CALIBRATION_RUNS = 21
+CALIBRATION_SECONDS = 3.0
 
 
 def calibrate(
@@ -82,7 +84,7 @@ def calibrate(
         }
     model, optimizer, loss_fn, batch = factory
     dist.barrier()
-    compute = measure_compute(model, optimizer, loss_fn, tuple(batch), autocast, runs=CALIBRATION_RUNS)
+    compute = measure_compute(model, optimizer, loss_fn, tuple(batch), autocast, CALIBRATION_RUNS, CALIBRATION_SECONDS)
     slowest = _agree_compute(compute, device)
     programs = {}
     if device == "cuda":
@@ -164,9 +166,14 @@ def _times(times: list[float]) -> list[float]:
 
 
 def _agree_compute(compute: ComputeTimes, device: str) -> ComputeTimes:
+    """The slowest rank's phases: the rank whose step is longest, not each phase's maximum over the ranks (the
+    MLP of bench/planner.py at 4 ranks on 2 cores: the phases' maxima summed to 27.5–32.2 ms over three
+    calibrations, the longest rank's step to 26.9–28.9, where the program's inner steps measured 26–30)."""
     values = torch.tensor([compute.forward, compute.backward, compute.update], dtype=torch.float64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return ComputeTimes(*values.tolist(), under_load=True)
+    every = torch.empty(dist.get_world_size() * 3, dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(every, values)
+    rows = every.reshape(-1, 3)
+    return ComputeTimes(*rows[rows.sum(1).argmax()].tolist(), under_load=True)
 
 
 def _agree_programs(programs: dict[str, ProgramTimes]) -> dict[str, ProgramTimes]:

@@ -180,10 +180,12 @@ def measure_compute(
     batch: tuple,
     autocast=None,
     runs: int = TIMED_RUNS,
+    min_seconds: float = 0.0,
 ) -> ComputeTimes:
-    """Forward with the loss, backward and update over ``runs`` timed runs after a warm-up (the median run's
-    total, split as the phases' medians split), on copies of the model and optimizer (the originals are
-    untouched); the forward under ``autocast`` (a dtype) where given, and each phase waited for on a GPU."""
+    """Forward with the loss, backward and update over at least ``runs`` timed runs after a warm-up, and as many
+    more as ``min_seconds`` of timed runs take (the median run's total, split as the phases' medians split), on
+    copies of the model and optimizer (the originals are untouched); the forward under ``autocast`` (a dtype) where
+    given, and each phase waited for on a GPU."""
     twin, inner = copy.deepcopy((model, as_optimizer(optimizer)))
     params = [p for p in twin.parameters() if p.requires_grad]
     cuda = any(p.is_cuda for p in params)
@@ -193,8 +195,9 @@ def measure_compute(
         torch.cuda.synchronize() if cuda else None
         return time.perf_counter()
 
-    timed = []
-    for run in range(1 + runs):
+    timed: list[tuple[float, float, float]] = []
+    run, began = 0, now()
+    while run <= runs or now() - began < min_seconds:
         start = now()
         with context:
             out = twin(*batch[:-1]) if loss_fn is not None else twin(*batch)
@@ -208,6 +211,9 @@ def measure_compute(
         end = now()
         if run:
             timed.append((forward - start, backward - forward, end - backward))
+        else:
+            began = end  # the warm-up is not timed
+        run += 1
     # the step is the median of the runs' totals, split as the phases' medians split: ranks sharing cores are
     # preempted at random points, so each phase's own median leaves out what a run lost to another rank (the
     # MLP of bench/planner.py, 4 ranks on 2 cores: its phases' medians summed to 19.5 ms in one calibration where
