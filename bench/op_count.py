@@ -4,8 +4,10 @@ A ``TorchDispatchMode`` around the step sees every aten op: forward, backward (t
 mode to its thread), DDP's bucket copies and the optimizer, eager and traced alike. Ops split into *work*,
 which on a GPU is about one kernel launch each, and *views* (``func.is_view``, ``detach``, ``alias``), which
 launch nothing but still cost the host a dispatch (``transpiler.graph.op_counts.is_view_op``, which
-``transpiler dump --op-counts`` uses too). Dynamo refuses such a mode around a compiled call, so
-compiled programs are timed, not counted.
+``transpiler dump --op-counts`` uses too). A custom op written in Python (``torch.library.custom_op``: the sparse
+exchange's ``transpiler::sparse_select`` and ``sparse_decode_mean``, the pipeline's stage ops) is counted as the
+aten ops its body dispatches, not as one op: a mode does not otherwise see inside it. Dynamo refuses such a mode
+around a compiled call, so compiled programs are timed, not counted.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
+from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from transpiler.graph.op_counts import is_view_op
@@ -29,6 +32,10 @@ class DispatchCounter(TorchDispatchMode):
         self.sent = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        body = _maybe_get_opdef(func)
+        if body is not None:  # a Python custom op: its body's ops, counted (the mode is off inside this call)
+            with self:
+                return body._init_fn(*args, **(kwargs or {}))
         self.counts[func] += 1
         self.sent += collective_input_bytes(func, args)
         return func(*args, **(kwargs or {}))

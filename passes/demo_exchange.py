@@ -72,27 +72,25 @@ class DeMoExchange(BucketedGradientPass):
             return bases[side]
 
         rates = _learning_rates(program)
-        momenta = []
-        for grad in grads:
-            name = grad.meta["grad_of"]
-            kept = add_state(program, DEMO_MOMENTUM + name, grad, ExtraInit.zeros_like(name))
-            lr = rates(name)
-            cursor = Cursor(program.graph, grad)
-            if self.compression_decay != 1.0:  # as the authors' optimizer: no multiply by 1
-                kept = cursor.emit(aten.mul.Tensor, (kept, self.compression_decay), role="communication")
-            momenta.append(cursor.emit(aten.addcmul.default, (kept, grad, lr), role="communication"))
         left: dict[str, fx.Node] = {}
         sparsity = Sparsity(self.chunk_size, self.topk, False, self.quantization_bins, self.quantization_range)
-        for index, members, cursor in self.buckets(program, momenta):
-            names = {grads[i].meta["grad_of"]: momenta[i] for i in members}
+        comm = {"role": "communication"}
+        for index, members, cursor in self.buckets(program, grads):  # each op over the bucket's tensors at once
+            names = [grads[i].meta["grad_of"] for i in members]
+            before = [
+                add_state(program, DEMO_MOMENTUM + n, grads[i], ExtraInit.zeros_like(n)) for n, i in zip(names, members)
+            ]
+            if self.compression_decay != 1.0:  # as the authors' optimizer: no multiply by 1
+                before = cursor.emit_each(aten._foreach_mul.Scalar, (before, self.compression_decay), **comm)
+            lrs = [rates(n) for n in names]
+            momenta = cursor.emit_each(aten._foreach_addcmul.Scalar, (before, [grads[i] for i in members], lrs), **comm)
             info = {"kind": "demo", "bucket": index, "grads": tuple(names)}
-            means, kept = exchange(program, cursor, names, sparsity, basis, info)
+            means, kept = exchange(program, cursor, dict(zip(names, momenta)), sparsity, basis, info)
             left |= kept
-            for i in members:
-                name = grads[i].meta["grad_of"]
-                step = (
-                    cursor.emit(aten.sign.default, (means[name],), role="communication") if self.sign else means[name]
-                )
+            steps = [means[n] for n in names]
+            if self.sign:
+                steps = cursor.emit_each(aten._foreach_sign.default, (steps,), **comm)
+            for i, name, step in zip(members, names, steps):
                 replace_gradient(grads[i], step)
                 if self.weight_decay:
                     self._decay(program, cursor, name, rates(name))

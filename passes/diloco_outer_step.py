@@ -214,13 +214,14 @@ class DiLoCoOuterStep(Pass):
         bad = [n for n, node in locals_.items() if node.meta["val"].dtype != torch.float32]
         if bad:
             raise ConfigurationError(f"SparseLoCo's error buffers are float32; parameters {bad[:3]} are not.")
-        buffers = {}
-        for name, node in locals_.items():
-            delta = cursor.emit(aten.sub.Tensor, (globals_[name], node), **COMM)
-            error = add_state(program, f"{ERROR_FEEDBACK}{name}", node, ExtraInit.zeros_like(name))
-            if self.error_decay != 1.0:  # as the authors' optimizer: no multiply by 1
-                error = cursor.emit(aten.mul.Tensor, (error, self.error_decay), **COMM)
-            buffers[name] = cursor.emit(aten.add.Tensor, (error, delta), {"alpha": self.outer_lr}, **COMM)
+        names = list(locals_)  # each op over every parameter at once (one _foreach_* op: the same bits)
+        pairs = ([globals_[n] for n in names], [locals_[n] for n in names])
+        deltas = cursor.emit_each(aten._foreach_sub.List, pairs, **COMM)
+        errors = [add_state(program, f"{ERROR_FEEDBACK}{n}", locals_[n], ExtraInit.zeros_like(n)) for n in names]
+        if self.error_decay != 1.0:  # as the authors' optimizer: no multiply by 1
+            errors = cursor.emit_each(aten._foreach_mul.Scalar, (errors, self.error_decay), **COMM)
+        added = cursor.emit_each(aten._foreach_add.List, (errors, deltas), {"alpha": self.outer_lr}, **COMM)
+        buffers = dict(zip(names, added))
         sparsity = sparse_pseudo_exchange.Sparsity(
             self.chunk_size, self.topk, True, self.quantization_bins, self.quantization_range
         )

@@ -7,14 +7,17 @@ Not a pass. ``diloco-outer-step`` with ``topk > 0`` calls :func:`exchange` with 
 (``sparse_tiles.py``: 64 × 64 for a 768 × 3072 matrix at chunk 64), one row per tile, or with a basis the tile's
 2-D DCT coefficients. Per row, ``torch.topk(|x|, k, sorted=False)`` picks ``k`` entries (:meth:`Sparsity.k`:
 SparseLoCo scales ``topk`` by the tile's size, ``max(1, round(h·w·topk / chunk²))``; DeMo takes it as it is),
-and only they leave the rank, as one message per exchange, parameter after parameter:
+and only they leave the rank, as one message per exchange. The parameters whose tiles have the same width and
+k form a group (:func:`groups_of`, in order of first appearance), their rows one after another, so a group takes
+one top-k, one packing and one scatter whatever its number of parameters; the message is, group after group:
 
 - their indices in the row, ``ceil(log2(h·w))`` bits each, packed little-endian into bytes (bit ``j`` of the
   part is bit ``j mod b`` of index ``j div b``; the last byte padded with zero bits);
 - their values: the float32 bytes as they are; or with ``bins`` (SparseLoCo's statistical quantiser, per
-  tensor: :func:`quantise`) a code of ``ceil(log2(bins))`` bits each, packed the same way;
-- with ``bins``, after every parameter's parts, a float32 table per parameter: its shift and the mean of each
-  bin, ``bins + 1`` floats.
+  tensor: :func:`quantise`, each parameter of the group its own) a code of ``ceil(log2(bins))`` bits each,
+  packed the same way;
+- with ``bins``, after every group's parts, a float32 table per parameter, in the parameters' order: its shift
+  and the mean of each bin, ``bins + 1`` floats.
 
 Each part is padded with zero bytes to a multiple of 4, so the float32 parts are read in place from the gathered
 buffer, compiled or not. What is sent is the decoded value, so the rank subtracts exactly that from its buffer
@@ -44,6 +47,7 @@ from .sparse_tiles import Tiling, from_rows, to_rows
 
 aten = torch.ops.aten
 MAX_BINS = 256  # the authors' codes are uint8
+SERIAL_REDUCTION = 32768  # torch's GRAIN_SIZE: a CPU sum of more elements than this may be split between threads
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,9 @@ def index_bits(width: int) -> int:
 
 
 def part_bytes(rows: int, width: int, k: int, sparsity: Sparsity) -> tuple[int, int, int]:
-    """Bytes of one parameter's indices, values and table (shift and bin means) in a message, each padded to a
-    multiple of 4."""
+    """Bytes of the indices and values of ``rows`` tiles of ``width`` with ``k`` kept (one group of
+    :func:`groups_of`, or one parameter alone), and of one parameter's table (shift and bin means), each padded to
+    a multiple of 4."""
     count = rows * k
     indices = _aligned(math.ceil(count * index_bits(width) / 8))
     if not sparsity.bins:
@@ -94,9 +99,10 @@ def part_bytes(rows: int, width: int, k: int, sparsity: Sparsity) -> tuple[int, 
 
 def message_parts(shapes: tuple[tuple[int, int, int], ...], sparsity: Sparsity) -> dict[str, int]:
     """Bytes of one rank's message by part (``indices``, ``values``, ``tables``) for parameters of ``(rows,
-    width, k)``."""
-    sizes = [part_bytes(*shape, sparsity) for shape in shapes]
-    return {part: sum(size[i] for size in sizes) for i, part in enumerate(("indices", "values", "tables"))}
+    width, k)``: each group's indices and values, each parameter's table."""
+    sizes = [part_bytes(sum(shapes[i][0] for i in g), *shapes[g[0]][1:], sparsity) for g in groups_of(shapes)]
+    tables = len(shapes) * part_bytes(1, 1, 1, sparsity)[2]
+    return {"indices": sum(s[0] for s in sizes), "values": sum(s[1] for s in sizes), "tables": tables}
 
 
 def _aligned(size: int) -> int:
@@ -146,71 +152,124 @@ def unpack_bits(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 
 def quantise(values: torch.Tensor, bins: int, sigmas: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SparseLoCo's quantiser over all of one tensor's kept values: the codes (int64), the shift (their mean) and
-    the lookup (the mean of ``v − shift`` in each bin; 0 for an empty bin). ``σ = ‖v − shift‖ / √(n − 1)``,
-    ``scale = sigmas·σ / bins`` (1 where that is 0 or not finite), ``code = clamp(round((v − shift)/scale +
-    bins//2), 0, bins − 1)``."""
-    shift = values.mean()
+    """SparseLoCo's quantiser over each row of ``values`` (``[P, n]``: the kept values of P tensors, each its own):
+    the codes (int64, ``[P, n]``), the shifts (each row's mean, ``[P, 1]``) and the lookups (the mean of ``v −
+    shift`` in each bin, 0 for an empty bin: ``[P, bins]``). ``σ = ‖v − shift‖ / √(n − 1)``, ``scale =
+    sigmas·σ / bins`` (1 where that is 0 or not finite), ``code = clamp(round((v − shift)/scale + bins//2), 0,
+    bins − 1)``. A row's mean and norm are the bits of that tensor's own while ``n`` is at most
+    :data:`SERIAL_REDUCTION` (above it torch's CPU kernels split one tensor's sum between threads), so the callers
+    quantise longer tensors one at a time."""
+    shift = values.mean(dim=1, keepdim=True)
     centred = values - shift
-    n = centred.numel()
-    spread = centred.norm() / math.sqrt(n - 1) if n > 1 else torch.zeros_like(shift)
+    p, n = centred.shape
+    spread = centred.norm(dim=1, keepdim=True) / math.sqrt(n - 1) if n > 1 else torch.zeros_like(shift)
     scale = sigmas * spread / bins
     scale = torch.where((scale == 0) | ~torch.isfinite(scale), torch.ones_like(scale), scale)
     codes = (centred / scale + bins // 2).round().clamp(0, bins - 1).to(torch.int64)
-    flat_codes, flat = codes.reshape(-1), centred.reshape(-1)
-    sums = torch.zeros(bins, dtype=torch.float32, device=values.device).scatter_add(0, flat_codes, flat)
-    counts = torch.zeros_like(sums).scatter_add(0, flat_codes, torch.ones_like(flat))
-    return codes, shift, torch.where(counts > 0, sums / counts, 0.0)
+    slots = (codes + torch.arange(p, device=values.device).unsqueeze(1) * bins).reshape(-1)  # row r's bins: r·bins…
+    sums = torch.zeros(p * bins, dtype=torch.float32, device=values.device).scatter_add(0, slots, centred.reshape(-1))
+    counts = torch.zeros_like(sums).scatter_add(0, slots, torch.ones_like(centred).reshape(-1))
+    return codes, shift, torch.where(counts > 0, sums / counts, 0.0).reshape(p, bins)
 
 
 def dequantise(codes: torch.Tensor, shift: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
-    """A code's value: its bin's mean plus the shift."""
-    return lookup[codes] + shift
+    """A code's value: its bin's mean plus the shift (each row its own, as :func:`quantise` gives them)."""
+    return torch.gather(lookup, 1, codes) + shift
+
+
+def _quantised(values: torch.Tensor, rows: list[int], spec: Sparsity) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """A group's kept values (``[Σ rows, k]``, its parameters' rows one after another, equal counts adjacent)
+    quantised per parameter: the codes and what they decode to (each ``[Σ rows, k]``), and each parameter's table
+    (shift, then the bin means). Parameters of the same rows go through :func:`quantise` together."""
+    k, codes, decoded, tables, first = values.shape[1], [], [], [], 0
+    for count, size in _runs(rows, SERIAL_REDUCTION // max(1, k)):
+        block = values[first : first + count * size].reshape(count, size * k)
+        code, shift, lookup = quantise(block, spec.bins, spec.sigmas)
+        codes.append(code.reshape(-1, k))
+        decoded.append(dequantise(code, shift, lookup).reshape(-1, k))
+        tables += list(torch.cat([shift, lookup], dim=1))
+        first += count * size
+    return _stacked(codes), _stacked(decoded), tables
+
+
+def _runs(rows: list[int], most: int) -> list[tuple[int, int]]:
+    """``rows`` as runs ``(how many, rows)`` of equal adjacent counts, a run of counts above ``most`` one by one."""
+    runs: list[tuple[int, int]] = []
+    for size in rows:
+        if runs and runs[-1][1] == size and size <= most:
+            runs[-1] = (runs[-1][0] + 1, size)
+        else:
+            runs.append((1, size))
+    return runs
+
+
+def groups_of(shapes: tuple[tuple[int, int, int], ...]) -> list[list[int]]:
+    """The parameters (indices into ``shapes``, ``(rows, width, k)`` each) whose tiles have the same width and k,
+    in order of first appearance, each group's by their rows (stable): one top-k, one packing and one scatter per
+    group, their rows one after another (a model's layers share a few such shapes)."""
+    found: dict[tuple[int, int], list[int]] = {}
+    for i, (_, width, k) in enumerate(shapes):
+        found.setdefault((width, k), []).append(i)
+    return [sorted(members, key=lambda i: shapes[i][0]) for members in found.values()]
+
+
+def _stacked(pieces: list[torch.Tensor]) -> torch.Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def select(rows: list[torch.Tensor], ks: tuple[int, ...], spec: Sparsity) -> tuple[torch.Tensor, ...]:
     """One rank's tiles (``[rows, width]`` per parameter, ``ks`` entries kept of each row): its message (uint8,
-    1-D) and, per parameter, what the message decodes to, dense (zero where nothing was sent)."""
-    parts, tables, sent = [], [], []
-    for x, k in zip(rows, ks):
-        index = torch.topk(x.abs(), k, dim=-1, largest=True, sorted=False).indices
+    1-D) and, per group of :func:`groups_of`, what the message decodes to, dense (zero where nothing was sent):
+    the group's parameters' rows one after another. Each row's top-k and each parameter's quantiser are what they
+    would be alone, so grouping changes no bit."""
+    shapes = tuple((x.shape[0], x.shape[1], k) for x, k in zip(rows, ks))
+    parts, tables, sent = [], {}, []
+    for members in groups_of(shapes):
+        x = _stacked([rows[i] for i in members])
+        index = torch.topk(x.abs(), ks[members[0]], dim=-1, largest=True, sorted=False).indices
         values = torch.gather(x, -1, index)
         parts.append(_padded(pack_bits(index, index_bits(x.shape[-1]))))
-        if spec.bins:
-            codes, shift, lookup = quantise(values, spec.bins, spec.sigmas)
-            values = dequantise(codes, shift, lookup)
+        if spec.bins:  # per parameter, as the authors quantise each tensor
+            codes, values, own = _quantised(values, [shapes[i][0] for i in members], spec)
+            tables |= dict(zip(members, own))
             parts.append(_padded(pack_bits(codes, spec.code_bits)))
-            tables += [shift.reshape(1), lookup]
         else:
             parts.append(values.reshape(-1).view(torch.uint8))
         sent.append(torch.zeros_like(x).scatter_(-1, index, values))
-    if tables:
-        parts.append(torch.cat(tables).view(torch.uint8))
+    if spec.bins:
+        parts.append(torch.cat([tables[i] for i in range(len(rows))]).view(torch.uint8))
     return (torch.cat(parts), *sent)
 
 
 def decode_mean(received: torch.Tensor, shapes: tuple[tuple[int, int, int], ...], spec: Sparsity) -> tuple:
-    """Every rank's message (``[W, message bytes]``) decoded; per parameter of ``(rows, width, k)``, each entry
-    the mean of the values of the ranks that sent it, added in rank order (0 where none did)."""
-    sums = [torch.zeros(r, w, dtype=torch.float32, device=received.device) for r, w, _ in shapes]
+    """Every rank's message (``[W, message bytes]``) decoded; per group of :func:`groups_of` (parameters of
+    ``(rows, width, k)``), each entry the mean of the values of the ranks that sent it, added in rank order (0
+    where none did), the group's parameters' rows one after another."""
+    groups = groups_of(shapes)
+    spans = [(sum(shapes[i][0] for i in g), shapes[g[0]][1], shapes[g[0]][2]) for g in groups]
+    sums = [torch.zeros(r, w, dtype=torch.float32, device=received.device) for r, w, _ in spans]
     counts = [torch.zeros_like(total) for total in sums]
-    chosen: list[list[torch.Tensor]] = [[] for _ in shapes]
-    sizes = [part_bytes(*shape, spec) for shape in shapes]
-    tables = sum(index + values for index, values, _ in sizes)
+    chosen: list[list[torch.Tensor]] = [[] for _ in groups]
+    sizes = [part_bytes(*span, spec)[:2] for span in spans]
+    tables = sum(index + values for index, values in sizes)
+    owners = [  # each row's parameter, to look its table up (with bins)
+        torch.tensor([i for i in g for _ in range(shapes[i][0])], device=received.device) for g in groups
+    ]
     for message in received:
         at = 0
-        for i, ((rows, width, k), (index_size, value_size, table_size)) in enumerate(zip(shapes, sizes)):
+        table = message[tables:].view(torch.float32).reshape(len(shapes), -1) if spec.bins else None
+        for g, ((rows, width, k), (index_size, value_size)) in enumerate(zip(spans, sizes)):
             index = unpack_bits(message[at : at + index_size], index_bits(width), rows * k).reshape(rows, k)
             body = message[at + index_size : at + index_size + value_size]
-            if spec.bins:
-                table = message[tables + i * table_size : tables + (i + 1) * table_size].view(torch.float32)
+            if table is not None:
                 codes = unpack_bits(body, spec.code_bits, rows * k).reshape(rows, k)
-                values = dequantise(codes, table[:1], table[1:])
+                own = table[owners[g]]  # the row's parameter's shift and bin means: dequantise's sum, per row
+                values = torch.gather(own[:, 1:], 1, codes) + own[:, :1]
             else:
                 values = body.view(torch.float32).reshape(rows, k)
-            sums[i].scatter_add_(1, index, values)
-            counts[i].scatter_add_(1, index, torch.ones_like(values))
-            chosen[i].append(index)
+            sums[g].scatter_add_(1, index, values)
+            counts[g].scatter_add_(1, index, torch.ones_like(values))
+            chosen[g].append(index)
             at += index_size + value_size
     means = []
     for total, count, indices in zip(sums, counts, chosen):  # divided where sent only: the rest stays zero
@@ -231,8 +290,10 @@ def _select_op(
 @_select_op.register_fake
 def _select_fake(rows, ks, chunk, topk, scaled, bins, sigmas):
     spec = Sparsity(chunk, topk, scaled, bins, sigmas)
-    size = sum(sum(part_bytes(x.shape[0], x.shape[1], k, spec)) for x, k in zip(rows, ks))
-    return [rows[0].new_empty(size, dtype=torch.uint8), *(torch.empty_like(x) for x in rows)]
+    shapes = tuple((x.shape[0], x.shape[1], k) for x, k in zip(rows, ks))
+    size = sum(message_parts(shapes, spec).values())
+    dense = [rows[0].new_empty(sum(shapes[i][0] for i in g), shapes[g[0]][1]) for g in groups_of(shapes)]
+    return [rows[0].new_empty(size, dtype=torch.uint8), *dense]
 
 
 @torch.library.custom_op("transpiler::sparse_decode_mean", mutates_args=())
@@ -246,7 +307,11 @@ def _decode_op(
 
 @_decode_op.register_fake
 def _decode_fake(received, shapes, chunk, topk, scaled, bins, sigmas):
-    return [received.new_empty(shapes[i], shapes[i + 1], dtype=torch.float32) for i in range(0, len(shapes), 3)]
+    triples = tuple(tuple(shapes[i : i + 3]) for i in range(0, len(shapes), 3))
+    return [
+        received.new_empty(sum(triples[i][0] for i in g), triples[g[0]][1], dtype=torch.float32)
+        for g in groups_of(triples)
+    ]
 
 
 SELECT = torch.ops.transpiler.sparse_select.default
@@ -292,13 +357,23 @@ def exchange(
     gathered = cursor.emit(C10D.all_gather_into_tensor.default, (message, world, group), collective=info, **comm)
     received = cursor.emit(aten.view.default, (cursor.emit(WAIT, (gathered,), **comm), [world, size]), **comm)
     decoded = cursor.emit(DECODE_MEAN, (received, [n for shape in shapes for n in shape], *fields), **comm)
-    means, kept = {}, {}
+    places = {}  # each parameter's group and its first row and rows there
+    for g, members in enumerate(groups_of(shapes)):
+        firsts = [sum(shapes[j][0] for j in members[:n]) for n in range(len(members))]
+        places |= {i: (g, first, shapes[i][0], len(members)) for i, first in zip(members, firsts)}
+    outputs: dict[tuple[fx.Node, int], fx.Node] = {}
 
-    def back(source: fx.Node, i: int, t: Tiling) -> fx.Node:
-        rows = cursor.emit(operator.getitem, (source, i), **comm)
+    def back(source: fx.Node, skip: int, i: int, t: Tiling) -> fx.Node:
+        """Parameter ``i``'s rows of ``source``'s group outputs (after ``skip`` others), back to its shape."""
+        g, first, count, size = places[i]
+        if (source, g) not in outputs:
+            outputs[source, g] = cursor.emit(operator.getitem, (source, skip + g), **comm)
+        rows = outputs[source, g]
+        if size > 1:
+            rows = cursor.emit(aten.slice.Tensor, (rows, 0, first, first + count), **comm)
         return cursor.emit(from_rows, (rows, t.shape, t.matrix, t.sides, *basis(t, 1)), **comm)
 
-    for i, (name, node) in enumerate(buffers.items()):
-        kept[name] = cursor.emit(aten.sub.Tensor, (node, back(chosen, i + 1, tilings[name])), **comm)
-        means[name] = back(decoded, i, tilings[name])
+    sent = [back(chosen, 1, i, tilings[name]) for i, name in enumerate(buffers)]
+    kept = dict(zip(buffers, cursor.emit_each(aten._foreach_sub.List, (list(buffers.values()), sent), **comm)))
+    means = {name: back(decoded, 0, i, tilings[name]) for i, name in enumerate(buffers)}
     return means, kept

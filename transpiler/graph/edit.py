@@ -93,6 +93,13 @@ class Cursor:
         self.anchor = node
         return node
 
+    def emit_each(self, target: Callable, args: tuple, kwargs: dict | None = None, **meta: Any) -> list[fx.Node]:
+        """One multi-tensor op (a ``_foreach_*`` overload over lists of nodes) and its results one by one
+        (``getitem``): a per-tensor loop as one dispatch, the same bits on the CPU (it runs the per-tensor
+        kernel on each tensor in turn)."""
+        joined = self.emit(target, args, kwargs, **meta)
+        return [self.emit(operator.getitem, (joined, i), **meta) for i in range(len(joined.meta["val"]))]
+
     def copy(self, nodes: list[fx.Node], env: dict[fx.Node, Any], prefix: str = "", **meta: Any) -> dict:
         """Copy ``nodes`` (in order) here, each reading ``env[x]`` for an input ``x`` found there; returns
         ``env`` with every copy under its original. ``prefix`` starts the copies' names (``trial0_mm``)."""
