@@ -6,8 +6,9 @@ Issue 77's figures for the two modes whose exchanges are their authors' arithmet
 variant from the same weights (``bench/planner_worker.py``'s GPT and batches), counts the aten ops of one step
 after warm-up (``bench/op_count.py``, which counts the ops inside the exchange's custom ops too), then times the
 variants interleaved, round by round (``bench/host_ops.py``'s loop). DDP and ``fused_allreduce`` step AdamW;
-``demo`` steps SGD on the exchanged sign, as its authors' optimizer; ``sparseloco`` syncs every step here
-(``sync_every=1``), so its row is an inner step and a sync. Nothing here is a test.
+``demo`` steps SGD on the exchanged sign, beside its authors' optimizer in their loop (``bench/demo_peer.py``);
+``sparseloco`` syncs every step here (``sync_every=1``), so its row is an inner step and a sync. Nothing here is a
+test.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bench.demo_peer import AuthorsDeMo
 from bench.host_ops import ROUNDS, STEPS, WARMUP, interleaved_ms
 from bench.op_count import count_ops
 from bench.planner_worker import factory
@@ -33,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "performance.md"
 BEGIN, END = "<!-- sparse_ops -->", "<!-- /sparse_ops -->"
 REFERENCE = "DDP (AdamW)"
-VARIANTS = (REFERENCE, "fused_allreduce", "demo", "sparseloco (sync_every=1)")
+AUTHORS_DEMO = "the authors' DeMo (bloc97, eager)"
+VARIANTS = (REFERENCE, "fused_allreduce", AUTHORS_DEMO, "demo", "sparseloco (sync_every=1)")
 
 
 def build_variants(rank: int) -> dict[str, Callable[[], object]]:
@@ -43,13 +46,17 @@ def build_variants(rank: int) -> dict[str, Callable[[], object]]:
     runs: dict[str, Callable[[], object]] = {}
     for label in VARIANTS:
         model = copy.deepcopy(base)
-        if label == REFERENCE:
-            ddp = DDP(model)
-            optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        if label in (REFERENCE, AUTHORS_DEMO):  # eager: DDP, or DeMo's own loop (its gradients never all-reduced)
+            net = DDP(model) if label == REFERENCE else model
+            optimizer = (
+                torch.optim.AdamW(net.parameters(), lr=1e-3)
+                if label == REFERENCE
+                else AuthorsDeMo(net.parameters(), lr=1e-3)
+            )
 
-            def step(ddp=ddp, optimizer=optimizer) -> None:
+            def step(net=net, optimizer=optimizer) -> None:
                 optimizer.zero_grad()
-                loss_fn(ddp(batch[0]), batch[1]).backward()
+                loss_fn(net(batch[0]), batch[1]).backward()
                 optimizer.step()
 
             runs[label] = step
