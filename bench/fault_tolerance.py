@@ -52,7 +52,6 @@ def _env(**extra: str) -> dict[str, str]:
         PYTHONPATH=str(ROOT),
         OMP_NUM_THREADS="1",
         RUST_LOG="warn",
-        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
         **extra,
     )
 

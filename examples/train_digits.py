@@ -2,14 +2,19 @@
 
     torchrun --nproc-per-node 2 examples/train_digits.py --mode fused_allreduce
 
-Elastic, surviving a lost rank or host (docs/fault_tolerance.md): checkpoints every 5 steps, and torchrun
-restarts the workers, which resume from the newest checkpoint at whatever world size the restart has:
+Surviving a lost worker (docs/fault_tolerance.md): checkpoints every 5 steps, and torchrun restarts the workers,
+which resume from the newest checkpoint; on one machine
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 \
-        --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id digits examples/train_digits.py \
-        --mode fused_allreduce --checkpoint-dir /shared/ckpt --save-every 5
+    torchrun --standalone --nproc-per-node 2 --max-restarts 2 examples/train_digits.py --checkpoint-dir ckpt \
+        --save-every 5
 
-(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a fresh store for each restart's workers, pytorch/pytorch#135712.)
+and across hosts, at whatever world size the restart has:
+
+    torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
+        --rdzv-id digits examples/train_digits.py --mode fused_allreduce --checkpoint-dir /shared/ckpt --save-every 5
+
+(The workers join with transpiler.init_distributed, which a restart's stale keys cannot mislead:
+pytorch/pytorch#135712; no environment variable needed.)
 
 Without restarting the survivors: replica groups under a torchft quorum (--fault-tolerance; start the
 lighthouse first with `torchft_lighthouse --min_replicas 2`), one command per group, of one process or several
@@ -31,7 +36,6 @@ import os
 import sys
 import time
 import zlib
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -46,6 +50,7 @@ from transpiler import (
     FaultTolerance,
     ModeConfig,
     NoQuorumError,
+    init_distributed,
     load_config,
     mode_config,
     transpile,
@@ -191,17 +196,11 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     if args.device == "cuda" and own_group:  # NCCL, also for one process: a captured step needs it
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(
-            "nccl",
-            rank=int(os.environ.get("RANK", "0")),
-            world_size=world,
-            timeout=timedelta(seconds=args.timeout),
-            device_id=device,
-        )
-    elif (world > 1 or args.fault_tolerance) and own_group:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+        for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(name, value)
+        init_distributed("nccl", args.timeout, device_id=device)
+    elif (world > 1 or args.fault_tolerance) and own_group:  # safe across torchrun's restarts (docs/fault_tolerance.md)
+        init_distributed("gloo", args.timeout)
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(args.seed)  # every rank builds the same model; broadcast-params makes sure
     x_train, x_test, y_train, y_test = (t.to(device) for t in load_data(args.seed))

@@ -79,6 +79,6 @@ def torchrun_group(
     ]
     environment = dict(os.environ, OMP_NUM_THREADS="1", RUST_LOG="warn", **forks, **(env or {}))
     environment.update(TORCHFT_LIGHTHOUSE=address, REPLICA_GROUP_ID=group)
-    environment["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # a restarted worker gets a fresh store (docs)
+    environment.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # torch's default: the agent's store, shared
     log = (out / f"{group}.log").open("w")
     return subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from bench.tiny_models import MLP
-from transpiler import DataPosition, FaultTolerance, mode_config, transpile
+from transpiler import DataPosition, FaultTolerance, init_distributed, mode_config, transpile
 
 SAMPLES, PER_GROUP = 96, 4  # a step of 3 groups takes 12 samples: 8 steps an epoch
 SYNC_EVERY = 4  # DiLoCo's H
@@ -95,7 +95,7 @@ def main() -> None:
         _slow_heal(args.slow_heal)
     life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a worker waits, into its group's log
-    dist.init_process_group("gloo")
+    init_distributed("gloo", 60)  # each restart of a group of two forms its group afresh (join_world.py)
     (diloco if args.mode.endswith("diloco") else data_parallel)(args, life)
     dist.destroy_process_group()
 

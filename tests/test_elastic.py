@@ -9,26 +9,31 @@ those of 2 × 2: tests/test_multihost.py shows the two bitwise equal).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 from bench.harness.hosts import Hosts, namespaces_unavailable, torchrun, wait_all
 from bench.harness.launch import ROOT
+from tests.sample_logs import (
+    assert_every_sample_once,
+    attempts,
+    counted_steps,
+    final_scores,
+    records,
+    report_restarts,
+    resumed_steps,
+    wait_for_step,
+)
 from tests.worlds import run_in_world
-from transpiler import DataPosition
 
 REASON = namespaces_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
 EXAMPLE = ROOT / "examples" / "train_digits.py"
 EPOCHS, SAVE_EVERY, GLOBAL_BATCH = 8, 10, 128
-TRAIN_SAMPLES = 1437  # digits' 1797 less the 20% test split
 TIMEOUT = 10  # the process group's, in seconds: above a restart's start-up on a loaded 2-core machine
 JOB = ["--mode", "fused_allreduce", "--epochs", str(EPOCHS), "--global-batch", str(GLOBAL_BATCH)]
 
@@ -43,38 +48,6 @@ def uninterrupted(tmp_path_factory) -> dict:
     ranks = run_in_world(4, "tests.example_job:train", out, [*args, "--log-samples", str(samples)], timeout=240)
     losses = {(r["step"], r["rank"]): r["loss"] for r in records(samples)}
     return {"losses": losses, **final_scores(ranks[0]["stdout"])}
-
-
-def final_scores(output: str) -> dict[str, float]:
-    """The final weights' loss on the whole training set and test accuracy, as rank 0 prints them."""
-    found = re.findall(r"train loss (\d+\.\d+); test accuracy (\d\.\d+)", output)
-    assert found, output[-2000:]
-    return {"loss": float(found[-1][0]), "accuracy": float(found[-1][1])}
-
-
-def records(log_dir: Path) -> list[dict]:
-    out = []
-    for path in sorted(log_dir.glob("rank*.jsonl")):
-        out.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    return out
-
-
-def attempts(log: list[dict]) -> list[float]:
-    """The attempts (each rank 0's start time) in the order they ran."""
-    return sorted({r["attempt"] for r in log})
-
-
-def wait_for_step(log_dir: Path, step: int, attempt: int = 0, timeout: float = 120) -> list[dict]:
-    """Poll the sample logs until all four ranks of the ``attempt``-th attempt (0: the first) have logged ``step``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        log = records(log_dir)
-        runs = attempts(log)
-        seen = [r for r in log if r["attempt"] == runs[attempt] and r["step"] >= step] if len(runs) > attempt else []
-        if len({r["rank"] for r in seen}) == 4:
-            return seen
-        time.sleep(0.05)
-    raise AssertionError(f"attempt {attempt} of the job did not reach step {step} within {timeout} s")
 
 
 def elastic_job(tmp_path: Path, hosts, fault) -> tuple[list[int], str, Path]:
@@ -113,59 +86,6 @@ def elastic_job(tmp_path: Path, hosts, fault) -> tuple[list[int], str, Path]:
     return codes, (tmp_path / "host0.log").read_text(), logs
 
 
-def counted_steps(log: list[dict], resumed_at: list[int]) -> dict[int, dict]:
-    """The steps that made the final model: each attempt's steps up to the checkpoint the next attempt resumed
-    from (``resumed_at[i]``: where attempt i+1 started), by step number, with every rank's sample ids."""
-    by_attempt: dict[float, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    for r in log:
-        by_attempt[r["attempt"]][r["step"]].append(r)
-    order = attempts(log)
-    assert len(order) == len(resumed_at) + 1, (order, resumed_at)
-    counted = {}
-    for i, attempt in enumerate(order):
-        start = resumed_at[i - 1] if i else 0
-        end = resumed_at[i] if i < len(resumed_at) else max(by_attempt[attempt])
-        for step in range(start + 1, end + 1):
-            entries = by_attempt[attempt][step]
-            assert entries, f"attempt {attempt} never ran step {step}"
-            counted[step] = {"world": entries[0]["world"], "epoch": entries[0]["epoch"], "entries": entries}
-    return counted
-
-
-def assert_every_sample_once(counted: dict[int, dict]) -> None:
-    """Every step from 1 to the last counted exactly once, each with all of its world's ranks; per epoch, the
-    samples of the counted steps are the epoch's permutation, each sample once."""
-    assert sorted(counted) == list(range(1, max(counted) + 1))
-    per_epoch: dict[int, list[int]] = defaultdict(list)
-    for step in sorted(counted):
-        entries = sorted(counted[step]["entries"], key=lambda r: r["rank"])
-        assert [r["rank"] for r in entries] == list(range(counted[step]["world"])), (step, entries)
-        for r in entries:
-            per_epoch[counted[step]["epoch"]].extend(r["ids"])
-    position = DataPosition(TRAIN_SAMPLES, GLOBAL_BATCH)
-    assert sorted(per_epoch) == list(range(EPOCHS))
-    for epoch, ids in per_epoch.items():
-        assert len(ids) == len(set(ids)) == position.steps_per_epoch * GLOBAL_BATCH, epoch
-        assert ids == position.order(epoch)[: len(ids)].tolist(), epoch
-
-
-def report_restarts(log: list[dict], faults: list[str]) -> None:
-    """Print what each fault cost (docs/fault_tolerance.md quotes it; ``pytest tests/test_elastic.py -s`` shows
-    it): seconds from the last step before it to the first step after, and the steps run twice. Measured, not
-    asserted."""
-    runs = attempts(log)
-    for fault, first, second in zip(faults, runs, runs[1:]):
-        before = [r for r in log if r["attempt"] == first]
-        after = [r for r in log if r["attempt"] == second]
-        gap = min(r["time"] for r in after) - max(r["time"] for r in before)
-        redone = max(r["step"] for r in before) - min(r["step"] for r in after) + 1
-        print(f"\n{fault}: {gap:.1f} s from the last step before to the first step after; {redone} steps run again")
-
-
-def resumed_steps(output: str) -> list[int]:
-    return [int(n) for n in re.findall(r"resumed from \S*step-(\d{8})", output)]
-
-
 def test_a_killed_rank_restarts_the_world_bitwise_then_a_lost_host_leaves_a_world_of_two(tmp_path, uninterrupted):
     """Two faults in one job at 2 hosts × 2.
 
@@ -198,7 +118,7 @@ def test_a_killed_rank_restarts_the_world_bitwise_then_a_lost_host_leaves_a_worl
         assert r["loss"] == uninterrupted["losses"][r["step"], r["rank"]], (r["step"], r["rank"])
     counted = counted_steps(log, resumed)
     assert {c["world"] for c in counted.values()} == {4, 2}
-    assert_every_sample_once(counted)
+    assert_every_sample_once(counted, EPOCHS, GLOBAL_BATCH)
     scores = final_scores(output)
     assert abs(scores["accuracy"] - uninterrupted["accuracy"]) <= 0.02, (scores, uninterrupted["accuracy"])
     assert abs(scores["loss"] - uninterrupted["loss"]) <= 0.05 * uninterrupted["loss"], (scores, uninterrupted["loss"])
@@ -227,4 +147,4 @@ def test_a_silent_partition_fails_within_the_timeout_naming_the_peer_and_the_sur
     counted = counted_steps(records(logs), resumed)
     report_restarts(log, ["a silent partition"])
     assert {c["world"] for c in counted.values()} == {4, 2}
-    assert_every_sample_once(counted)
+    assert_every_sample_once(counted, EPOCHS, GLOBAL_BATCH)

@@ -28,7 +28,7 @@ from .errors import (
     UnsupportedOptimizerError,
     VerificationError,
 )
-from .runtime import Checkpointer, DataPosition, DistributedStep, FaultTolerance
+from .runtime import Checkpointer, DataPosition, DistributedStep, FaultTolerance, init_distributed
 from .runtime.execution import Execution
 from .runtime.process_group import StaticWorld
 from .strategies.data_parallel import AdaSum, AllGather, DataParallel, DeMo, DimReduce, NoSync, ZeRO
@@ -86,6 +86,7 @@ __all__ = [
     "VerificationError",
     "ZeRO",
     "config_from_dict",
+    "init_distributed",
     "load_config",
     "mode_config",
     "trace_training_step",

@@ -250,9 +250,10 @@ def torchrun(
         *worker,
         *args,
     ]
-    # A fresh worker store each round: with the agent's shared store, a restart reads the keys the last round's
-    # workers left and connects to dead peers (pytorch/pytorch#135712; docs/fault_tolerance.md)
-    base = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **forks)
+    # torch's default, the agent's store shared by every round: the example joins with transpiler.init_distributed,
+    # which forms each round's group where no earlier round wrote (pytorch/pytorch#135712; docs/fault_tolerance.md)
+    base = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **forks)
+    base.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     base.update(env or {})
     return host.run(command, base, log)
 

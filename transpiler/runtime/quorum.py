@@ -50,6 +50,7 @@ from transpiler.graph.ports import PortKind
 
 from .failures import is_communication_failure
 from .fault_tolerance import FaultTolerance
+from .join_world import round_store
 from .process_group import Placement
 
 log = logging.getLogger("transpiler")
@@ -91,6 +92,7 @@ class Quorum:
                 "torchrun and call torch.distributed.init_process_group() before transpile()."
             )
         timeout = timedelta(seconds=setting.timeout)
+        store_addr, store_port, self._store = round_store(timeout)
         nccl = dist.get_backend() == "nccl"
         self.group = ProcessGroupNCCL(timeout=timeout) if nccl else ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
@@ -106,6 +108,8 @@ class Quorum:
             connect_timeout=timeout,
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
+            store_addr=store_addr,
+            store_port=store_port,
             lighthouse_addr=setting.lighthouse,
             replica_id=setting.replica_id,
             init_sync=True,  # every group starts from the first one's state
