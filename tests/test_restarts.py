@@ -28,7 +28,7 @@ from tests.sample_logs import (
 )
 
 EXAMPLE = ROOT / "examples" / "train_digits.py"
-EPOCHS, GLOBAL_BATCH, SAVE_EVERY = 8, 128, 10
+EPOCHS, GLOBAL_BATCH, SAVE_EVERY = 4, 128, 10
 
 
 def environment() -> dict[str, str]:
@@ -42,15 +42,25 @@ def test_a_worker_killed_under_plain_standalone_torchrun_resumes_at_the_first_re
     """``--max-restarts 1``: with torch's ``init_process_group`` the first restart read the dead round's
     addresses (``Connection refused``) and the job failed there. Here the restarted pair resumes from the newest
     checkpoint, every step and sample counts once, and the test accuracy is the example's (0.96 at 30 epochs;
-    above 0.9 at these 8). Cost: about 40 s (two starts of two workers)."""
+    above 0.85 at these 4). Cost: about 11 s alone, 40–70 s beside another worker in CI (two starts of two
+    workers)."""
     logs, checkpoints = tmp_path / "samples", tmp_path / "checkpoints"
     job = [
         *("--mode", "fused_allreduce", "--epochs", str(EPOCHS), "--global-batch", str(GLOBAL_BATCH)),
         *("--checkpoint-dir", str(checkpoints), "--save-every", str(SAVE_EVERY), "--log-samples", str(logs)),
         *("--timeout", "30"),
     ]
+    late = tmp_path / "late_rank1.py"  # the restarted round's rank 1 starts 2 s late: on torch's own start rank 0
+    # then reads the dead round's rank 1 every time, where two ranks racing did only in about 2 runs of 3
+    late.write_text(
+        "import os, runpy, sys, time\n"
+        "if os.environ['TORCHELASTIC_RESTART_COUNT'] != '0' and os.environ['LOCAL_RANK'] == '1':\n"
+        "    time.sleep(2)\n"
+        f"sys.argv[0] = {str(EXAMPLE)!r}\n"
+        f"runpy.run_path({str(EXAMPLE)!r}, run_name='__main__')\n"
+    )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command += ["--max-restarts", "1", "--monitor-interval", "0.5", str(EXAMPLE), *job]
+    command += ["--max-restarts", "1", "--monitor-interval", "0.5", str(late), *job]
     with open(tmp_path / "torchrun.log", "w") as out:
         agent = subprocess.Popen(command, env=environment(), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
@@ -66,29 +76,30 @@ def test_a_worker_killed_under_plain_standalone_torchrun_resumes_at_the_first_re
     log = records(logs)
     assert len(resumed) == 1 and resumed[0] >= SAVE_EVERY and len(attempts(log)) == 2, output[-4000:]
     assert_every_sample_once(counted_steps(log, resumed), EPOCHS, GLOBAL_BATCH)
-    assert final_scores(output)["accuracy"] >= 0.9, output[-2000:]
+    assert final_scores(output)["accuracy"] >= 0.85, output[-2000:]
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("present", [0, 1], ids=["rank0-alone", "rank1-alone"])
-def test_a_rank_that_never_arrives_is_named_within_the_timeout(present):
-    """A world of 2 of which one rank starts: it fails with a CommunicationError within the 3 s timeout (plus
-    the interpreter's start), naming the rank 0 waited for, or rank 0 (whose store never answered). Cost: about
-    8 s each."""
+def test_a_rank_that_never_arrives_is_named_within_the_timeout():
+    """Two worlds of 2 of which one rank starts, rank 0 in one and rank 1 in the other, side by side: each fails
+    with a CommunicationError within the 3 s timeout (plus the interpreter's start), rank 0 naming the rank it
+    waited for, rank 1 naming rank 0 (whose store never answered). Cost: about 8 s."""
     code = (
         "from transpiler import init_distributed\n"
         "try:\n    init_distributed('gloo', 3)\n"
         "except Exception as e:\n    print(type(e).__name__ + ': ' + str(e)); raise SystemExit(3)\n"
     )
-    env = environment() | {"RANK": str(present), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
-    env["MASTER_PORT"] = str(free_port())
-    began = time.monotonic()
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    began, runs = time.monotonic(), []
+    for present in (0, 1):
+        env = environment() | {"RANK": str(present), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+        env["MASTER_PORT"] = str(free_port())
+        runs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True))
+    outputs = [run.communicate(timeout=60)[0] for run in runs]
     took = time.monotonic() - began
-    assert run.returncode == 3, run.stdout + run.stderr
-    assert run.stdout.startswith("CommunicationError: "), run.stdout + run.stderr
-    expected = "rank(s) [1] did not join within 3 s" if present == 0 else "did not answer within 3 s"
-    assert expected in run.stdout, run.stdout
+    assert [run.returncode for run in runs] == [3, 3], outputs
+    assert all(out.startswith("CommunicationError: ") for out in outputs), outputs
+    assert "rank(s) [1] did not join within 3 s" in outputs[0], outputs[0]
+    assert "did not answer within 3 s" in outputs[1], outputs[1]
     assert took < 3 + 20, took  # the timeout, and an interpreter importing torch on a loaded machine
 
 
