@@ -252,8 +252,9 @@ def decode_mean(received: torch.Tensor, shapes: tuple[tuple[int, int, int], ...]
     chosen: list[list[torch.Tensor]] = [[] for _ in groups]
     sizes = [part_bytes(*span, spec)[:2] for span in spans]
     tables = sum(index + values for index, values in sizes)
-    owners = [  # each row's parameter, to look its table up (with bins)
-        torch.tensor([i for i in g for _ in range(shapes[i][0])], device=received.device) for g in groups
+    owners = [  # each row's parameter, to look its table up: only with bins (DeMo's float32 values need none)
+        torch.tensor([i for i in g for _ in range(shapes[i][0])], device=received.device) if spec.bins else None
+        for g in groups
     ]
     for message in received:
         at = 0
