@@ -53,10 +53,14 @@ _MATMULS = {
     _OPS.addbmm.default: (1, 2),
     _OPS.addmv.default: (1, 2),
 }
+# lookups whose indices the real kernels require to be integers, and where they are: some torch releases' meta
+# kernels (2.11's embedding) let float indices through a trace
+_LOOKUPS = {_OPS.embedding.default: 1, _OPS._embedding_bag.default: 1, _OPS.embedding_bag.default: 1}
 
 
-class MixedDtypeProduct(RuntimeError):
-    """The trace holds a matrix product of two dtypes, which fake tensors allow and the real kernels refuse."""
+class RefusedDtypes(RuntimeError):
+    """The trace holds an op whose operands' dtypes fake tensors allow and the real kernels refuse: a matrix
+    product of two dtypes, a lookup by float indices."""
 
 
 class Phase:
@@ -83,16 +87,25 @@ def quiet_fake_tensor_failures() -> Iterator[None]:
         logger.removeFilter(drop)
 
 
-def check_matmul_dtypes(graph: fx.Graph) -> None:
-    """Raise :class:`MixedDtypeProduct` for the first matrix product in ``graph`` whose operands differ in dtype."""
+def check_operand_dtypes(graph: fx.Graph) -> None:
+    """Raise :class:`RefusedDtypes` for the first matrix product in ``graph`` whose operands differ in dtype, or
+    the first lookup by indices that are not integers."""
     for node in graph.nodes:
-        operands = _MATMULS.get(node.target) if node.op == "call_function" else None
-        if operands is None:
+        if node.op != "call_function":
             continue
-        values = [node.args[i].meta.get("val") for i in operands if isinstance(node.args[i], fx.Node)]
-        dtypes = [v.dtype for v in values if isinstance(v, torch.Tensor)]
+        if node.target in _LOOKUPS:
+            indices = _dtypes(node, (_LOOKUPS[node.target],))
+            if indices and (indices[0].is_floating_point or indices[0].is_complex):
+                raise RefusedDtypes(f"{node.target} by {indices[0]} indices (the real kernel wants int64 or int32)")
+        dtypes = _dtypes(node, _MATMULS.get(node.target, ()))
         if len(dtypes) == 2 and dtypes[0] != dtypes[1]:
-            raise MixedDtypeProduct(f"{node.target} of {dtypes[0]} and {dtypes[1]} (the real kernel refuses it)")
+            raise RefusedDtypes(f"{node.target} of {dtypes[0]} and {dtypes[1]} (the real kernel refuses it)")
+
+
+def _dtypes(node: fx.Node, positions: tuple[int, ...]) -> list[torch.dtype]:
+    """The dtypes of ``node``'s tensor arguments at ``positions``, as the trace recorded them."""
+    values = [node.args[i].meta.get("val") for i in positions if isinstance(node.args[i], fx.Node)]
+    return [v.dtype for v in values if isinstance(v, torch.Tensor)]
 
 
 @dataclass(frozen=True)
@@ -166,7 +179,7 @@ def explain(
     """The error to raise for ``exc``, which tracing raised while in ``phase`` (see the module's docstring), with
     its cause set: none for a batch that does not fit (the message says it all), eager PyTorch's error for the
     model's own, ``exc`` for the tracer's limit."""
-    if phase in ("forward", "loss") or isinstance(exc, MixedDtypeProduct):
+    if phase in ("forward", "loss") or isinstance(exc, RefusedDtypes):
         try:
             rejection = probe(model, loss_fn, batch, tensors, autocast)
         except Exception:  # noqa: BLE001 - the probe only explains; the trace's own error stands without it

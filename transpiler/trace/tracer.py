@@ -23,7 +23,7 @@ from transpiler.graph.collectives import is_collective
 from transpiler.graph.ports import Port, PortKind, is_input
 from transpiler.graph.program import StepProgram
 
-from .batch_fit import Phase, check_matmul_dtypes, explain, quiet_fake_tensor_failures
+from .batch_fit import Phase, check_operand_dtypes, explain, quiet_fake_tensor_failures
 from .environment import AUTOCAST_OFF, AutocastState
 from .functional import trace_functional, twin_updates
 from .optimizers import GenericPlan, OptimizerPlan
@@ -183,7 +183,7 @@ def _traced(step_fn: StepFunction, inputs: StepInputs, batch: tuple) -> fx.Graph
     try:
         with quiet_fake_tensor_failures():
             functional = trace_functional(step_fn, flat_inputs, plan, symbolic_scalars=step_fn.generic)
-        check_matmul_dtypes(functional.graph)
+        check_operand_dtypes(functional.graph)
         return functional
     except (UnsupportedModelError, UnsupportedOptimizerError):
         raise
