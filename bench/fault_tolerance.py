@@ -40,6 +40,7 @@ from bench.two_ranks import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train_digits.py"
+PEER = ROOT / "bench" / "torchft_ddp_worker.py"  # torchft's own Manager + DDP wrapper on the same job
 DOC = ROOT / "docs" / "fault_tolerance.md"
 BEGIN, END = "<!-- fault_tolerance:begin -->", "<!-- fault_tolerance:end -->"
 HEARTBEAT_MS = 2000
@@ -56,7 +57,7 @@ def _env(**extra: str) -> dict[str, str]:
     )
 
 
-def _torchrun(nproc: int, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+def _torchrun(nproc: int, args: list[str], env: dict[str, str], log: Path, script: Path = EXAMPLE) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
@@ -67,7 +68,7 @@ def _torchrun(nproc: int, args: list[str], env: dict[str, str], log: Path) -> su
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         f"--rdzv-id=bench{free_port()}",
         "--monitor-interval=0.5",
-        str(EXAMPLE),
+        str(script),
         *args,
     ]
     return subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
@@ -114,16 +115,29 @@ QUORUM_PATHS = {
     "quorum, async": ["--async-quorum"],
     f"quorum every {QUORUM_EVERY}": ["--quorum-every", str(QUORUM_EVERY)],
 }
+# the peer's paths (bench/torchft_ddp_worker.py): torchft's default, the quorum beside the step, and before it
+PEER_PATHS = {
+    "torchft Manager + DDP": [],
+    "torchft Manager + DDP, sync quorum": ["--sync-quorum"],
+}
 
 
-def run(path: str, groups: int, batch: int, duration: float, kill_every: float | None, save_every: int) -> dict:
-    """One run of ``path`` (one of :data:`QUORUM_PATHS`, "elastic", or "no quorum": the elastic job without
-    checkpoints, never faulted), with or without faults: its log records and kill times."""
+def _under_quorum(path: str) -> bool:
+    """Whether ``path``'s workers are replica groups under a lighthouse (ours or torchft's own loop)."""
+    return path in QUORUM_PATHS or path in PEER_PATHS
+
+
+def run(
+    path: str, groups: int, batch: int, duration: float, kill_every: float | None, save_every: int, hidden: int = 128
+) -> dict:
+    """One run of ``path`` (one of :data:`QUORUM_PATHS` or :data:`PEER_PATHS`, "elastic", or "no quorum": the
+    elastic job without checkpoints, never faulted), with or without faults: its log records and kill times."""
     work = Path(tempfile.mkdtemp(prefix=f"ft_{path.replace(' ', '_').replace(',', '')}_"))
     logs = work / "samples"
-    common = ["--mode", "fused_allreduce", "--epochs", "100000", "--log-samples", str(logs), "--timeout", "30"]
+    shared = ["--log-samples", str(logs), "--timeout", "30", "--hidden", str(hidden)]  # the example's and the peer's
+    common = ["--mode", "fused_allreduce", "--epochs", "100000", *shared]
     jobs: list[subprocess.Popen] = []
-    if path in QUORUM_PATHS:
+    if _under_quorum(path):
         port = free_port()
         lighthouse = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", str(groups - 1)]
         lighthouse += ["--bind", f"[::]:{port}", "--heartbeat_timeout_ms", str(HEARTBEAT_MS)]
@@ -137,11 +151,14 @@ def run(path: str, groups: int, batch: int, duration: float, kill_every: float |
                 start_new_session=True,
             )
         )
-        args = [*common, "--fault-tolerance", "--min-replicas", str(groups - 1), "--global-batch", str(batch)]
-        args += QUORUM_PATHS[path]
+        quorum = ["--min-replicas", str(groups - 1), "--global-batch", str(batch)]
+        if path in PEER_PATHS:
+            script, args = PEER, [*shared, *quorum, *PEER_PATHS[path]]
+        else:
+            script, args = EXAMPLE, [*common, "--fault-tolerance", *quorum, *QUORUM_PATHS[path]]
         for g in range(groups):
             env = _env(TORCHFT_LIGHTHOUSE=f"http://localhost:{port}", REPLICA_GROUP_ID=f"g{g}")
-            jobs.append(_torchrun(1, args, env, work / f"g{g}.log"))
+            jobs.append(_torchrun(1, args, env, work / f"g{g}.log", script))
     else:
         args = [*common, "--global-batch", str(batch * groups)]
         if path == "elastic":
@@ -156,7 +173,7 @@ def run(path: str, groups: int, batch: int, duration: float, kill_every: float |
             time.sleep(0.2)
         start = time.time()
         next_kill = start + kill_every if kill_every else float("inf")
-        agents = jobs[1:] if path in QUORUM_PATHS else jobs
+        agents = jobs[1:] if _under_quorum(path) else jobs
         seen = {w for agent in agents for w in _children(agent.pid)}  # every worker process the run started
         first = len(seen)
         while time.time() < start + duration:
@@ -191,7 +208,7 @@ def committed_steps(path: str, records: dict[str, list[dict]], start: float, end
     """(time, samples) of each step that counts, inside [start, end]: under a quorum each committed step, as
     its participants logged it; elastic, each step number as its last attempt ran it (an earlier attempt's steps
     after the checkpoint it resumed from were redone)."""
-    if path in QUORUM_PATHS:
+    if _under_quorum(path):
         steps: dict[int, list[dict]] = {}
         for log in records.values():
             for r in log:
@@ -228,7 +245,7 @@ def summary(path: str, result: dict) -> dict:
         window = [b - a for a, b in zip([start, *times], [*times, end]) if b > kill and a < kill + 20]
         costs.append(max(window) - usual)
     all_records = [r for log in records.values() for r in log if start <= r["time"] <= end]
-    if path in QUORUM_PATHS:  # each group's uncommitted steps
+    if _under_quorum(path):  # each group's uncommitted steps
         wasted = sum(1 for r in all_records if not r["committed"])
     else:  # the steps each rank ran more than once
         wasted = max(0, len(all_records) // max(1, len(records)) - len(steps))
@@ -283,15 +300,23 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0)
     parser.add_argument("--kill-every", type=float, default=15.0)
     parser.add_argument("--save-every", type=int, default=50, help="the elastic path's checkpoint interval (steps)")
+    parser.add_argument("--hidden", type=int, default=128, help="the MLP's first hidden width: a longer step")
     parser.add_argument("--no-doc", action="store_true", help="print the table only")
-    paths = ["no quorum", *QUORUM_PATHS, "elastic"]
+    parser.add_argument("--fault-free", action="store_true", help="run each path without faults only")
+    paths = ["no quorum", *QUORUM_PATHS, "elastic", *PEER_PATHS]
     parser.add_argument("--paths", nargs="+", choices=paths, default=paths, help="which paths to run, in order")
     args = parser.parse_args()
     results = {}
     for path in args.paths:
-        for faulty in (False, True) if path != "no quorum" else (False,):
+        for faulty in (False, True) if path != "no quorum" and not args.fault_free else (False,):
             result = run(
-                path, args.groups, args.batch, args.duration, args.kill_every if faulty else None, args.save_every
+                path,
+                args.groups,
+                args.batch,
+                args.duration,
+                args.kill_every if faulty else None,
+                args.save_every,
+                args.hidden,
             )
             results[(path, faulty)] = summary(path, result)
             print(path, "faults" if faulty else "fault-free", results[(path, faulty)], result["work"], flush=True)

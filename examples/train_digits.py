@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-model", metavar="PATH", help="rank 0 saves the trained model's weights here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--hidden", type=int, default=128, help="the MLP's first hidden width, the second half of it (a longer step)"
+    )
+    parser.add_argument(
         "--checkpoint-dir", metavar="DIR", help="save checkpoints here (every rank must see it) and resume from it"
     )
     parser.add_argument("--save-every", type=int, default=10, help="steps between checkpoints (--checkpoint-dir)")
@@ -185,6 +188,18 @@ def load_data(seed: int):
     return x_train, x_test, y_train, y_test
 
 
+def mlp(hidden: int = 128) -> torch.nn.Sequential:
+    """The model: 64 pixels, two hidden layers (``hidden`` and half of it), 10 classes."""
+    half = hidden // 2
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, half),
+        torch.nn.ReLU(),
+        torch.nn.Linear(half, 10),
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Train and evaluate with the command line ``argv`` (the script's own by default). Under torchrun it joins
     the world; called where a process group already exists, it trains in that one and leaves it as it was."""
@@ -207,9 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} must be divisible by the world size {world}")
     per_rank = args.global_batch // world
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
-    )
+    model = mlp(args.hidden)
     if args.init:
         model.load_state_dict(torch.load(args.init, weights_only=True))
     model.to(device)
