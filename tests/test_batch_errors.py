@@ -10,9 +10,10 @@ import logging
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 from transpiler import BatchMismatchError, ConfigurationError, UnsupportedModelError, transpile
+from transpiler.trace.batch_fit import RefusedDtypes, check_operand_dtypes
 
 pytestmark = pytest.mark.quick  # the quick tier: 2 s
 
@@ -87,6 +88,21 @@ def test_the_first_layer_that_rejects_the_batch_says_what_it_expects(model, batc
     error = _raised(_step(model), (batch, torch.tensor([0, 1])), capfd, caplog)
     assert type(error) is BatchMismatchError
     assert "input 0 of the batch" in str(error) and "layer '0' = " in str(error) and expects in str(error)
+
+
+@pytest.mark.parametrize("indices", [torch.float32, torch.int64], ids=["float", "int64"])
+def test_a_lookup_by_float_indices_in_a_traced_graph_is_refused_before_it_runs(indices):
+    """Some torch releases' meta kernels let float indices through an embedding (2.11's does, and the real kernel
+    then raised mid-step with torch's own message); the trace's check refuses them whatever the release."""
+    graph = fx.Graph()
+    weight, ids = graph.placeholder("weight"), graph.placeholder("ids")
+    weight.meta["val"], ids.meta["val"] = torch.empty(10, 4), torch.empty(2, 3, dtype=indices)
+    graph.output(graph.call_function(torch.ops.aten.embedding.default, (weight, ids)))
+    if indices == torch.int64:
+        check_operand_dtypes(graph)
+        return
+    with pytest.raises(RefusedDtypes, match=r"aten.embedding.default by torch.float32 indices .*int64 or int32"):
+        check_operand_dtypes(graph)
 
 
 def test_a_batch_with_more_inputs_than_the_forward_takes_says_so(capfd, caplog):

@@ -29,7 +29,9 @@ def trace_functional(fn: Callable, inputs: list, plan: OptimizerPlan, *, symboli
         # The first graph holds the backward as plain ops, so its inputs need not require grad here; with
         # leaves that do, functionalize's copy_ epilogue fails on in-place ops (Embedding's max_norm renorm).
         plain = [t.detach() for t in inputs]
-        return _make_fx(functionalize(first, remove="mutations"), plain, symbolic_scalars=symbolic_scalars)
+        return _without_aliases(
+            _make_fx(functionalize(first, remove="mutations"), plain, symbolic_scalars=symbolic_scalars)
+        )
 
     with tracing_environment():
         try:
@@ -53,6 +55,20 @@ def _make_fx(fn: Callable, inputs: list, *, symbolic_scalars: bool) -> fx.GraphM
     fakes = [mode.from_tensor(t) for t in inputs]
     with mode:
         return make_fx(fn, tracing_mode="real", _disable_torch_fn_metadata_mode=True)(*fakes)
+
+
+def _without_aliases(module: fx.GraphModule) -> fx.GraphModule:
+    """``module`` with each ``aten.alias`` node replaced by its input. torch 2.14 records autograd's detaches
+    (a saved output in a backward formula, an optimizer's ``p.detach()``, the returned loss) as ``alias`` nodes
+    where 2.11 and 2.13 record nothing; in a functional graph an alias is its input, and the passes, which find
+    the loss's gradient seed among the loss's users, read the graph the earlier releases give."""
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.alias.default:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    module.recompile()
+    return module
 
 
 def twin_updates(
