@@ -62,12 +62,12 @@ def _without_aliases(module: fx.GraphModule) -> fx.GraphModule:
     (a saved output in a backward formula, an optimizer's ``p.detach()``, the returned loss) as ``alias`` nodes
     where 2.11 and 2.13 record nothing; in a functional graph an alias is its input, and the passes, which find
     the loss's gradient seed among the loss's users, read the graph the earlier releases give."""
-    graph = module.graph
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten.alias.default:
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
-    module.recompile()
+    aliases = [n for n in module.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.alias.default]
+    for node in aliases:
+        node.replace_all_uses_with(node.args[0])
+        module.graph.erase_node(node)
+    if aliases:  # a recompile costs a trace some milliseconds: only where the graph changed
+        module.recompile()
     return module
 
 
