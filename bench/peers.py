@@ -10,18 +10,26 @@ Rows (issue 77), every pair built on this rank from the same weights and batches
   torchtitan applies it: ZeRO-2's layout), ``zero3`` against FSDP2 with it (its default);
 - ``local_sgd`` (k = 4) against DDP with ``post_localSGD_hook`` on groups of one rank (no gradient exchange) and
   ``PostLocalSGDOptimizer`` averaging the parameters every 4 steps (``PeriodicModelAverager``);
-- ``fused_allreduce`` with fp16 ``Compression`` against DDP's ``fp16_compress_hook``. (DDP's PowerSGD hook is
-  left out: on these models its two ranks' collectives came apart under the op counter, a gloo size mismatch.)
+- ``fused_allreduce`` with fp16 ``Compression`` against DDP's ``fp16_compress_hook``;
+- ``fused_allreduce`` with 1% top-K ``Sparsification`` (error feedback) against DDP's ``powerSGD_hook`` (rank 4,
+  error feedback, warm start, from the 2nd step): the two ways to send a few per cent of DDP's bytes a user would
+  weigh, different compressors (``bench/wan.py`` sets them side by side on time to a loss). PowerSGD's callbacks
+  start all-reduces from gloo's thread: with DDP's small first bucket the two ranks issued two buckets'
+  all-reduces in different orders and gloo failed (sizes differ), so the peer has one bucket
+  (``bucket_cap_mb=25``, DDP's own default, given explicitly), as in ``bench/wan_worker.py``.
 
 Per row: the ops one round of steps dispatches (4 steps: ``local_sgd``'s round; ``bench/op_count.py``: work ops,
 about one kernel launch each on a GPU, and views), the bytes this rank hands to collectives in that round
 (``bench/op_count.py``: each collective's input, what a rank contributes, not what the algorithm moves), the
 bytes it holds between steps (parameters, gradients and optimizer state, each storage once; ours
-``memory_report().held``), and the step time: ``ROUNDS`` rounds, each timing the mode's steps then the peer's
-(``bench/host_ops.py:interleaved_ms``: untimed steps, then timed ones after a barrier), the ratio of the two per
-round, its median over the rounds, the slower rank's. Not in this run yet: tensor parallelism against eager TP + FSDP2
-(``bench/tensor_parallel.py``), the DiLoCo family against torchft's (``bench/wan.py``), SparseLoCo and DeMo in their
-authors' loops, the quorum against torchft's ``Manager`` (``bench/fault_tolerance.py``).
+``memory_report().held``), its peak (that plus the most a round of steps allocates above it at once, from the
+profiler's memory records: ``bench/tensor_parallel.py:step_rise``), and the step time: ``ROUNDS`` rounds, each
+timing the mode's steps then the peer's (``bench/host_ops.py:interleaved_ms``: untimed steps, then timed ones
+after a barrier), the ratio of the two per round, its median over the rounds, the slower rank's. Measured
+elsewhere (docs/performance.md says where): tensor parallelism against eager TP + FSDP2
+(``bench/tensor_parallel.py``), the DiLoCo family against torchft's (``bench/wan.py``, ``bench/diloco_inner.py``),
+DeMo in its authors' loop (``bench/demo_peer.py``), the quorum against torchft's ``Manager`` + DDP
+(``bench/fault_tolerance.py``); SparseLoCo in tplr's loop nowhere yet.
 """
 
 from __future__ import annotations
@@ -43,8 +51,9 @@ from bench.fsdp import adamw, fsdp2, held_bytes
 from bench.host_ops import ROUNDS, STEPS, interleaved_ms
 from bench.models import NarrowGPT, narrow_batch
 from bench.op_count import count_ops
+from bench.tensor_parallel import step_rise
 from bench.two_ranks import entry, finish_rank, two_rank_results, write_section
-from transpiler import Compression, mode_config, transpile
+from transpiler import Compression, Sparsification, mode_config, transpile
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "performance.md"
@@ -63,6 +72,7 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("zero3", "FSDP2"),
     (f"local_sgd k={PERIOD}", f"PostLocalSGDOptimizer period {PERIOD}"),
     ("fused_allreduce, fp16 compression", "DDP + fp16_compress_hook"),
+    ("fused_allreduce, 1% top-K sparsification", "DDP + powerSGD_hook r=4"),
 )
 
 
@@ -89,7 +99,8 @@ def build(label: str, base: nn.Module, batches: list[tuple]) -> Built:
     if label.startswith("FSDP2"):
         wrapped, optimizer = fsdp2(model, reshard="no reshard" not in label), adamw(model.parameters())
         return Built(_eager(wrapped, optimizer, feed), model, optimizer)
-    ddp = DDP(model, gradient_as_bucket_view=True)
+    one_bucket = {"bucket_cap_mb": 25} if "powerSGD" in label else {}  # module docstring
+    ddp = DDP(model, gradient_as_bucket_view=True, **one_bucket)
     optimizer = _peer_optimizer(label, ddp)
     _register_hook(label, ddp)
     return Built(_eager(ddp, optimizer, feed), model, optimizer)
@@ -102,6 +113,9 @@ ROWS_OURS = {
     "zero3": "zero3",
     f"local_sgd k={PERIOD}": mode_config("local_sgd", k_steps=PERIOD),
     "fused_allreduce, fp16 compression": mode_config("fused_allreduce", compression=Compression(wire_dtype="fp16")),
+    "fused_allreduce, 1% top-K sparsification": mode_config(
+        "fused_allreduce", sparsification=Sparsification(ratio=0.01)
+    ),
 }
 
 
@@ -121,10 +135,13 @@ def _peer_optimizer(label: str, ddp: DDP) -> torch.optim.Optimizer:
 
 def _register_hook(label: str, ddp: DDP) -> None:
     """The peer's DDP communication hook, where it has one."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
     if label == "DDP + fp16_compress_hook":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif "powerSGD" in label:
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2, random_seed=0)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif label.startswith("PostLocalSGDOptimizer"):
         alone, _ = dist.new_subgroups(group_size=1)  # every rank builds every group; each gets its own
         state = post_localSGD_hook.PostLocalSGDState(None, subgroup=alone, start_localSGD_iter=0)
@@ -161,6 +178,7 @@ def measure(base: nn.Module, batches: list[tuple], ours: str, peer: str) -> dict
             "views": counter.views,
             "sent": counter.sent,
             "held": variant.held_bytes(),
+            "peak": variant.held_bytes() + step_rise(lambda run=variant.run: [run() for _ in range(ROUND)]),
         }
     ms = interleaved_ms({key: variant.run for key, variant in variants.items()})  # bench/host_ops.py's rounds
     row["ratio"] = statistics.median(ours / peer for ours, peer in zip(ms["ours"], ms["peer"]))
@@ -188,7 +206,8 @@ def render(ranks: list[dict]) -> str:
         f"`python -m bench.peers` (W=2 over gloo, one thread per rank, AdamW, {PER_RANK} sequences of 16 tokens per "
         f"rank, torch {torch.__version__}, {os.cpu_count()} cores, {cpu}): step ms the median over {ROUNDS} rounds "
         f"of {STEPS} steps, the ratio the median of each round's (the slower rank's); ops and bytes sent over "
-        f"{ROUND} steps, rank 0; held: bytes rank 0 holds between steps.",
+        f"{ROUND} steps, rank 0; held: bytes rank 0 holds between steps; peak: held plus the most those {ROUND} steps "
+        "allocate above it at once.",
         "",
     ]
     for key, (title, _) in MODELS.items():
@@ -196,8 +215,8 @@ def render(ranks: list[dict]) -> str:
             f"**{title}**",
             "",
             "| mode | peer | step ms | peer ms | × peer | work ops | × peer | views | × peer | sent KiB | × peer "
-            "| held KiB | × peer |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| held KiB | × peer | peak KiB | × peer |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for i, (ours, peer) in enumerate(ROWS):
             row = ranks[0][key][i]
@@ -207,6 +226,7 @@ def render(ranks: list[dict]) -> str:
             cells = [f"{a['work']} | {_x(a['work'], b['work'])}", f"{a['views']} | {_x(a['views'], b['views'])}"]
             cells += [f"{a['sent'] / 1024:.0f} | {_x(a['sent'], b['sent'])}"]
             cells += [f"{a['held'] / 1024:.0f} | {_x(a['held'], b['held'])}"]
+            cells += [f"{a['peak'] / 1024:.0f} | {_x(a['peak'], b['peak'])}"]
             lines.append(
                 f"| {ours} | {peer} | {ms['ours']:.1f} | {ms['peer']:.1f} | {ratio:.2f} | " + " | ".join(cells) + " |"
             )
