@@ -83,9 +83,10 @@ def _merge(program: StepProgram, nodes: list[fx.Node], reach: dict[fx.Node, str]
     # read the parameters after it)
     cursor = Cursor(program.graph, max(last_input, before_first_reader, key=order.__getitem__))
     args = _operand_in_the_tensors_dtype(cursor, args)
-    joined = cursor.emit(target, args, kwargs, role="optimizer")
+    # its results are the per-parameter ops' values: the twin computes each tensor as that op does
+    joined = cursor.emit(target, args, kwargs, role="optimizer", val=[n.meta["val"] for n in nodes])
     for j, node in enumerate(nodes):
-        item = cursor.emit(operator.getitem, (joined, j), role="optimizer")
+        item = cursor.emit(operator.getitem, (joined, j), role="optimizer", val=node.meta["val"])
         item.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "stack_trace")})
         node.replace_all_uses_with(item)
         program.graph.erase_node(node)

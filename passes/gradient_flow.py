@@ -67,7 +67,12 @@ def retarget_optimizer_input(old: fx.Node, new: fx.Node) -> None:
 
 def input_node(program: StepProgram, port: Port) -> fx.Node:
     """The placeholder that feeds ``port``."""
-    return next(n for n in program.graph.nodes if n.op == "placeholder" and n.meta.get("port") == port)
+    return next(n for n in program.graph.find_nodes(op="placeholder", sort=False) if n.meta.get("port") == port)
+
+
+def input_nodes(program: StepProgram) -> dict[Port, fx.Node]:
+    """Every port's placeholder: one scan for a pass that looks up many (``input_node`` scans per lookup)."""
+    return {n.meta["port"]: n for n in program.graph.find_nodes(op="placeholder", sort=False) if "port" in n.meta}
 
 
 def add_input(program: StepProgram, port: Port, like: fx.Node | torch.Tensor) -> fx.Node:

@@ -20,7 +20,7 @@ from transpiler.graph.ports import Port
 from transpiler.graph.program import StepProgram
 from transpiler.graph.views import is_view
 
-from .gradient_flow import input_node
+from .gradient_flow import input_nodes
 
 aten = torch.ops.aten
 # not tagged pointwise, yet element for element: copies and factories shaped like their input (flatten-update's
@@ -78,9 +78,10 @@ def reach_of(program: StepProgram, grads: dict[str, fx.Node]) -> dict[fx.Node, s
     loss scale's overflow flag), or absent if from none. A value from several is shared: it does not make a node
     of one parameter's update belong to several."""
     sources: dict[fx.Node, str] = {}
+    placeholders = input_nodes(program)
     for port in program.inputs:
         if port.kind in ("param", "state"):
-            sources[input_node(program, port)] = port.name.rsplit(".", 1)[0] if port.kind == "state" else port.name
+            sources[placeholders[port]] = port.name.rsplit(".", 1)[0] if port.kind == "state" else port.name
     sources.update({grad: name for name, grad in grads.items()})
     reach: dict[fx.Node, str] = {}
     for node in program.graph.nodes:
@@ -104,13 +105,14 @@ def chain_of(
     ports = {p.name: p for p in program.inputs if p.kind in ("param", "state")}
     if Port("param", name) not in ports.values():
         return f"'{name}' is not a parameter input of the program"
-    placeholder = input_node(program, Port("param", name))
+    placeholders = input_nodes(program)
+    placeholder = placeholders[Port("param", name)]
     param = _shard_read(placeholder, name) or placeholder  # a sharded update reads its slice
     held = held or (0, param.meta["val"].numel())
     if param.meta["val"].numel() != held[1] - held[0]:
         return f"the update of '{name}' does not read its elements {list(held)}"
     keys = [p.name.rsplit(".", 1)[1] for p in ports.values() if p.kind == "state" and p.name.startswith(name + ".")]
-    states = {key: input_node(program, ports[f"{name}.{key}"]) for key in keys}
+    states = {key: placeholders[ports[f"{name}.{key}"]] for key in keys}
     return Chain(name, placeholder, param, grad, states, held, at)
 
 

@@ -60,10 +60,13 @@ def _fake_call(graph: fx.Graph, target: Callable, args: tuple, kwargs: dict) -> 
 
 
 def emit(graph: fx.Graph, target: Callable, args: tuple, kwargs: dict | None = None, **meta: Any) -> fx.Node:
-    """Create a call_function node at the graph's current insert point, with fake value and meta."""
+    """Create a call_function node at the graph's current insert point, with fake value and meta. A caller that
+    knows the value (``val=``: a multi-tensor op's results are those of the per-tensor ops it replaces) spares
+    the fake dispatch, which for a ``_foreach_*`` op over a model's parameters makes a fake tensor per one."""
     kwargs = kwargs or {}
     node = graph.call_function(target, args, kwargs)
-    node.meta["val"] = _fake_call(graph, target, args, kwargs)
+    if "val" not in meta:
+        node.meta["val"] = _fake_call(graph, target, args, kwargs)
     node.meta.update(meta)
     return node
 

@@ -17,7 +17,6 @@ from transpiler.errors import VerificationError
 
 from .bucket_layout import WHOLE_SHAPE, check_bucket_views
 from .collectives import CommOp, collective_sequence, communication_plan, is_collective, is_wait
-from .edit import ancestors
 from .ports import GLOBAL, IN_FLIGHT, OUTER, PRIVATE, PortKind
 from .program import ROLES, StepProgram
 
@@ -129,7 +128,12 @@ def check_outer_reads_averaged(program: StepProgram, final: bool) -> None:
     """An outer update (nodes tagged ``meta["outer"]``, DiLoCo's) reads only itself, its own inputs (θ_global, its
     state and scalars) and averaged pseudo-gradients (``meta["averaged_delta_of"]``), each of which is computed
     after waiting for a collective: never a rank's own Δ, a gradient or the local weights."""
+    if not any(node.meta.get("outer") for node in program.graph.nodes):
+        return
+    waited: set[fx.Node] = set()  # the nodes a collective's wait precedes, in one pass in graph order
     for node in program.graph.nodes:
+        if is_wait(node) or any(i in waited for i in node.all_input_nodes):
+            waited.add(node)
         if not node.meta.get("outer"):
             continue
         for source in node.all_input_nodes:
@@ -140,7 +144,7 @@ def check_outer_reads_averaged(program: StepProgram, final: bool) -> None:
                     f"outer update node '{node.name}' reads '{source.name}', which is not an averaged "
                     "pseudo-gradient, θ_global or the outer optimizer's own state."
                 )
-            if not any(is_wait(n) for n in ancestors([source])):
+            if source not in waited:
                 raise VerificationError(
                     f"'{source.name}' is tagged as the averaged pseudo-gradient of "
                     f"'{source.meta['averaged_delta_of']}', but no collective's wait precedes it."
