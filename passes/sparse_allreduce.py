@@ -5,7 +5,7 @@ rank's share (``scale-loss-grad`` before it).
 Guarantees: for each gradient, ``x = g + residual`` (``residual.<param>``,
 extra state starting at zero). The ``x`` are grouped into dtype/size buckets
 as ``fuse-allreduce`` does; per bucket of ``n`` values a rank selects the
-``k = ceil(ratio * n)`` entries of largest ``|x|`` (``torch.topk``) and, with
+``k = ceil(ratio * n)`` entries of largest ``|x|`` (``transpiler::top_magnitudes``) and, with
 ``threshold > 0``, zeroes the selected values with ``|x| < threshold`` (they
 stay in the residual: a static graph sends a fixed ``k`` per bucket, so
 ``ratio`` is the threshold mode's capacity). The indices (int64) and values
@@ -20,7 +20,6 @@ dense sum.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +30,7 @@ from transpiler.graph.edit import Cursor
 from transpiler.graph.options import option
 from transpiler.graph.ports import RESIDUAL, ExtraInit, Port
 from transpiler.graph.program import StepProgram
+from transpiler.graph.top_magnitudes import TOP_MAGNITUDES
 
 from .bucketing import BucketedGradientPass, unflatten
 from .gradient_flow import add_outputs, add_state, replace_gradient
@@ -73,17 +73,17 @@ class SparseAllReduce(BucketedGradientPass):
         flat = pieces[0] if len(pieces) == 1 else cursor.emit(aten.cat.default, (pieces,), **comm)
         n = flat.meta["val"].numel()
         k = max(1, math.ceil(self.ratio * n))
-        top = cursor.emit(aten.topk.default, (cursor.emit(aten.abs.default, (flat,), **comm), k), **comm)
-        idx = cursor.emit(operator.getitem, (top, 1), **comm)
-        values = cursor.emit(aten.index_select.default, (flat, 0, idx), **comm)
+        idx = cursor.emit(TOP_MAGNITUDES, (flat, k), **comm)
+        picked = values = cursor.emit(aten.index_select.default, (flat, 0, idx), **comm)
         if self.threshold > 0:
             keep = cursor.emit(
                 aten.ge.Scalar, (cursor.emit(aten.abs.default, (values,), **comm), self.threshold), **comm
             )
             values = cursor.emit(aten.where.ScalarOther, (keep, values, 0.0), **comm)
-        zeros = cursor.emit(aten.zeros_like.default, (flat,), **comm)
-        sent = cursor.emit(aten.index_copy.default, (zeros, 0, idx, values), **comm)
-        left = cursor.emit(aten.sub.Tensor, (flat, sent), **comm)
+        # x - sent, computed where something was sent only: elsewhere x - 0 is x, bit for bit (-0.0 and NaN too),
+        # so two passes over the bucket (a dense `sent` and the subtraction) go
+        kept = cursor.emit(aten.sub.Tensor, (picked, values), **comm)
+        left = cursor.emit(aten.index_copy.default, (flat, 0, idx, kept), **comm)
         # one message per rank: the indices as int32, then the values' bytes (one collective, not two)
         dtype, size = values.meta["val"].dtype, values.meta["val"].element_size()
         small = cursor.emit(aten._to_copy.default, (idx,), {"dtype": torch.int32}, **comm)
