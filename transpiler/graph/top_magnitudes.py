@@ -36,7 +36,7 @@ def top_magnitudes(x: torch.Tensor, k: int) -> torch.Tensor:
     m = sample.numel()
     rank = min(m, math.ceil(MARGIN * k * m / n) + 16)  # the sample's rank-th largest: about MARGIN * k reach it
     threshold = sample.kthvalue(m - rank + 1).values
-    candidates = (~(magnitudes < threshold)).nonzero().squeeze(1)  # >= threshold, or NaN
+    candidates = torch.lt(magnitudes, threshold).logical_not_().nonzero().squeeze(1)  # >= threshold, or NaN
     if candidates.numel() < k:
         return torch.topk(magnitudes, k, sorted=False).indices
     return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
