@@ -7,21 +7,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from transpiler import AdaSum, DataParallel, DiLoCo, Execution, LocalSGD, ZeRO, transpile
+from transpiler import AdaSum, DataParallel, DiLoCo, Execution, LocalSGD, TraceCache, ZeRO, transpile
 
 from .recompute_models import MODELS
 
 STEPS = 10
 
 
-def trained(config, budget: float | None, rank: int) -> dict:
+def trained(config, budget: float | None, rank: int, traces: TraceCache) -> dict:
     make, batch_of = MODELS["gpt"]
     torch.manual_seed(0)
     model = make()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batches = [batch_of(4, 100 * step + rank) for step in range(STEPS)]
     step = transpile(
-        model, optimizer, config, nn.CrossEntropyLoss(), batches[0], execution=Execution(memory_budget=budget)
+        model,
+        optimizer,
+        config,
+        nn.CrossEntropyLoss(),
+        batches[0],
+        execution=Execution(memory_budget=budget),
+        trace=traces,  # one trace for every mode and budget: the budget and the passes work on copies of it
     )
     torch.manual_seed(1 + rank)  # the dropout masks: the same draws with and without a budget
     losses = [step(*batch).detach().clone() for batch in batches]
@@ -40,4 +46,5 @@ MODES = {
 
 
 def budgets(rank: int, world: int) -> dict:
-    return {f"{name},{b}": trained(config, b, rank) for name, (config, bs) in MODES.items() for b in bs}
+    traces = TraceCache()
+    return {f"{name},{b}": trained(config, b, rank, traces) for name, (config, bs) in MODES.items() for b in bs}
