@@ -4,8 +4,9 @@ sparsification (``sparse-allreduce``).
 
 Why not ``torch.topk(x.abs(), k)``: on the CPU, for ``k <= n / 64`` (1% sparsification is ``k = n / 100``), ATen's
 topk runs ``std::partial_sort`` over all ``n`` entries, O(n log k): 46 ms for ``k`` = 31,000 of 3.1 million (one
-thread, 2-core Xeon), 36% of the wide GPT's step in ``python -m bench.peers``. Here the threshold comes from a
-strided sample of 65,536 entries (its ``j``-th largest, ``j`` chosen so that about ``2k`` entries of ``x`` reach it),
+thread, 2-core Xeon), the costliest op of the wide GPT's sparsified step in ``python -m bench.peers``. Here the
+threshold comes from a strided sample of 65,536 entries (its ``rank``-th largest, ``rank`` chosen so that about
+``2k`` entries of ``x`` reach it),
 one comparison over ``x`` keeps those candidates, and topk runs over the candidates only (its ``nth_element`` path,
 O(candidates)): 12 ms on the same data. Should fewer than ``k`` reach the threshold (a sample that misjudged the
 data), it falls back to topk over ``x``. The set is topk's whenever the magnitudes at the ``k``-th place are not
