@@ -110,15 +110,21 @@ def variants(name: str, device: torch.device, compile_: bool) -> dict[str, Calla
         torch.cuda.synchronize() if cuda else None
         print(f"  {name} {label}: first call {first:.1f} s, next two {time.perf_counter() - start:.2f} s", flush=True)
         run.runners = step._state.built.runners
+        run.transpiled = step
         out[label] = run
     return out
 
 
 def timed(steps: dict[str, Callable], device: torch.device) -> dict[str, float]:
     """Median milliseconds per step, the variants taking turns within each round."""
+    return {label: statistics.median(t) for label, t in timed_rounds(steps, device).items()}
+
+
+def timed_rounds(steps: dict[str, Callable], device: torch.device, rounds: int = ROUNDS) -> dict[str, list[float]]:
+    """Milliseconds per step of each variant in each round, the variants taking turns within a round."""
     cuda = device.type == "cuda"
     times: dict[str, list[float]] = {label: [] for label in steps}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for label, step in steps.items():
             for _ in range(WARMUP):
                 step()
@@ -128,7 +134,7 @@ def timed(steps: dict[str, Callable], device: torch.device) -> dict[str, float]:
                 step()
             torch.cuda.synchronize() if cuda else None
             times[label].append((time.perf_counter() - start) / STEPS * 1e3)
-    return {label: statistics.median(t) for label, t in times.items()}
+    return times
 
 
 def profiled(step: Callable, device: torch.device) -> tuple[float, float]:
@@ -169,19 +175,32 @@ def world_of_one(port: int) -> torch.device:
     return device
 
 
+def session(port: int) -> tuple[torch.device, str]:
+    """This process as a world of one (TF32 matmuls on a GPU): the device, and the report's first line."""
+    device = world_of_one(port)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run, small sizes)"
+    return device, f"Device: {name}; torch {torch.__version__}; bf16 autocast; world of one over {dist.get_backend()}."
+
+
+def finish(report: str, out: str | None) -> None:
+    """Print the report, write it to ``out`` too, and leave the world."""
+    print("\n" + report)
+    if out:
+        Path(out).write_text(report + "\n")
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp,resnet50,gpt2")
     parser.add_argument("--compile", action="store_true", help="also time compile=True, uncaptured and captured")
     parser.add_argument("--out", default=None, help="write the markdown table there too")
     args = parser.parse_args()
-    device = world_of_one(29517)
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    name = torch.cuda.get_device_name(device) if cuda else "CPU (dry run, small sizes)"
+    device, header = session(29517)
     lines = [
-        f"Device: {name}; torch {torch.__version__}; bf16 autocast; world of one over {dist.get_backend()}.",
+        header,
         "",
         "| model | variant | ms/step (median) | × DDP | × eager | kernels/step | device ms/step | peak MiB |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
@@ -196,11 +215,7 @@ def main() -> None:
                 f"{ms[label] / ms['eager']:.2f} | {kernels:.0f} | {device_ms:.2f} | {peak_mib(step, device):.0f} |"
             )
         print("\n".join(lines[-len(steps) :]), flush=True)
-    table = "\n".join(lines)
-    print("\n" + table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
-    dist.destroy_process_group()
+    finish("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

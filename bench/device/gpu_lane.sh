@@ -4,6 +4,8 @@
 # wheels and protobuf (the image has none of them; without them the quorum check skips). Logs land in $OUT.
 # Sections: lane, fsdp, example, bench, cpu (default: lane fsdp example bench), in that order, e.g.
 # `bash bench/device/gpu_lane.sh cpu`. fsdp: zero3 against FSDP2 on one GPU (issue 42), bench/fsdp.py --device cuda.
+# host: where the host's time goes in GPT-2's uncompiled step beside eager and DDP (issue 77), bench/gpu_host.py.
+# GPU_BENCH_MODELS picks bench/gpu.py's models (default mlp,resnet50,gpt2).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
@@ -25,9 +27,14 @@ if [[ $sections == *example* ]]; then
   echo "== example, captured"
   timeout 60 python3 examples/train_digits.py --device cuda --cuda-graph --epochs 10 2>&1 | tail -3 | tee $OUT/example.txt
 fi
+if [[ $sections == *host* ]]; then
+  echo "== host time of GPT-2's uncompiled step"
+  timeout 200 python3 -m bench.gpu_host --models gpt2 --out $OUT/gpu_host.md >$OUT/host.log 2>&1
+  grep -v Warning $OUT/host.log | grep -v "^  \|USDT\|transformers" | tail -30
+fi
 if [[ $sections == *bench* ]]; then
   echo "== bench"
-  timeout 300 python3 -m bench.gpu --models mlp,resnet50,gpt2 --out $OUT/gpu_bench.md >$OUT/bench.log 2>&1
+  timeout 300 python3 -m bench.gpu --models ${GPU_BENCH_MODELS:-mlp,resnet50,gpt2} --out $OUT/gpu_bench.md >$OUT/bench.log 2>&1
   tail -25 $OUT/bench.log
 fi
 if [[ $sections == *cpu* ]]; then

@@ -173,9 +173,9 @@ class DistributedStep:
         on_gpu = bool(built.params) and built.device.type == "cuda"
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(built.device)
-        run = functools.partial(
-            run_named, built.runners[variant], program.graph_module, inputs, variant, state.placement
-        )
+        runner = built.runners[variant]  # a folded graph module names its own failing node
+        named = runner if isinstance(runner, torch.fx.GraphModule) else program.graph_module
+        run = functools.partial(run_named, runner, named, inputs, variant, state.placement)
         outputs, self.committed = self.quorum.run(run) if seat is not None else (run(), True)
         if not self.committed:  # the quorum did not commit this step: nothing is written back, it is retried
             return outputs[0] if outputs is not None else torch.tensor(float("nan"))

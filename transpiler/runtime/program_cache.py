@@ -95,7 +95,7 @@ def structure_key(
     mode, its own parameters with ``requires_grad``, its own buffers).
     """
     parts: list = []
-    for m in model.modules():
+    for m in _modules(model):
         parts.append(m.training)
         parts.extend((id(p), p is not None and p.requires_grad) for p in m._parameters.values())
         parts.extend(id(b) for b in m._buffers.values())
@@ -104,6 +104,19 @@ def structure_key(
         if type(opt) not in TWINS:  # the generic path's first step creates the state, the second reads it
             parts.append(tuple(bool(opt.state.get(p)) for g in opt.param_groups for p in g["params"]))
     return tuple(parts)
+
+
+def _modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model.modules()``, each once, in a plain walk: a third of what ``named_modules``' recursive generators
+    cost, and this runs before every step."""
+    out, seen, stack = [], set(), [model]
+    while stack:
+        m = stack.pop()
+        if id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+            stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return out
 
 
 class ProgramCache:

@@ -208,14 +208,14 @@ class OptimizerPlan:
         return [i for i in g.param_positions if self.held is None or self.names[i] in self.held]
 
     def _group_step(self, g: GroupPlan) -> float:
-        """The step count of a group's parameters, which must agree. Read once where they are lanes of one flat
-        buffer (``runtime/flat_storage.py`` checks that the lanes agree before every step), else from one stacked
-        read of them all (a per-parameter ``.item()`` cost each step an op per parameter, and a device sync each
-        on a GPU); a parameter with no state yet (a flat step creates it, as eager does) counts 0."""
+        """The step count of a group's parameters, which must agree. Read once per flat buffer where they are lanes
+        of flat buffers (a bucket's), else from one stacked read of them all (a per-parameter ``.item()`` cost each
+        step an op per parameter, and a device sync each on a GPU); a parameter with no state yet (a flat step
+        creates it, as eager does) counts 0."""
         counts = [self.optimizer.state[self.params[i]].get("step") for i in self._held(g)]
-        lanes = counts[0]._base if counts and counts[0] is not None else None
-        if lanes is not None and all(t is not None and t._base is lanes for t in counts):
-            return float(counts[0])
+        lanes = _lane_values(counts)
+        if lanes is not None and len(lanes) == 1:
+            return lanes.pop()
         alike = all(t is not None and t.shape == () for t in counts) and len({(t.dtype, t.device) for t in counts}) == 1
         if len(counts) > 1 and alike:
             low, high = torch.stack(counts).aminmax()  # one read for the group, not one per parameter
@@ -293,3 +293,21 @@ def _adam_update(p, grad, state, group, slot):
         new_state.append(second)
     denom = torch.add(torch.div(torch.sqrt(second), slot["bias_correction2_sqrt"]), group["eps"])
     return torch.addcdiv(p, torch.mul(exp_avg, slot["neg_step_size"]), denom), new_state
+
+
+def _lane_values(counts: list[torch.Tensor | None]) -> set[float] | None:
+    """The values of 0-d step counts that are all elements of 1-D buffers (``flatten-update``'s lanes), read with
+    one op per buffer; None where any is not."""
+    bases: dict[int, torch.Tensor] = {}
+    for t in counts:
+        if t is None or t._base is None or t.dim():
+            return None
+        bases.setdefault(id(t._base), t._base)
+    if any(b.dim() != 1 or b.stride(0) != 1 for b in bases.values()):
+        return None
+    read = {key: (b.tolist(), b.storage_offset()) for key, b in bases.items()}
+    values = set()
+    for t in counts:
+        lanes, start = read[id(t._base)]
+        values.add(lanes[t.storage_offset() - start])
+    return values

@@ -1,0 +1,142 @@
+"""The uncompiled step without the ops whose result is the same every step: each computed once, before the first.
+
+A step's graph holds nodes that read no input of the step: a view of a persistent bucket buffer (one
+``as_strided`` per gradient slot, 148 on GPT-2), and the model's own constants (transformers' causal mask:
+``arange``, ``scalar_tensor``, ``where``...). Each costs the host a dispatch every step, and a non-view op a
+kernel launch on a GPU, where the uncompiled step is host-bound. :func:`folded` returns a graph module that runs
+the same program with each such node a constant attribute, computed when it is made. Inductor folds constants
+itself and a captured step replays them for nothing, so only the plain runner folds; the program itself (dumps,
+verifiers, checkpoints, the cost model) keeps every node.
+
+What folds, proved from the graph: an aten op that is not random, writes nothing, and reads only constants
+(``get_attr`` attributes, folded nodes). A view of a persistent buffer aliases it as the unfolded step's view
+does, so it folds even where a later op writes through it (``mm.out`` into a gradient slot). Any other op's
+result would become one tensor shared by every step instead of a fresh one per step, so it folds only where
+nothing writes to it or through a view of it, it reads no attribute (the step may write those), nothing returns
+it, and it is at most :data:`MAX_FOLDED_BYTES`.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import torch
+import torch.fx as fx
+
+from transpiler.graph.views import is_view
+
+MAX_FOLDED_BYTES = 16 * 2**20  # a folded result that is not a view lives as long as the step: a mask, not a bucket
+
+
+def folded(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its constant nodes computed once (``gm`` itself where there is none)."""
+    plan = _foldable(gm.graph)
+    if not plan:
+        return gm
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    copies: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, copies)
+    graph.output(out)
+    result = fx.GraphModule(gm, graph)
+    values = _evaluate(gm, plan)
+    for i, node in enumerate(plan):
+        kept = [u for u in node.users if u not in plan]
+        if not kept:
+            continue
+        name = f"_folded_{i}"
+        value = values[node]
+        if isinstance(value, torch.Tensor):
+            result.register_buffer(name, value, persistent=False)
+        else:
+            setattr(result, name, value)
+        twin = copies[node]
+        with graph.inserting_before(twin):
+            attr = graph.get_attr(name)
+        attr.meta = dict(twin.meta)
+        twin.replace_all_uses_with(attr)
+    for node in reversed(plan):  # the folded nodes no one reads now (not a general dead-code pass: side effects)
+        if not copies[node].users:
+            graph.erase_node(copies[node])
+    result.recompile()
+    return result
+
+
+def _foldable(graph: fx.Graph) -> list[fx.Node]:
+    """The nodes to fold, in graph order."""
+    constant: set[fx.Node] = set()
+    reads_attr: set[fx.Node] = set()  # computed from a get_attr: foldable as views only
+    order = []
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            constant.add(node)
+            reads_attr.add(node)
+            continue
+        if node.op != "call_function" or not _pure(node) or not all(a in constant for a in node.all_input_nodes):
+            continue
+        from_attr = any(a in reads_attr for a in node.all_input_nodes)
+        view = node.target is operator.getitem or is_view(node)
+        if not view and (from_attr or _written_or_returned(node) or _nbytes(node) > MAX_FOLDED_BYTES):
+            continue
+        constant.add(node)
+        if from_attr:
+            reads_attr.add(node)
+        order.append(node)
+    return order
+
+
+def _pure(node: fx.Node) -> bool:
+    """An aten op (or ``getitem`` of one's results) that neither writes its arguments nor draws random numbers."""
+    if node.target is operator.getitem:
+        return True
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return False
+    return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _written_or_returned(node: fx.Node) -> bool:
+    """Whether an op writes ``node``'s result (or a view of it) or the graph returns it."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if user.op == "output":
+                return True
+            if user.target is operator.getitem or is_view(user):
+                stack.append(user)
+            elif not isinstance(user.target, torch._ops.OpOverload) or user.target._schema.is_mutable:
+                return True  # writes it, or a call that cannot be seen into
+    return False
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    values = value if isinstance(value, list | tuple) else [value]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return MAX_FOLDED_BYTES + 1  # unknown: not folded
+    return sum(v.numel() * v.element_size() for v in values)
+
+
+def _evaluate(gm: fx.GraphModule, plan: list[fx.Node]) -> dict[fx.Node, object]:
+    """The folded nodes' values, computed from ``gm``'s attributes."""
+    values: dict[fx.Node, object] = {}
+    for node in plan:
+        for a in node.all_input_nodes:
+            if a.op == "get_attr" and a not in values:
+                values[a] = _attr(gm, a.target)
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
+        with torch.no_grad():
+            values[node] = node.target(*args, **kwargs)
+    return values
+
+
+def _attr(gm: fx.GraphModule, target: str) -> object:
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
