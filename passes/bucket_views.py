@@ -9,8 +9,7 @@ The slots are laid out as ``transpiler/graph/bucket_layout.py`` says (each on an
 ``mm.out`` into a view carries eager's bits), which its verifier checks. A gradient whose
 producer has an ``out=`` form (``mm`` for weight gradients, ``sum`` for bias gradients) and which nothing
 else reads is *produced* into its view; any other gradient is copied into it (``copy_``), as DDP copies
-gradients into its buckets (from before autocast's cast to float32 where there is one: ``copy_`` casts).
-``transpiler::bucket_ready`` then orders the all-reduce after the writes.
+gradients into its buckets. ``transpiler::bucket_ready`` then orders the all-reduce after the writes.
 """
 
 from __future__ import annotations
@@ -64,23 +63,6 @@ def _producer(grad: fx.Node) -> fx.Node | None:
     if not all(isinstance(v, torch.Tensor) and v.is_contiguous() for v in values):
         return None
     return node
-
-
-def _cast_source(grad: fx.Node, slot_device: torch.device) -> fx.Node:
-    """What a copy into a slot reads for ``grad``: the input of a plain dtype cast (autocast's backward casts each
-    bfloat16 weight gradient to float32), since ``copy_`` converts the dtype itself, with the same conversion
-    (``_to_copy`` is an allocation and a ``copy_``): one op and one temporary fewer per gradient, the same bits.
-    Otherwise ``grad`` itself."""
-    if grad.target is not aten._to_copy.default or set(grad.kwargs) - {"dtype", "layout", "device"}:
-        return grad
-    source = grad.args[0]
-    value = source.meta.get("val") if isinstance(source, fx.Node) else None
-    plain = grad.kwargs.get("layout", torch.strided) == torch.strided and len(grad.args) == 1
-    if not plain or not isinstance(value, torch.Tensor) or value.layout != torch.strided:
-        return grad
-    if value.device != slot_device or torch.device(grad.kwargs.get("device", value.device)) != value.device:
-        return grad
-    return source
 
 
 def _slot_name(program: StepProgram, tag: str, index: int) -> str:
@@ -139,7 +121,7 @@ def write_into_buffer(
     writes = []
     for node, slot, producer in zip(nodes, slots, producers):
         if producer is None:
-            writes.append(cursor.emit(aten.copy_.default, (slot, _cast_source(node, first.device)), **comm))
+            writes.append(cursor.emit(aten.copy_.default, (slot, node), **comm))
             continue
         producer.target = OUT_FORMS[producer.target]
         producer.kwargs = {**producer.kwargs, "out": slot}

@@ -30,12 +30,13 @@ from transpiler.graph.verify import (
     check_shards,
     shard_place,
 )
-from transpiler.runtime import constant_fold, cost_probe, host_memory, op_scratch, stage_handshake
+from transpiler.runtime import cost_probe, host_memory, op_scratch, stage_handshake
 from transpiler.runtime import cuda_graph as cuda_graph_module
 from transpiler.runtime.compile import CompiledProgram
 from transpiler.runtime.cuda_graph import CapturedProgram
 from transpiler.runtime.execution import Execution
 from transpiler.runtime.handshake import Setup, describe_model, describe_optimizer
+from transpiler.runtime.plain_runner import plain_runner
 from transpiler.runtime.process_group import Placement
 from transpiler.runtime.program_cache import Built, batch_key
 from transpiler.strategies.pipeline_parallel import PipelineParallel
@@ -212,14 +213,14 @@ def check_frozen_whole(model: torch.nn.Module, whole: dict[str, tuple[int, ...]]
 
 def runners_for(programs: dict[str, StepProgram], *, compile: bool, cuda_graph: bool) -> dict[str, Callable]:
     """What runs each variant: compiled, captured (one memory pool for all variants), both (the captured device
-    part compiled), or its graph module with the nodes that compute the same value every step folded."""
+    part compiled), or its graph module with casting copies fused and constants folded (``plain_runner``)."""
     if cuda_graph:
         pool = cuda_graph_module.CAPTURER.new_pool()
         wrap = CompiledProgram if compile else None
         return {v: CapturedProgram(p, v, pool, wrap, cuda_graph_module.CAPTURER) for v, p in programs.items()}
     if compile:
         return {v: CompiledProgram(p.graph_module, v) for v, p in programs.items()}
-    return {v: constant_fold.folded(p.graph_module) for v, p in programs.items()}
+    return {v: plain_runner(p.graph_module) for v, p in programs.items()}
 
 
 def fit_budget(traced: StepProgram, variants: dict[str, list[Pass]], execution: Execution) -> None:

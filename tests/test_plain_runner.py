@@ -1,4 +1,5 @@
-"""The plain runner folds what is the same every step (``transpiler/runtime/constant_fold.py``), and nothing else.
+"""The plain runner (``transpiler/runtime/plain_runner.py``) folds what is the same every step, and nothing else,
+and lets a copy cast.
 
 Each rule on a graph written here, run against the unfolded graph; then a transformers GPT-2 with dropout under
 bf16 autocast, whose folded step is bitwise its unfolded one step after step. Quick: about 6 s.
@@ -16,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from transpiler import transpile
-from transpiler.runtime.constant_fold import MAX_FOLDED_BYTES, folded
+from transpiler.runtime.plain_runner import MAX_FOLDED_BYTES, plain_runner
 
 pytestmark = pytest.mark.quick
 aten = torch.ops.aten
@@ -47,7 +48,7 @@ def test_a_view_of_an_attribute_folds_even_where_an_op_writes_through_it():
         return (g.call_function(aten.clone.default, (a["bucket"],)),)
 
     gm = module(build, torch.ones(2, 2), bucket=torch.zeros(8))
-    run = folded(gm)
+    run = plain_runner(gm)
     assert aten.as_strided.default not in targets(run) and aten.mm.out in targets(run)
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     assert torch.equal(run(x)[0], torch.tensor([0, 0, 0, 0, 7, 10, 15, 22.0]))
@@ -63,7 +64,7 @@ def test_an_allocation_that_is_written_or_returned_stays_fresh_every_step():
         returned = g.call_function(aten.arange.default, (4,))
         return (fresh, returned)
 
-    run = folded(module(build, torch.ones(4)))
+    run = plain_runner(module(build, torch.ones(4)))
     assert targets(run).count(aten.zeros.default) == 1 and aten.arange.default in targets(run)
     first, _ = run(torch.ones(4))
     second, _ = run(torch.full((4,), 2.0))
@@ -81,7 +82,7 @@ def test_random_ops_ops_on_attributes_and_large_results_are_not_folded():
         large = g.call_function(aten.sum.default, (g.call_function(aten.ones.default, ([big],)),))
         return (g.call_function(aten.add.Tensor, (g.call_function(aten.mul.Tensor, (x, drop)), total)), large)
 
-    run = folded(module(build, torch.ones(4), state=torch.ones(3)))
+    run = plain_runner(module(build, torch.ones(4), state=torch.ones(3)))
     kept = targets(run)
     assert aten.bernoulli.p in kept and aten.sum.default in kept and kept.count(aten.ones.default) == 1
     torch.manual_seed(0)
@@ -99,10 +100,39 @@ def test_a_constant_computed_from_factories_folds_and_gives_the_same_result():
         return (g.call_function(aten.mul.Tensor, (x, mask)),)
 
     gm = module(build, torch.ones(4))
-    run = folded(gm)
+    run = plain_runner(gm)
     assert targets(run) == [aten.mul.Tensor]
     x = torch.randn(4)
     assert torch.equal(run(x)[0], gm(x)[0])
+
+
+def test_a_copy_casts_where_the_cast_was_only_for_it_and_to_its_dtype():
+    def build(g, a):
+        x = g.placeholder("x")  # float32
+        widened = g.call_function(aten._to_copy.default, (x,), {"dtype": torch.float64})  # read by the copy alone
+        g.call_function(aten.copy_.default, (a["wide"], widened))
+        rounded = g.call_function(aten._to_copy.default, (x,), {"dtype": torch.bfloat16})  # then widened again
+        g.call_function(aten.copy_.default, (a["narrow"], rounded))
+        shared = g.call_function(aten._to_copy.default, (x,), {"dtype": torch.float64})  # read twice
+        g.call_function(aten.copy_.default, (a["other"], shared))
+        return (g.call_function(aten.clone.default, (shared,)),)
+
+    buffers = {
+        "wide": torch.zeros(5, dtype=torch.float64),
+        "narrow": torch.zeros(5),
+        "other": torch.zeros(5, dtype=torch.float64),
+    }
+    gm = module(build, torch.ones(5), **buffers)
+    run = plain_runner(gm)
+    assert targets(run).count(aten._to_copy.default) == 2 and targets(run).count(aten.copy_.default) == 3
+    x = torch.randn(5, generator=torch.Generator().manual_seed(0)) * 1e3
+    run(x)
+    assert torch.equal(run.wide, x.double()) and torch.equal(run.narrow, x.bfloat16().float())
+    folded = {name: getattr(run, name).clone() for name in buffers}  # the runner shares the buffers with gm
+    for name in buffers:
+        getattr(gm, name).zero_()
+    gm(x)
+    assert all(torch.equal(getattr(gm, name), folded[name]) for name in buffers)
 
 
 def test_a_graph_without_constants_is_run_as_it_is():
@@ -110,7 +140,7 @@ def test_a_graph_without_constants_is_run_as_it_is():
         return (g.call_function(aten.neg.default, (g.placeholder("x"),)),)
 
     gm = module(build, torch.ones(4))
-    assert folded(gm) is gm
+    assert plain_runner(gm) is gm
 
 
 def test_gpt2_with_dropout_under_autocast_folds_and_keeps_its_bits():

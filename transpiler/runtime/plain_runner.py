@@ -1,19 +1,24 @@
-"""The uncompiled step without the ops whose result is the same every step: each computed once, before the first.
+"""What runs the uncompiled, uncaptured step: its program's graph, with two rewrites that leave every bit as it was.
 
-A step's graph holds nodes that read no input of the step: a view of a persistent bucket buffer (one
-``as_strided`` per gradient slot, 148 on GPT-2), and the model's own constants (transformers' causal mask:
-``arange``, ``scalar_tensor``, ``where``...). Each costs the host a dispatch every step, and a non-view op a
-kernel launch on a GPU, where the uncompiled step is host-bound. :func:`folded` returns a graph module that runs
-the same program with each such node a constant attribute, computed when it is made. Inductor folds constants
-itself and a captured step replays them for nothing, so only the plain runner folds; the program itself (dumps,
-verifiers, checkpoints, the cost model) keeps every node.
+On a GPU the uncompiled step is host-bound where its kernels are small: every op costs the host a dispatch, a
+non-view op a kernel launch too. The program (dumps, verifiers, checkpoints, the cost model) keeps every node;
+:func:`plain_runner` returns a copy of its graph module that runs fewer:
 
-What folds, proved from the graph: an aten op that is not random, writes nothing, and reads only constants
-(``get_attr`` attributes, folded nodes). A view of a persistent buffer aliases it as the unfolded step's view
-does, so it folds even where a later op writes through it (``mm.out`` into a gradient slot). Any other op's
-result would become one tensor shared by every step instead of a fresh one per step, so it folds only where
-nothing writes to it or through a view of it, it reads no attribute (the step may write those), nothing returns
-it, and it is at most :data:`MAX_FOLDED_BYTES`.
+- **copies that cast**: ``copy_(dst, _to_copy(x, dtype=dst's))`` where nothing else reads the cast becomes
+  ``copy_(dst, x)``, since ``copy_`` converts the dtype itself with the same conversion (``_to_copy`` is an
+  allocation and a ``copy_``). Under autocast each bfloat16 weight gradient is cast to float32 and copied into
+  its bucket slot: 96 ops and temporaries a step fewer on GPT-2.
+- **constants**: a node that reads no input of the step is computed once, here, and becomes an attribute: a view
+  of a persistent bucket buffer (one ``as_strided`` per gradient slot, 148 on GPT-2) and the model's own
+  constants (transformers' causal mask: ``arange``, ``scalar_tensor``, ``where``...). An aten op that is not
+  random, writes nothing, and reads only constants (``get_attr`` attributes, folded nodes) folds. A view of a
+  persistent buffer aliases it as the unfolded step's view does, so it folds even where a later op writes through
+  it (``mm.out`` into a gradient slot). Any other op's result would become one tensor shared by every step
+  instead of a fresh one per step, so it folds only where nothing writes to it or through a view of it, it reads
+  no attribute (the step may write those), nothing returns it, and it is at most :data:`MAX_FOLDED_BYTES`.
+
+Inductor does both itself under ``compile=True``, and a captured step replays its kernels without the host, so
+only the plain runner rewrites.
 """
 
 from __future__ import annotations
@@ -26,24 +31,30 @@ import torch.fx as fx
 
 from transpiler.graph.views import is_view
 
+aten = torch.ops.aten
 MAX_FOLDED_BYTES = 16 * 2**20  # a folded result that is not a view lives as long as the step: a mask, not a bucket
 
 
-def folded(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with its constant nodes computed once (``gm`` itself where there is none)."""
+def plain_runner(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its casting copies fused and its constant nodes computed once (``gm`` itself where neither
+    applies)."""
+    casts = [n for n in gm.graph.nodes if _cast_copied(n) is not None]
     plan = _foldable(gm.graph)
-    if not plan:
+    if not plan and not casts:
         return gm
     graph = fx.Graph()
     graph._codegen = copy.deepcopy(gm.graph._codegen)
     copies: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(gm.graph, copies)
-    graph.output(out)
+    graph.output(graph.graph_copy(gm.graph, copies))
     result = fx.GraphModule(gm, graph)
+    for cast in casts:
+        twin = copies[cast]
+        (user,) = twin.users
+        user.replace_input_with(twin, twin.args[0])
+        graph.erase_node(twin)
     values = _evaluate(gm, plan)
     for i, node in enumerate(plan):
-        kept = [u for u in node.users if u not in plan]
-        if not kept:
+        if all(u in plan for u in node.users):
             continue
         name = f"_folded_{i}"
         value = values[node]
@@ -61,6 +72,26 @@ def folded(gm: fx.GraphModule) -> fx.GraphModule:
             graph.erase_node(copies[node])
     result.recompile()
     return result
+
+
+def _cast_copied(node: fx.Node) -> fx.Node | None:
+    """The ``copy_`` that alone reads ``node``, where ``node`` is a plain cast to that copy's destination dtype on
+    its input's device; else None."""
+    if node.target is not aten._to_copy.default or len(node.args) != 1 or len(node.users) != 1:
+        return None
+    if set(node.kwargs) - {"dtype", "layout", "device"} or node.kwargs.get("layout", torch.strided) != torch.strided:
+        return None
+    (user,) = node.users
+    if user.target is not aten.copy_.default or user.args[0] is node or user.args[1] is not node:
+        return None
+    source, dest = node.args[0], user.args[0]
+    values = [n.meta.get("val") if isinstance(n, fx.Node) else None for n in (source, dest, node)]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return None
+    value, dest_value, cast = values
+    if value.layout != torch.strided or cast.dtype != dest_value.dtype or value.device != cast.device:
+        return None
+    return user
 
 
 def _foldable(graph: fx.Graph) -> list[fx.Node]:
