@@ -44,7 +44,7 @@ def test_bf16_autocast_around_the_step_is_bitwise_eager_autocast(mode, model_nam
         assert torch.equal(loss, expected)
         assert_same_training_state(model, optimizer, ref, ref_opt)
     assert any(n.target is torch.ops.aten._to_copy.default for n in step.program.graph.nodes)  # the casts
-    runner = step._state.built.runners["step"]  # runtime/plain_runner.py: the copy into a bucket slot casts
+    runner = step._state.built.runners["step"].module  # runtime/plain_runner.py: the copy into a bucket slot casts
     copies = [n for n in runner.graph.nodes if n.target is torch.ops.aten.copy_.default]
     assert all(n.args[1].target is not torch.ops.aten._to_copy.default for n in copies)
 

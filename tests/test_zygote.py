@@ -87,12 +87,16 @@ WORKER_PROBE = textwrap.dedent(
         "host": socket.gethostname(),
         "net": os.stat("/proc/self/ns/net").st_ino, "hosts": open("/etc/hosts").read(),
     }
+    if rank == "0":  # torchrun ends it with SIGTERM once rank 1 has failed
+        signal.signal(signal.SIGTERM, lambda *_: (open(os.path.join(out, "terminated"), "w").close(), os._exit(7)))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(seen, f)
     print(f"rank {rank} printed", flush=True)
-    if rank == "0":  # torchrun ends it with SIGTERM once rank 1 has failed
-        signal.signal(signal.SIGTERM, lambda *_: (open(os.path.join(out, "terminated"), "w").close(), os._exit(7)))
+    if rank == "0":
         time.sleep(120)
+    waited = time.time()  # rank 0 may start seconds later on a loaded machine: it must have written before this fails
+    while not os.path.exists(os.path.join(out, "rank0.json")) and time.time() - waited < 60:
+        time.sleep(0.05)
     time.sleep(0.5)
     sys.exit(3)
     """

@@ -36,7 +36,7 @@ from transpiler.runtime.compile import CompiledProgram
 from transpiler.runtime.cuda_graph import CapturedProgram
 from transpiler.runtime.execution import Execution
 from transpiler.runtime.handshake import Setup, describe_model, describe_optimizer
-from transpiler.runtime.plain_runner import plain_runner
+from transpiler.runtime.plain_runner import PlainRunner
 from transpiler.runtime.process_group import Placement
 from transpiler.runtime.program_cache import Built, batch_key
 from transpiler.strategies.pipeline_parallel import PipelineParallel
@@ -220,7 +220,7 @@ def runners_for(programs: dict[str, StepProgram], *, compile: bool, cuda_graph: 
         return {v: CapturedProgram(p, v, pool, wrap, cuda_graph_module.CAPTURER) for v, p in programs.items()}
     if compile:
         return {v: CompiledProgram(p.graph_module, v) for v, p in programs.items()}
-    return {v: plain_runner(p.graph_module) for v, p in programs.items()}
+    return {v: PlainRunner(p.graph_module) for v, p in programs.items()}
 
 
 def fit_budget(traced: StepProgram, variants: dict[str, list[Pass]], execution: Execution) -> None:

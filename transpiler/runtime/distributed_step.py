@@ -31,6 +31,7 @@ from . import dcp_checkpoint, feed, global_weights, lending, op_scratch, snapsho
 from .data_position import DataPosition
 from .failures import run_named
 from .memory_report import LastRun, MemoryReport, memory_report
+from .plain_runner import PlainRunner
 from .process_group import Placement
 from .program_cache import Builder, Built, ProgramCache
 from .quorum import Quorum
@@ -173,8 +174,8 @@ class DistributedStep:
         on_gpu = bool(built.params) and built.device.type == "cuda"
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(built.device)
-        runner = built.runners[variant]  # a folded graph module names its own failing node
-        named = runner if isinstance(runner, torch.fx.GraphModule) else program.graph_module
+        runner = built.runners[variant]  # the plain runner's own module names its failing node
+        named = runner.module if isinstance(runner, PlainRunner) else program.graph_module
         run = functools.partial(run_named, runner, named, inputs, variant, state.placement)
         outputs, self.committed = self.quorum.run(run) if seat is not None else (run(), True)
         if not self.committed:  # the quorum did not commit this step: nothing is written back, it is retried

@@ -35,9 +35,28 @@ aten = torch.ops.aten
 MAX_FOLDED_BYTES = 16 * 2**20  # a folded result that is not a view lives as long as the step: a mask, not a bucket
 
 
+class PlainRunner:
+    """Runs a program's graph module as :func:`plain_runner` rewrites it, the rewrite made on first use: a program
+    built and never run (every rank's, built in one process for a static check) costs no more to build."""
+
+    def __init__(self, program_module: fx.GraphModule) -> None:
+        self.program_module = program_module
+        self._module: fx.GraphModule | None = None
+
+    @property
+    def module(self) -> fx.GraphModule:
+        """The graph module that runs (its generated code is what a failure's traceback shows)."""
+        if self._module is None:
+            self._module = plain_runner(self.program_module)
+        return self._module
+
+    def __call__(self, *inputs) -> tuple:
+        return self.module(*inputs)
+
+
 def plain_runner(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with its casting copies fused and its constant nodes computed once (``gm`` itself where neither
-    applies)."""
+    applies). The new module holds ``gm``'s attributes, the same tensors, and the folded values."""
     casts = [n for n in gm.graph.nodes if _cast_copied(n) is not None]
     plan = _foldable(gm.graph)
     if not plan and not casts:
@@ -46,22 +65,20 @@ def plain_runner(gm: fx.GraphModule) -> fx.GraphModule:
     graph._codegen = copy.deepcopy(gm.graph._codegen)
     copies: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, copies))
-    result = fx.GraphModule(gm, graph)
     for cast in casts:
         twin = copies[cast]
         (user,) = twin.users
         user.replace_input_with(twin, twin.args[0])
         graph.erase_node(twin)
-    values = _evaluate(gm, plan)
+    attrs = {n.target: _attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    values = _evaluate(attrs, plan)
     for i, node in enumerate(plan):
         if all(u in plan for u in node.users):
             continue
         name = f"_folded_{i}"
-        value = values[node]
-        if isinstance(value, torch.Tensor):
-            result.register_buffer(name, value, persistent=False)
-        else:
-            setattr(result, name, value)
+        while name in attrs:
+            name += "_"
+        attrs[name] = values[node]
         twin = copies[node]
         with graph.inserting_before(twin):
             attr = graph.get_attr(name)
@@ -70,8 +87,7 @@ def plain_runner(gm: fx.GraphModule) -> fx.GraphModule:
     for node in reversed(plan):  # the folded nodes no one reads now (not a general dead-code pass: side effects)
         if not copies[node].users:
             graph.erase_node(copies[node])
-    result.recompile()
-    return result
+    return fx.GraphModule(attrs, graph, class_name=type(gm).__name__)
 
 
 def _cast_copied(node: fx.Node) -> fx.Node | None:
@@ -153,13 +169,13 @@ def _nbytes(node: fx.Node) -> int:
     return sum(v.numel() * v.element_size() for v in values)
 
 
-def _evaluate(gm: fx.GraphModule, plan: list[fx.Node]) -> dict[fx.Node, object]:
-    """The folded nodes' values, computed from ``gm``'s attributes."""
+def _evaluate(attrs: dict[str, object], plan: list[fx.Node]) -> dict[fx.Node, object]:
+    """The folded nodes' values, computed from the module's attributes ``attrs``."""
     values: dict[fx.Node, object] = {}
     for node in plan:
         for a in node.all_input_nodes:
-            if a.op == "get_attr" and a not in values:
-                values[a] = _attr(gm, a.target)
+            if a.op == "get_attr":
+                values[a] = attrs[a.target]
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
         with torch.no_grad():
             values[node] = node.target(*args, **kwargs)
