@@ -309,9 +309,6 @@ def _vectorise(
             return env.get(arg, arg)
 
         args, kwargs = fx.node.map_arg(node.args, read), fx.node.map_arg(node.kwargs, read)
-        if kind == "tensor":
-            like = node.meta["val"]
-            args = fx.node.map_arg(args, lambda arg, like=like: _operand_in_the_tensors_dtype(program, arg, like))
         if kind == "scalar":  # a Python number: its symbolic value stays what tracing made it
             with program.graph.inserting_after(cursor.anchor):
                 copy = cursor.anchor = program.graph.call_function(node.target, args, kwargs)
@@ -330,30 +327,6 @@ def _vectorise(
         new = env.get(value, value)
         if new is not target:
             cursor.emit(aten.copy_.default, (target, new), role="optimizer", writes_back=tag)
-
-
-def _operand_in_the_tensors_dtype(program: StepProgram, arg: fx.Node, like: torch.Tensor) -> fx.Node:
-    """A 0-d operand of another floating dtype (the per-step scalars are float64) cast once to the flat
-    tensors' dtype, float32 or float64. CUDA runs an op with an operand of another dtype in its element-wise
-    kernel that converts the operand per element (GPT-2's update: 54 such kernels a step, 1.43 ms on an H200;
-    1.14 ms in the kernel without conversion once cast); the CPU casts such an operand inside each op. Both
-    convert it to the tensors' dtype first (a 0-d operand does not promote), where the arithmetic runs, so the
-    bits stay (tests/test_gpu.py's figures did not move). One cast per scalar serves every run."""
-    val = arg.meta.get("val")
-    if like.dtype not in (torch.float32, torch.float64):
-        return arg
-    if not isinstance(val, torch.Tensor) or val.dim() or val.dtype == like.dtype or not val.dtype.is_floating_point:
-        return arg
-    if val.device != like.device:
-        return arg
-    for user in arg.users:
-        if user.target is aten._to_copy.default and user.kwargs == {"dtype": like.dtype}:
-            return user
-    if arg.op == "placeholder":
-        arg_at = [n for n in program.graph.nodes if n.op == "placeholder"][-1]
-    else:
-        arg_at = arg
-    return Cursor(program.graph, arg_at).emit(aten._to_copy.default, (arg,), {"dtype": like.dtype}, role="optimizer")
 
 
 def _owner(port: Port) -> str:

@@ -16,6 +16,7 @@ from torch import nn
 from bench.tiny_models import make_batch, make_model
 from tests.helpers import assert_same_training_state, eager_step
 from transpiler import DataParallel, LossScaling, transpile
+from transpiler.runtime.plain_runner import plain_runner
 
 pytestmark = pytest.mark.bitwise  # claims eager's bits: run again under narrower kernels in .ci/run
 
@@ -44,7 +45,7 @@ def test_bf16_autocast_around_the_step_is_bitwise_eager_autocast(mode, model_nam
         assert torch.equal(loss, expected)
         assert_same_training_state(model, optimizer, ref, ref_opt)
     assert any(n.target is torch.ops.aten._to_copy.default for n in step.program.graph.nodes)  # the casts
-    runner = step._state.built.runners["step"].module  # runtime/plain_runner.py: the copy into a bucket slot casts
+    runner = plain_runner(step.program.graph_module)  # what runs on a GPU: the copy into a bucket slot casts
     copies = [n for n in runner.graph.nodes if n.target is torch.ops.aten.copy_.default]
     assert all(n.args[1].target is not torch.ops.aten._to_copy.default for n in copies)
 

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from transpiler import transpile
-from transpiler.runtime.plain_runner import MAX_FOLDED_BYTES, plain_runner
+from transpiler.runtime.plain_runner import MAX_FOLDED_BYTES, PlainRunner, plain_runner, runs_on_gpu
 
 pytestmark = pytest.mark.quick
 aten = torch.ops.aten
@@ -163,8 +163,9 @@ def test_gpt2_with_dropout_under_autocast_folds_and_keeps_its_bits():
         steps.append(transpile(m, torch.optim.AdamW(m.parameters(), lr=1e-3), "fused_allreduce", None))
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        built = steps[1].prepare((ids,))
-    built.runners = {v: p.graph_module for v, p in built.programs.items()}  # the twin runs them as built
+        built = steps[0].prepare((ids,))
+    # the plain runner, as a GPU's step has it; the twin runs the graph modules as built, as the CPU does
+    built.runners = {v: PlainRunner(p.graph_module) for v, p in built.programs.items()}
     for i in range(3):
         losses = []
         for step in steps:
@@ -175,6 +176,7 @@ def test_gpt2_with_dropout_under_autocast_folds_and_keeps_its_bits():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
     built = steps[0]._state.built
     run, program = built.runners["step"].module, built.programs["step"].graph_module
-    assert run is not program
+    assert run is not program and not runs_on_gpu(program)
+    assert steps[1]._state.built.runners["step"] is steps[1]._state.built.programs["step"].graph_module
     assert targets(run).count(aten.as_strided.default) < targets(program).count(aten.as_strided.default)
     assert targets(run).count(aten.bernoulli.p) == targets(program).count(aten.bernoulli.p) > 0

@@ -36,7 +36,7 @@ from transpiler.runtime.compile import CompiledProgram
 from transpiler.runtime.cuda_graph import CapturedProgram
 from transpiler.runtime.execution import Execution
 from transpiler.runtime.handshake import Setup, describe_model, describe_optimizer
-from transpiler.runtime.plain_runner import PlainRunner
+from transpiler.runtime.plain_runner import PlainRunner, runs_on_gpu
 from transpiler.runtime.process_group import Placement
 from transpiler.runtime.program_cache import Built, batch_key
 from transpiler.strategies.pipeline_parallel import PipelineParallel
@@ -213,14 +213,15 @@ def check_frozen_whole(model: torch.nn.Module, whole: dict[str, tuple[int, ...]]
 
 def runners_for(programs: dict[str, StepProgram], *, compile: bool, cuda_graph: bool) -> dict[str, Callable]:
     """What runs each variant: compiled, captured (one memory pool for all variants), both (the captured device
-    part compiled), or its graph module with casting copies fused and constants folded (``plain_runner``)."""
+    part compiled), or on a GPU its graph module with casting copies fused and constants folded (``plain_runner``);
+    a variant left out runs its graph module as built."""
     if cuda_graph:
         pool = cuda_graph_module.CAPTURER.new_pool()
         wrap = CompiledProgram if compile else None
         return {v: CapturedProgram(p, v, pool, wrap, cuda_graph_module.CAPTURER) for v, p in programs.items()}
     if compile:
         return {v: CompiledProgram(p.graph_module, v) for v, p in programs.items()}
-    return {v: PlainRunner(p.graph_module) for v, p in programs.items()}
+    return {v: PlainRunner(p.graph_module) for v, p in programs.items() if runs_on_gpu(p.graph_module)}
 
 
 def fit_budget(traced: StepProgram, variants: dict[str, list[Pass]], execution: Execution) -> None:

@@ -18,7 +18,10 @@ non-view op a kernel launch too. The program (dumps, verifiers, checkpoints, the
   no attribute (the step may write those), nothing returns it, and it is at most :data:`MAX_FOLDED_BYTES`.
 
 Inductor does both itself under ``compile=True``, and a captured step replays its kernels without the host, so
-only the plain runner rewrites.
+only the plain runner rewrites, and only on a GPU (:func:`runs_on_gpu`): on the CPU, ``python -m bench.peers``
+ran the narrow GPT's flat modes at 2.3x their step time with it in some rows of every run (W=2, 2026-11-30),
+though a world of two built by hand did not, nor one process; until that is understood the CPU runs the graph
+module as built.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ from transpiler.graph.views import is_view
 
 aten = torch.ops.aten
 MAX_FOLDED_BYTES = 16 * 2**20  # a folded result that is not a view lives as long as the step: a mask, not a bucket
+
+
+def runs_on_gpu(gm: fx.GraphModule) -> bool:
+    """Whether the program's inputs live on a GPU."""
+    values = (n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder")
+    return any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in values)
 
 
 class PlainRunner:
