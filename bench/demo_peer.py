@@ -25,7 +25,8 @@ class AuthorsDeMo(torch.optim.SGD):
     def __init__(self, params, lr: float, decay: float = 0.999, topk: int = 32, chunk: int = 64) -> None:
         super().__init__(params, lr=lr, foreach=False)
         self.decay, self.topk, self.chunk = decay, topk, chunk
-        self.delta = {p: torch.zeros_like(p) for g in self.param_groups for p in g["params"]}
+        for p in (p for g in self.param_groups for p in g["params"]):
+            self.state[p]["delta"] = torch.zeros_like(p)  # as theirs keeps it: in the optimizer's state
         sides = {tile_side(n, chunk) for g in self.param_groups for p in g["params"] for n in p.shape}
         self.bases = {side: dct_bases(side) for side in sides}
 
@@ -57,7 +58,7 @@ class AuthorsDeMo(torch.optim.SGD):
         world = dist.get_world_size()
         for group in self.param_groups:
             for p in group["params"]:
-                delta = self.delta[p]
+                delta = self.state[p]["delta"]
                 delta.mul_(self.decay).add_(p.grad, alpha=group["lr"])
                 coefficients = self._encode(delta)
                 rows = coefficients.reshape(*coefficients.shape[:-2], -1) if coefficients.dim() > 2 else coefficients

@@ -1,8 +1,9 @@
 """Each mode beside the peer its users would run instead, in one run: step time, ops, bytes sent and bytes held.
 
-    python -m bench.peers            # one torchrun world of 2 over gloo, about 3 minutes; writes docs/performance.md
+    python -m bench.peers     # torchrun worlds of 2, then 4, over gloo; about 10 minutes; writes docs/performance.md
 
-Rows (issue 77), every pair built on this rank from the same weights and batches, torch's own code for the peer:
+Rows (issue 77), every pair built on this rank from the same weights and batches, the peer its own code (torch's,
+torchft's, or written from its authors'):
 
 - ``fused_allreduce`` against DDP (foreach AdamW, gradients as bucket views);
 - ``zero1`` against DDP with ``ZeroRedundancyOptimizer`` (foreach AdamW sharded over the ranks);
@@ -16,7 +17,16 @@ Rows (issue 77), every pair built on this rank from the same weights and batches
   weigh, different compressors (``bench/wan.py`` sets them side by side on time to a loss). PowerSGD's callbacks
   start all-reduces from gloo's thread: with DDP's small first bucket the two ranks issued two buckets'
   all-reduces in different orders and gloo failed (sizes differ), so the peer has one bucket
-  (``bucket_cap_mb=25``, DDP's own default, given explicitly), as in ``bench/wan_worker.py``.
+  (``bucket_cap_mb=25``, DDP's own default, given explicitly), as in ``bench/wan_worker.py``;
+- ``demo`` against bloc97's ``DeMo`` optimizer in their loop (``bench/demo_peer.py``), both SGD on the exchanged
+  sign at the mode's defaults (chunk 64, top-32, decay 0.999);
+- ``sparseloco`` (H = 4, the mode's defaults) against tplr's ``Diloco`` loop driving its ``SparseLoCo`` optimizer
+  (``bench/sparseloco_peer.py``), AdamW inside both. ``tests/test_bench_peers.py`` holds both peers to the modes
+  bit for bit, so each row compares two ways of computing the same numbers;
+- ``diloco`` (H = 4, outer Nesterov SGD at 0.7, its default) against torchft's ``DiLoCo`` with a ``Manager`` per rank
+  under a lighthouse rank 0 serves (``bench/peers_torchft.py``), AdamW inside both;
+- then, in a world of 4 (dp=2 × tp=2), tensor parallelism: ``fused_allreduce``, ``zero2`` and ``zero3`` on
+  torchtitan's plan against eager TP + FSDP2, as ``bench/tensor_parallel.py`` times them (``bench/peers_tp.py``).
 
 Per row: the ops one round of steps dispatches (4 steps: ``local_sgd``'s round; ``bench/op_count.py``: work ops,
 about one kernel launch each on a GPU, and views), the bytes this rank hands to collectives in that round
@@ -26,10 +36,9 @@ bytes it holds between steps (parameters, gradients and optimizer state, each st
 profiler's memory records: ``bench/tensor_parallel.py:step_rise``), and the step time: ``ROUNDS`` rounds, each
 timing the mode's steps then the peer's (``bench/host_ops.py:interleaved_ms``: untimed steps, then timed ones
 after a barrier), the ratio of the two per round, its median over the rounds, the slower rank's. Measured
-elsewhere (docs/performance.md says where): tensor parallelism against eager TP + FSDP2
-(``bench/tensor_parallel.py``), the DiLoCo family against torchft's (``bench/wan.py``, ``bench/diloco_inner.py``),
-DeMo in its authors' loop (``bench/demo_peer.py``), the quorum against torchft's ``Manager`` + DDP
-(``bench/fault_tolerance.py``); SparseLoCo in tplr's loop nowhere yet.
+elsewhere (docs/performance.md says where): the DiLoCo family over shaped links (``bench/wan.py``). Last, the
+quorum against torchft's ``Manager`` + DDP and against no quorum, each replica group a torchrun job of its own
+(``bench/peers_quorum.py``), timing only.
 """
 
 from __future__ import annotations
@@ -47,19 +56,27 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from bench.demo_peer import AuthorsDeMo
 from bench.fsdp import adamw, fsdp2, held_bytes
 from bench.host_ops import ROUNDS, STEPS, interleaved_ms
 from bench.models import NarrowGPT, narrow_batch
 from bench.op_count import count_ops
+from bench.peers_quorum import TITLE as QUORUM_TITLE
+from bench.peers_quorum import quorum_rounds, quorum_rows
+from bench.peers_torchft import TorchftDiLoCo
+from bench.peers_tp import TITLE as TP_TITLE
+from bench.peers_tp import tp_rows, tp_world
+from bench.sparseloco_peer import TplrDiLoCo, TplrSparseLoCo
 from bench.tensor_parallel import step_rise
 from bench.two_ranks import entry, finish_rank, two_rank_results, write_section
-from transpiler import Compression, Sparsification, mode_config, transpile
+from transpiler import Compression, DiLoCo, SparseLoCo, Sparsification, mode_config, transpile
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "performance.md"
 BEGIN, END = "<!-- peers -->", "<!-- /peers -->"
 PER_RANK, ROUND, WARMUP = 4, 4, 4  # samples per rank; steps counted; steps before counting
-PERIOD = 4  # local_sgd's k and PostLocalSGDOptimizer's period
+PERIOD = 4  # local_sgd's k and PostLocalSGDOptimizer's period; sparseloco's H and tplr's
+LR = 1e-3
 MODELS: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "narrow": ("narrow GPT (12 blocks, d=16: the host's dispatching is the step)", lambda: NarrowGPT()),
     "wide": ("wide GPT (4 blocks, d=256)", lambda: NarrowGPT(blocks=4, dim=256, heads=4)),
@@ -73,19 +90,24 @@ ROWS: tuple[tuple[str, str], ...] = (
     (f"local_sgd k={PERIOD}", f"PostLocalSGDOptimizer period {PERIOD}"),
     ("fused_allreduce, fp16 compression", "DDP + fp16_compress_hook"),
     ("fused_allreduce, 1% top-K sparsification", "DDP + powerSGD_hook r=4"),
+    ("demo (SGD)", "bloc97's DeMo"),
+    (f"sparseloco H={PERIOD}", f"tplr's SparseLoCo, H={PERIOD}"),
+    (f"diloco H={PERIOD}", f"torchft DiLoCo, H={PERIOD}"),
 )
+SPARSELOCO = SparseLoCo(sync_every=PERIOD)  # the mode's defaults; tplr's optimizer gets the same
+
+
+def _nothing() -> None:
+    pass
 
 
 class Built:
-    """One variant's step on this rank, and what it holds between steps."""
+    """One variant's step on this rank, and the bytes it holds between steps."""
 
-    def __init__(self, run: Callable[[], object], model: nn.Module, optimizer=None, transpiled=None) -> None:
-        self.run, self.model, self.optimizer, self.transpiled = run, model, optimizer, transpiled
-
-    def held_bytes(self) -> int:
-        if self.transpiled is not None:
-            return self.transpiled.memory_report().held
-        return held_bytes(self.model, self.optimizer)
+    def __init__(
+        self, run: Callable[[], object], held: Callable[[], int], close: Callable[[], None] = _nothing
+    ) -> None:
+        self.run, self.held_bytes, self.close = run, held, close
 
 
 def build(label: str, base: nn.Module, batches: list[tuple]) -> Built:
@@ -93,17 +115,34 @@ def build(label: str, base: nn.Module, batches: list[tuple]) -> Built:
     model, loss_fn = copy.deepcopy(base), nn.CrossEntropyLoss()
     feed = _cycle(batches)
     if label in ROWS_OURS:
-        config = ROWS_OURS[label]
-        transpiled = transpile(model, adamw(model.parameters()), config, loss_fn, batches[0])
-        return Built(lambda: transpiled(*next(feed)), model, transpiled=transpiled)
-    if label.startswith("FSDP2"):
+        optimizer = _sgd(model) if label.startswith("demo") else adamw(model.parameters())
+        transpiled = transpile(model, optimizer, ROWS_OURS[label], loss_fn, batches[0])
+        return Built(lambda: transpiled(*next(feed)), lambda: transpiled.memory_report().held)
+    if label.startswith("tplr"):
+        o = SPARSELOCO
+        sparsity = (o.error_decay, o.topk, o.chunk_size, o.quantization_bins, o.quantization_range)
+        outer = TplrSparseLoCo(model.parameters(), o.outer_lr, *sparsity)
+        loop = TplrDiLoCo(model, adamw(model.parameters()), outer, o.sync_every)
+        return Built(lambda: loop(*next(feed)), lambda: loop.held_bytes(held_bytes))
+    if label.startswith("torchft"):
+        inner = adamw(model.parameters())
+        peer = TorchftDiLoCo(model, inner, PERIOD)
+        return Built(_eager(model, inner, feed), lambda: peer.held_bytes(held_bytes), peer.close)
+    if label.startswith("bloc97"):
+        wrapped, optimizer = model, AuthorsDeMo(model.parameters(), lr=LR)  # their loop: no DDP, no all-reduce
+    elif label.startswith("FSDP2"):
         wrapped, optimizer = fsdp2(model, reshard="no reshard" not in label), adamw(model.parameters())
-        return Built(_eager(wrapped, optimizer, feed), model, optimizer)
-    one_bucket = {"bucket_cap_mb": 25} if "powerSGD" in label else {}  # module docstring
-    ddp = DDP(model, gradient_as_bucket_view=True, **one_bucket)
-    optimizer = _peer_optimizer(label, ddp)
-    _register_hook(label, ddp)
-    return Built(_eager(ddp, optimizer, feed), model, optimizer)
+    else:
+        one_bucket = {"bucket_cap_mb": 25} if "powerSGD" in label else {}  # module docstring
+        wrapped = DDP(model, gradient_as_bucket_view=True, **one_bucket)
+        optimizer = _peer_optimizer(label, wrapped)
+        _register_hook(label, wrapped)
+    return Built(_eager(wrapped, optimizer, feed), lambda: held_bytes(model, optimizer))
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    """DeMo's optimizer, the authors' and the mode's: SGD on the exchanged sign."""
+    return torch.optim.SGD(model.parameters(), lr=LR)
 
 
 ROWS_OURS = {
@@ -116,6 +155,9 @@ ROWS_OURS = {
     "fused_allreduce, 1% top-K sparsification": mode_config(
         "fused_allreduce", sparsification=Sparsification(ratio=0.01)
     ),
+    "demo (SGD)": "demo",
+    f"sparseloco H={PERIOD}": SPARSELOCO,
+    f"diloco H={PERIOD}": DiLoCo(sync_every=PERIOD),
 }
 
 
@@ -183,6 +225,8 @@ def measure(base: nn.Module, batches: list[tuple], ours: str, peer: str) -> dict
     ms = interleaved_ms({key: variant.run for key, variant in variants.items()})  # bench/host_ops.py's rounds
     row["ratio"] = statistics.median(ours / peer for ours, peer in zip(ms["ours"], ms["peer"]))
     row["ms"] = {key: statistics.median(times) for key, times in ms.items()}
+    for variant in variants.values():
+        variant.close()
     return row
 
 
@@ -200,7 +244,17 @@ def worker(out: str) -> None:
     finish_rank(out, result)
 
 
-def render(ranks: list[dict]) -> str:
+def world_rows(ranks: list[dict], key: str) -> list[dict]:
+    """Model ``key``'s rows from every rank's records: the slower rank's ratio and ms; rank 0's ops, bytes and
+    memory (``ours`` and ``peer``: work, views, sent, held, peak)."""
+    rows = []
+    for i, labels in enumerate(ROWS):
+        ms = {k: max(r[key][i]["ms"][k] for r in ranks) for k in ("ours", "peer")}
+        rows.append({**ranks[0][key][i], "labels": labels, "ratio": max(r[key][i]["ratio"] for r in ranks), "ms": ms})
+    return rows
+
+
+def render(sections: dict[str, list[dict]]) -> str:
     cpu = platform.processor() or platform.machine()
     lines = [
         f"`python -m bench.peers` (W=2 over gloo, one thread per rank, AdamW, {PER_RANK} sequences of 16 tokens per "
@@ -210,7 +264,7 @@ def render(ranks: list[dict]) -> str:
         "allocate above it at once.",
         "",
     ]
-    for key, (title, _) in MODELS.items():
+    for title, rows in sections.items():
         lines += [
             f"**{title}**",
             "",
@@ -218,17 +272,18 @@ def render(ranks: list[dict]) -> str:
             "| held KiB | × peer | peak KiB | × peer |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for i, (ours, peer) in enumerate(ROWS):
-            row = ranks[0][key][i]
-            ratio = max(r[key][i]["ratio"] for r in ranks)
-            ms = {k: max(r[key][i]["ms"][k] for r in ranks) for k in ("ours", "peer")}
-            a, b = row["ours"], row["peer"]
-            cells = [f"{a['work']} | {_x(a['work'], b['work'])}", f"{a['views']} | {_x(a['views'], b['views'])}"]
-            cells += [f"{a['sent'] / 1024:.0f} | {_x(a['sent'], b['sent'])}"]
-            cells += [f"{a['held'] / 1024:.0f} | {_x(a['held'], b['held'])}"]
-            cells += [f"{a['peak'] / 1024:.0f} | {_x(a['peak'], b['peak'])}"]
+        for row in rows:
+            a, b = row.get("ours"), row.get("peer")
+            cells = ["– | –"] * 5
+            if a is not None:
+                cells = [f"{a['work']} | {_x(a['work'], b['work'])}", f"{a['views']} | {_x(a['views'], b['views'])}"]
+                cells += [f"{a[k] / 1024:.0f} | {_x(a[k], b[k])}" for k in ("sent", "held", "peak")]
+            ours, peer = row["labels"]
+            ms = row["ms"]
             lines.append(
-                f"| {ours} | {peer} | {ms['ours']:.1f} | {ms['peer']:.1f} | {ratio:.2f} | " + " | ".join(cells) + " |"
+                f"| {ours} | {peer} | {ms['ours']:.1f} | {ms['peer']:.1f} | {row['ratio']:.2f} | "
+                + " | ".join(cells)
+                + " |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -239,8 +294,12 @@ def _x(ours: float, peer: float) -> str:
 
 
 def main() -> None:
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Managers log every quorum and vote at INFO
     ranks = two_rank_results(__file__, lambda out, _tmp: [out], port=29563)
-    text = render(ranks)
+    sections = {title: world_rows(ranks, key) for key, (title, _) in MODELS.items()}
+    sections[TP_TITLE] = tp_rows(tp_world(port=29564))
+    sections[QUORUM_TITLE] = quorum_rows(quorum_rounds())
+    text = render(sections)
     print(text)
     write_section(DOC, BEGIN, END, text)
 

@@ -252,7 +252,7 @@ def rank_main(out: str) -> None:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     args = json.loads(os.environ["TP_BENCH"])
-    variants = (*VARIANTS, COMPILED) if args["compile"] else VARIANTS
+    variants = tuple(args.get("variants") or ((*VARIANTS, COMPILED) if args["compile"] else VARIANTS))
     result = {"timing": timing(dist.get_rank(), mesh, 256, variants) if args["timing"] else None}
     result["training"] = training(mesh, args["train"], args["warm"]) if args["train"] else None
     finish_rank(out, result)

@@ -3,7 +3,7 @@ tests/test_diloco.py also uses.
 
 1. ``reference``: ``demo`` (tiles of at most 8 × 8, top-5 DCT coefficients of each, float32, β=0.9, sign step;
    plain SGD) for 8 steps against bloc97's ``DeMo`` optimizer run eagerly here for every rank
-   (``AuthorsDeMo``: ``δ ← β·δ + lr·g``, the exchange of ``tests/authors_sparse.py`` with the 2-D DCT, the sign,
+   (``AuthorsDeMo``: ``δ ← β·δ + lr·g``, the exchange of ``bench/authors_sparse.py`` with the 2-D DCT, the sign,
    SGD). Also with SparseLoCo's quantiser (4 bins), as tplr's optimizer runs DeMo with ``use_dct``.
    And with the authors' decoupled weight decay, ``θ ← θ·(1 − lr·λ)`` (the mode's ``weight_decay``).
 2. ``sgd_decay``: SGD's own weight decay instead, against the authors' decoupled one.
@@ -19,9 +19,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import authors_sparse  # noqa: E402
 from bench.harness.launch import run_rank  # noqa: E402
 from bench.tiny_models import MLP  # noqa: E402
-from tests import authors_sparse  # noqa: E402
 from tests.diloco_worker import LOSS, data, params_of  # noqa: E402
 from transpiler import mode_config, transpile  # noqa: E402
 

@@ -3,7 +3,7 @@ ranks that tests/test_diloco.py also uses.
 
 1. ``reference``: ``sparseloco`` (H=3, AdamW inside; tiles of at most 8 × 8, top-12 of 64 scaled to each tile,
    4 bins, β=0.9, α=0.8) for 4 outer rounds, against tplr's DiLoCo loop and SparseLoCo optimizer that this rank
-   runs eagerly for *every* replica (``AuthorsSparseLoCo``, the exchange of ``tests/authors_sparse.py``, written
+   runs eagerly for *every* replica (``AuthorsSparseLoCo``, the exchange of ``bench/authors_sparse.py``, written
    from the authors' code, not imported from the project). ``replica_size=2`` at W=4: two replicas of two
    ranks, data parallel or ZeRO-1 inside.
 2. ``identity``: every entry sent in float32, β = 0, α = 1 against ``diloco`` with outer ``SGD(lr=1)``.
@@ -20,9 +20,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import authors_sparse  # noqa: E402
 from bench.harness.launch import run_rank  # noqa: E402
 from bench.tiny_models import MLP  # noqa: E402
-from tests import authors_sparse  # noqa: E402
 from tests.diloco_worker import (  # noqa: E402
     LOSS,
     H,
@@ -42,7 +42,7 @@ SPARSE = {"chunk_size": 8, "topk": 12, "quantization_bins": 4, "error_decay": 0.
 
 class AuthorsSparseLoCo(PaperDiLoCo):
     """tplr's DiLoCo loop (``Diloco.outer_step``) driving its ``SparseLoCo`` optimizer, eager, for all replicas:
-    Δ = θ_saved − θ; ``e ← β·e`` (unless β = 1), ``e ← e + lr·Δ``; the exchange of ``tests/authors_sparse.py``;
+    Δ = θ_saved − θ; ``e ← β·e`` (unless β = 1), ``e ← e + lr·Δ``; the exchange of ``bench/authors_sparse.py``;
     θ_global takes SGD(lr) on the aggregate."""
 
     def __init__(self, model, replicas: int, options: dict):

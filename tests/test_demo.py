@@ -13,10 +13,10 @@ import pytest
 import scipy.fft
 import torch
 
+from bench.authors_sparse import fft_dct
 from bench.tiny_models import MLP, make_batch
 from passes.sparse_pseudo_exchange import Sparsity, part_bytes
 from passes.sparse_tiles import Tiling, dct_bases
-from tests.authors_sparse import fft_dct
 from tests.demo_worker import DEMO, STEPS
 from tests.diloco_worker import LOSS
 from tests.helpers import COMPOSED, resumed_matches, trained
@@ -90,7 +90,7 @@ def close_step_by_step(ranks: list[dict], case: str, other: str) -> None:
 @pytest.mark.quick
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 10, 64, 128])
 def test_the_dct_bases_are_the_authors_and_within_a_ulp_of_scipys(n):
-    """Bitwise the authors' FFT-built bases (written from their code in tests/authors_sparse.py); within 1e-7 of
+    """Bitwise the authors' FFT-built bases (written from their code in bench/authors_sparse.py); within 1e-7 of
     scipy's orthonormal DCT-II (measured: 7.4e-8 at most, for n = 3), and orthonormal within 2e-7."""
     forward, inverse = dct_bases(n)
     assert torch.equal(forward, fft_dct(torch.eye(n), False))

@@ -1,6 +1,6 @@
 """SparseLoCo: on real processes (gloo over loopback, the worlds of 2 and 4 ranks test_diloco.py also uses, each
 rank on its own data) against the authors' DiLoCo loop and SparseLoCo optimizer run eagerly for every replica
-(tests/sparseloco_worker.py, tests/authors_sparse.py); in one process, the wire format, the verifier, the dump and
+(tests/sparseloco_worker.py, bench/authors_sparse.py); in one process, the wire format, the verifier, the dump and
 the errors.
 
 Bitwise at W=2 and W=4 on the CPU: the authors' scatter_reduce mean adds the ranks' values in rank order there, as
@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench import authors_sparse
 from bench.tiny_models import MLP, make_batch
 from passes.sparse_pseudo_exchange import (
     Sparsity,
@@ -28,7 +29,6 @@ from passes.sparse_pseudo_exchange import (
     unpack_bits,
 )
 from passes.sparse_tiles import Tiling, from_rows, tile_side, to_rows
-from tests import authors_sparse
 from tests.diloco_worker import LOSS, H
 from tests.helpers import COMPOSED, resumed_matches, trained
 from tests.sparseloco_worker import DENSE, ROUNDS, SPARSE, AuthorsSparseLoCo

@@ -1,6 +1,8 @@
 """SparseLoCo's and DeMo's exchange as their authors' code computes it, written here from reading that code and
-imported from nowhere in the project: tplr's ``SparseLoCo`` optimizer (``src/tplr/sparseloco.py`` as
-``QErywan/RobustDiLoCo`` holds it) and ``bloc97/DeMo``'s ``DeMo`` optimizer. The tests hold the modes to it.
+imported from nowhere in the project (``transpiler/``, ``passes/``): tplr's ``SparseLoCo`` optimizer
+(``src/tplr/sparseloco.py`` as ``QErywan/RobustDiLoCo`` holds it, commit 276fa59) and ``bloc97/DeMo``'s ``DeMo``
+optimizer. The tests hold the modes to it; ``bench/sparseloco_peer.py`` runs tplr's loop with its tiles and
+quantiser.
 
 One call of :func:`exchange` is one parameter's communication for every rank at once: each rank's buffer is cut
 into tiles (``_get_smaller_split``: each side the largest divisor not above the chunk), optionally turned into 2-D

@@ -1,0 +1,85 @@
+"""torchft's DiLoCo as a row of ``bench/peers.py``, in its world of 2: each rank one replica group of one rank
+under a lighthouse that rank 0 serves in its process, as ``bench/wan_worker.py`` runs it.
+
+torchft's DiLoCo as its docs run it: a ``Manager`` per group over torchft's ``ProcessGroupGloo`` with a
+synchronous quorum (DiLoCo's requirement), the user's eager loop, and the inner optimizer's post-step hook that,
+every ``sync_every`` steps, takes the pseudo-gradient, all-reduces it tensor by tensor (its default, no buckets)
+and steps the outer optimizer (the paper's Nesterov SGD, ours by default too) from the saved global weights.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bench.harness.launch import free_port
+
+OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # the DiLoCo paper's outer SGD, the mode's default
+TIMEOUT = timedelta(seconds=120)
+_GROUPS = itertools.count()  # every Manager's replica group a name of its own
+
+
+class TorchftDiLoCo:
+    """A lighthouse (on rank 0), this rank's ``Manager`` and torchft's ``DiLoCo`` over ``model``, for as long as one
+    row is measured; :meth:`close` ends all three."""
+
+    def __init__(self, model: nn.Module, inner: torch.optim.Optimizer, sync_every: int) -> None:
+        from torchft._torchft import LighthouseServer
+        from torchft.local_sgd import DiLoCo
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        port = [free_port() if dist.get_rank() == 0 else 0]
+        dist.broadcast_object_list(port, src=0)
+        world = dist.get_world_size()
+        self.server = LighthouseServer(bind=f"[::]:{port[0]}", min_replicas=world) if dist.get_rank() == 0 else None
+        dist.barrier()  # the lighthouse listens before any Manager asks it for a quorum
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        group = next(_GROUPS)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=TIMEOUT),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=world,
+            use_async_quorum=False,
+            timeout=TIMEOUT,
+            quorum_timeout=TIMEOUT,
+            connect_timeout=TIMEOUT,
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=self.store.port,
+            lighthouse_addr=f"http://127.0.0.1:{port[0]}",
+            replica_id=f"peers{group}-{dist.get_rank()}",
+            hostname=socket.gethostname(),
+            init_sync=False,  # every group starts from the same weights
+        )
+        self.model, self.inner, self.outer = model, inner, torch.optim.SGD(model.parameters(), **OUTER)
+        self.diloco = DiLoCo(self.manager, [model], inner, self.outer, sync_every=sync_every).__enter__()
+
+    def held_bytes(self, held: Callable[[nn.Module, torch.optim.Optimizer], int]) -> int:
+        """What ``held`` counts for the model and the inner optimizer, plus the outer optimizer's momentum and what
+        each of torchft's fragments keeps (the global weights, its pseudo-gradients)."""
+        extra = [v for s in self.outer.state.values() for v in s.values() if torch.is_tensor(v)]
+        for fragment in self.diloco._fragments:
+            extra += _tensors(getattr(fragment, "original_parameters", {}).values())
+            extra += _tensors(getattr(fragment, "_grads", {}).values())
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in extra}
+        return held(self.model, self.inner) + sum(storages.values())
+
+    def close(self) -> None:
+        self.diloco.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)
+        dist.barrier()  # neither rank's Manager outlives the lighthouse
+        if self.server is not None:
+            self.server.shutdown()
+
+
+def _tensors(values: Iterable) -> list[torch.Tensor]:
+    return [v for v in values if torch.is_tensor(v)]
