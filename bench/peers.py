@@ -1,6 +1,6 @@
 """Each mode beside the peer its users would run instead, in one run: step time, ops, bytes sent and bytes held.
 
-    python -m bench.peers     # torchrun worlds of 2, then 4, over gloo; about 10 minutes; writes docs/performance.md
+    python -m bench.peers     # torchrun worlds of 2 then 4, then the quorum's jobs; about 18 minutes; writes the doc
 
 Rows (issue 77), every pair built on this rank from the same weights and batches, the peer its own code (torch's,
 torchft's, or written from its authors'):
