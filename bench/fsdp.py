@@ -36,7 +36,7 @@ import gc
 import os
 import platform
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 
@@ -103,14 +103,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, extra: Iterable[torch.Tensor] = ()) -> int:
     """Bytes an eager model and its optimizer hold between steps: parameters, gradients and optimizer state (this
-    rank's shards), each storage once; of a wrapping optimizer (``PostLocalSGDOptimizer``,
-    ``ZeroRedundancyOptimizer``), the state of the one it wraps (``optim``)."""
+    rank's shards), and ``extra`` (what a training loop keeps besides: saved weights, an outer optimizer's state),
+    each storage once; of a wrapping optimizer (``PostLocalSGDOptimizer``, ``ZeroRedundancyOptimizer``), the state
+    of the one it wraps (``optim``)."""
     params = list(model.parameters())
     tensors = [local(p) for p in params] + [local(p.grad) for p in params if p.grad is not None]
     state = getattr(optimizer, "optim", optimizer).state
     tensors += [local(v) for s in state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors += [local(t) for t in extra]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 

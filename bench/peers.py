@@ -123,11 +123,11 @@ def build(label: str, base: nn.Module, batches: list[tuple]) -> Built:
         sparsity = (o.error_decay, o.topk, o.chunk_size, o.quantization_bins, o.quantization_range)
         outer = TplrSparseLoCo(model.parameters(), o.outer_lr, *sparsity)
         loop = TplrDiLoCo(model, adamw(model.parameters()), outer, o.sync_every)
-        return Built(lambda: loop(*next(feed)), lambda: loop.held_bytes(held_bytes))
+        return Built(lambda: loop(*next(feed)), lambda: held_bytes(model, loop.inner, loop.kept()))
     if label.startswith("torchft"):
         inner = adamw(model.parameters())
         peer = TorchftDiLoCo(model, inner, PERIOD)
-        return Built(_eager(model, inner, feed), lambda: peer.held_bytes(held_bytes), peer.close)
+        return Built(_eager(model, inner, feed), lambda: held_bytes(model, inner, peer.kept()), peer.close)
     if label.startswith("bloc97"):
         wrapped, optimizer = model, AuthorsDeMo(model.parameters(), lr=LR)  # their loop: no DDP, no all-reduce
     elif label.startswith("FSDP2"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from datetime import timedelta
 
 import torch
@@ -32,46 +32,24 @@ class TorchftDiLoCo:
     def __init__(self, model: nn.Module, inner: torch.optim.Optimizer, sync_every: int) -> None:
         from torchft._torchft import LighthouseServer
         from torchft.local_sgd import DiLoCo
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
 
         port = [free_port() if dist.get_rank() == 0 else 0]
         dist.broadcast_object_list(port, src=0)
         world = dist.get_world_size()
         self.server = LighthouseServer(bind=f"[::]:{port[0]}", min_replicas=world) if dist.get_rank() == 0 else None
         dist.barrier()  # the lighthouse listens before any Manager asks it for a quorum
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        group = next(_GROUPS)
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=TIMEOUT),
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=world,
-            use_async_quorum=False,
-            timeout=TIMEOUT,
-            quorum_timeout=TIMEOUT,
-            connect_timeout=TIMEOUT,
-            rank=0,
-            world_size=1,
-            store_addr="127.0.0.1",
-            store_port=self.store.port,
-            lighthouse_addr=f"http://127.0.0.1:{port[0]}",
-            replica_id=f"peers{group}-{dist.get_rank()}",
-            hostname=socket.gethostname(),
-            init_sync=False,  # every group starts from the same weights
-        )
+        self.store, self.manager = torchft_manager("127.0.0.1", f"http://127.0.0.1:{port[0]}", f"peers{next(_GROUPS)}-")
         self.model, self.inner, self.outer = model, inner, torch.optim.SGD(model.parameters(), **OUTER)
         self.diloco = DiLoCo(self.manager, [model], inner, self.outer, sync_every=sync_every).__enter__()
 
-    def held_bytes(self, held: Callable[[nn.Module, torch.optim.Optimizer], int]) -> int:
-        """What ``held`` counts for the model and the inner optimizer, plus the outer optimizer's momentum and what
-        each of torchft's fragments keeps (the global weights, its pseudo-gradients)."""
+    def kept(self) -> list[torch.Tensor]:
+        """What torchft holds besides the model and the inner optimizer: the outer optimizer's momentum and what each
+        fragment keeps (the global weights, its pseudo-gradients)."""
         extra = [v for s in self.outer.state.values() for v in s.values() if torch.is_tensor(v)]
         for fragment in self.diloco._fragments:
             extra += _tensors(getattr(fragment, "original_parameters", {}).values())
             extra += _tensors(getattr(fragment, "_grads", {}).values())
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in extra}
-        return held(self.model, self.inner) + sum(storages.values())
+        return extra
 
     def close(self) -> None:
         self.diloco.__exit__(None, None, None)
@@ -79,6 +57,35 @@ class TorchftDiLoCo:
         dist.barrier()  # neither rank's Manager outlives the lighthouse
         if self.server is not None:
             self.server.shutdown()
+
+
+def torchft_manager(address: str, lighthouse: str, name: str):
+    """This rank's torchft ``Manager`` as a replica group of one rank named ``name`` plus this rank's number, over
+    torchft's ``ProcessGroupGloo`` with a synchronous quorum (DiLoCo's requirement), every group starting from the
+    same weights; and the store it rendezvouses on (kept alive with it)."""
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=TIMEOUT),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=dist.get_world_size(),
+        use_async_quorum=False,
+        timeout=TIMEOUT,
+        quorum_timeout=TIMEOUT,
+        connect_timeout=TIMEOUT,
+        rank=0,
+        world_size=1,
+        store_addr=address,
+        store_port=store.port,
+        lighthouse_addr=lighthouse,
+        replica_id=f"{name}{dist.get_rank()}",
+        hostname=socket.gethostname(),
+        init_sync=False,
+    )
+    return store, manager
 
 
 def _tensors(values: Iterable) -> list[torch.Tensor]:

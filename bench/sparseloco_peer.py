@@ -15,8 +15,6 @@ not: the inner loop's gradient clipping, scheduler and bfloat16 autocast, and th
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -96,7 +94,6 @@ class TplrDiLoCo:
         self.outer.step()
         self.saved = self._offload()
 
-    def held_bytes(self, held: Callable[[nn.Module, torch.optim.Optimizer], int]) -> int:
-        """What ``held`` counts for the model and the inner optimizer, plus the error buffers and saved weights."""
-        extra = [s["error_buffer"] for s in self.outer.state.values()] + self.saved
-        return held(self.model, self.inner) + sum(t.untyped_storage().nbytes() for t in extra)
+    def kept(self) -> list[torch.Tensor]:
+        """What the loop holds besides the model and the inner optimizer: the error buffers and the saved weights."""
+        return [s["error_buffer"] for s in self.outer.state.values()] + self.saved

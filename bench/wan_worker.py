@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from datetime import timedelta
@@ -38,12 +37,12 @@ from bench.diloco import (
     warmed_up,
     windows,
 )
+from bench.peers_torchft import OUTER, torchft_manager
 from transpiler import mode_config, transpile
 
 ROOT = Path(__file__).resolve().parent.parent
 
 EVERY = 15  # steps between kept weights (and stop votes): DiLoCo H=15's sync, where its model is θ_global
-OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # the DiLoCo paper's outer SGD, ours by default
 LIGHTHOUSE_PORT = 29590
 VARIANTS = {  # label -> (kind, options); kind: "ddp", "torchft", or one of this project's modes
     "DDP": ("ddp", {}),
@@ -124,30 +123,8 @@ class Variant:
         """torchft's DiLoCo as its docs run it: a Manager per replica group (here a group of one rank per host)
         with a synchronous quorum, and the optimizer's post-step hook that syncs every H steps."""
         from torchft.local_sgd import DiLoCo
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
 
-        address = os.environ["HOST_ADDRESS"]
-        self.store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False)
-        timeout = timedelta(seconds=120)
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=self.world,
-            use_async_quorum=False,  # DiLoCo's requirement
-            timeout=timeout,
-            quorum_timeout=timeout,
-            connect_timeout=timeout,
-            rank=0,
-            world_size=1,
-            store_addr=address,
-            store_port=self.store.port,
-            lighthouse_addr=lighthouse,
-            replica_id=f"wan{dist.get_rank()}",
-            hostname=socket.gethostname(),
-            init_sync=False,  # every group starts from the same warm weights
-        )
+        self.store, self.manager = torchft_manager(os.environ["HOST_ADDRESS"], lighthouse, "wan")
         outer = torch.optim.SGD(self.model.parameters(), **OUTER)
         self.diloco = DiLoCo(self.manager, [self.model], self.inner, outer, sync_every=self.sync_every).__enter__()
 

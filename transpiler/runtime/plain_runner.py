@@ -18,10 +18,10 @@ non-view op a kernel launch too. The program (dumps, verifiers, checkpoints, the
   no attribute (the step may write those), nothing returns it, and it is at most :data:`MAX_FOLDED_BYTES`.
 
 Inductor does both itself under ``compile=True``, and a captured step replays its kernels without the host, so
-only the plain runner rewrites, and only on a GPU (:func:`runs_on_gpu`): on the CPU, ``python -m bench.peers``
-ran the narrow GPT's flat modes at 2.3x their step time with it in some rows of every run (W=2, 2026-11-30),
-though a world of two built by hand did not, nor one process; until that is understood the CPU runs the graph
-module as built.
+only the plain runner rewrites, and only on a GPU (:func:`runs_on_gpu`), where its gain is measured
+(docs/gpu.md). It was taken off the CPU when ``python -m bench.peers`` ran some narrow rows at 2.3x their step
+time with it; the same slow rows came back without it (docs/performance.md), so the runner was not their cause,
+but its gain on the CPU is not measured, and the CPU runs the graph module as built.
 """
 
 from __future__ import annotations
