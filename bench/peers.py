@@ -1,6 +1,7 @@
 """Each mode beside the peer its users would run instead, in one run: step time, ops, bytes sent and bytes held.
 
-    python -m bench.peers     # torchrun worlds of 2 then 4, then the quorum's jobs; about 18 minutes; writes the doc
+    python -m bench.peers     # torchrun worlds of 2 then 4, then the quorum's jobs; about 20 minutes; writes the doc
+    python -m bench.peers --rows diloco zero    # only the world of 2's rows with these words in a label; no doc
 
 Rows (issue 77), every pair built on this rank from the same weights and batches, the peer its own code (torch's,
 torchft's, or written from its authors'):
@@ -25,6 +26,10 @@ torchft's, or written from its authors'):
   bit for bit, so each row compares two ways of computing the same numbers;
 - ``diloco`` (H = 4, outer Nesterov SGD at 0.7, its default) against torchft's ``DiLoCo`` with a ``Manager`` per rank
   under a lighthouse rank 0 serves (``bench/peers_torchft.py``), AdamW inside both;
+- ``streaming_diloco`` (H = 8, 2 fragments, τ = 1: a fragment starts its exchange every 4 steps and applies it a
+  step later, float32 on the wire) against torchft's ``DiLoCo`` over the same two fragments (whole modules,
+  balanced by size, ``passes/partitions.py``), with the same H and ``fragment_sync_delay``: torchft starts a
+  fragment's all-reduce one step before it ends its round and ours one step after, the same cadence;
 - then, in a world of 4 (dp=2 × tp=2), tensor parallelism: ``fused_allreduce``, ``zero2`` and ``zero3`` on
   torchtitan's plan against eager TP + FSDP2, as ``bench/tensor_parallel.py`` times them (``bench/peers_tp.py``).
 
@@ -35,7 +40,9 @@ bytes it holds between steps (parameters, gradients and optimizer state, each st
 ``memory_report().held``), its peak (that plus the most a round of steps allocates above it at once, from the
 profiler's memory records: ``bench/tensor_parallel.py:step_rise``), and the step time: ``ROUNDS`` rounds, each
 timing the mode's steps then the peer's (``bench/host_ops.py:interleaved_ms``: untimed steps, then timed ones
-after a barrier), the ratio of the two per round, its median over the rounds, the slower rank's. Measured
+after a barrier), the ratio of the two per round, its median over the rounds, the slower rank's. For the rows
+whose steps differ within a round (``ROUND_BASED``), also the inner step and what the syncs add to a round
+(:func:`inner_and_sync_ms`), the issue's sync time. Measured
 elsewhere (docs/performance.md says where): the DiLoCo family over shaped links (``bench/wan.py``). Last, the
 quorum against torchft's ``Manager`` + DDP and against no quorum, each replica group a torchrun job of its own
 (``bench/peers_quorum.py``), timing only.
@@ -43,10 +50,12 @@ quorum against torchft's ``Manager`` + DDP and against no quorum, each replica g
 
 from __future__ import annotations
 
+import argparse
 import copy
 import os
 import platform
 import statistics
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -69,7 +78,7 @@ from bench.peers_tp import tp_rows, tp_world
 from bench.sparseloco_peer import TplrDiLoCo, TplrSparseLoCo
 from bench.tensor_parallel import step_rise
 from bench.two_ranks import entry, finish_rank, two_rank_results, write_section
-from transpiler import Compression, DiLoCo, SparseLoCo, Sparsification, mode_config, transpile
+from transpiler import Compression, DiLoCo, SparseLoCo, Sparsification, StreamingDiLoCo, mode_config, transpile
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "performance.md"
@@ -81,6 +90,7 @@ MODELS: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "narrow": ("narrow GPT (12 blocks, d=16: the host's dispatching is the step)", lambda: NarrowGPT()),
     "wide": ("wide GPT (4 blocks, d=256)", lambda: NarrowGPT(blocks=4, dim=256, heads=4)),
 }
+STREAMING_LABEL = f"streaming_diloco H={2 * PERIOD}, 2 fragments, τ=1"  # a fragment syncs every PERIOD steps
 # (mode's label, peer's label): each built by :func:`build`
 ROWS: tuple[tuple[str, str], ...] = (
     ("fused_allreduce", "DDP"),
@@ -93,6 +103,7 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("demo (SGD)", "bloc97's DeMo"),
     (f"sparseloco H={PERIOD}", f"tplr's SparseLoCo, H={PERIOD}"),
     (f"diloco H={PERIOD}", f"torchft DiLoCo, H={PERIOD}"),
+    (STREAMING_LABEL, f"torchft Streaming DiLoCo, H={2 * PERIOD}, 2 fragments, τ=1"),
 )
 SPARSELOCO = SparseLoCo(sync_every=PERIOD)  # the mode's defaults; tplr's optimizer gets the same
 
@@ -126,7 +137,8 @@ def build(label: str, base: nn.Module, batches: list[tuple]) -> Built:
         return Built(lambda: loop(*next(feed)), lambda: held_bytes(model, loop.inner, loop.kept()))
     if label.startswith("torchft"):
         inner = adamw(model.parameters())
-        peer = TorchftDiLoCo(model, inner, PERIOD)
+        streaming = {"sync_every": 2 * PERIOD, "fragments": 2, "delay": 1} if "Streaming" in label else {}
+        peer = TorchftDiLoCo(model, inner, **({"sync_every": PERIOD} | streaming))
         return Built(_eager(model, inner, feed), lambda: held_bytes(model, inner, peer.kept()), peer.close)
     if label.startswith("bloc97"):
         wrapped, optimizer = model, AuthorsDeMo(model.parameters(), lr=LR)  # their loop: no DDP, no all-reduce
@@ -158,7 +170,10 @@ ROWS_OURS = {
     "demo (SGD)": "demo",
     f"sparseloco H={PERIOD}": SPARSELOCO,
     f"diloco H={PERIOD}": DiLoCo(sync_every=PERIOD),
+    STREAMING_LABEL: StreamingDiLoCo(sync_every=2 * PERIOD, fragments=2, fragment_sync_delay=1),
 }
+# the rows whose steps differ within a round of PERIOD steps: an inner step and what the syncs add, apart
+ROUND_BASED = (f"local_sgd k={PERIOD}", f"sparseloco H={PERIOD}", f"diloco H={PERIOD}", STREAMING_LABEL)
 
 
 def _peer_optimizer(label: str, ddp: DDP) -> torch.optim.Optimizer:
@@ -222,12 +237,37 @@ def measure(base: nn.Module, batches: list[tuple], ours: str, peer: str) -> dict
             "held": variant.held_bytes(),
             "peak": variant.held_bytes() + step_rise(lambda run=variant.run: [run() for _ in range(ROUND)]),
         }
-    ms = interleaved_ms({key: variant.run for key, variant in variants.items()})  # bench/host_ops.py's rounds
+    runs = {key: variant.run for key, variant in variants.items()}
+    ms = interleaved_ms(runs)  # bench/host_ops.py's rounds
     row["ratio"] = statistics.median(ours / peer for ours, peer in zip(ms["ours"], ms["peer"]))
     row["ms"] = {key: statistics.median(times) for key, times in ms.items()}
+    if ours in ROUND_BASED:
+        row["round"] = inner_and_sync_ms(runs)
     for variant in variants.values():
         variant.close()
     return row
+
+
+def inner_and_sync_ms(runs: dict[str, Callable[[], object]]) -> dict[str, dict[str, float]]:
+    """Per variant, its inner step and what its syncs add to a round of ``PERIOD`` steps, in ms: each step timed
+    alone (``ROUNDS`` rounds, each variant in turn after a barrier, two of its rounds of steps each, so every
+    position of a round keeps its place), the median per position; ``inner`` the fastest position's, ``sync`` the
+    positions' sum less ``PERIOD`` inner steps."""
+    times: dict[str, list[list[float]]] = {key: [[] for _ in range(PERIOD)] for key in runs}
+    for _ in range(ROUNDS):
+        for key, run in runs.items():
+            for _ in range(PERIOD):  # untimed, as interleaved_ms's warm-up: a whole round keeps the phase
+                run()
+            dist.barrier()
+            for i in range(2 * PERIOD):
+                start = time.perf_counter()
+                run()
+                times[key][i % PERIOD].append((time.perf_counter() - start) * 1000)
+    out = {}
+    for key, positions in times.items():
+        medians = [statistics.median(t) for t in positions]
+        out[key] = {"inner": min(medians), "sync": sum(medians) - PERIOD * min(medians)}
+    return out
 
 
 def worker(out: str) -> None:
@@ -240,7 +280,7 @@ def worker(out: str) -> None:
         base = make()
         gen = torch.Generator().manual_seed(rank)
         batches = [narrow_batch("gpt", PER_RANK, gen) for _ in range(ROUND)]
-        result[key] = [measure(base, batches, ours, peer) for ours, peer in ROWS]
+        result[key] = [measure(base, batches, ours, peer) for ours, peer in chosen_rows()]
     finish_rank(out, result)
 
 
@@ -248,10 +288,21 @@ def world_rows(ranks: list[dict], key: str) -> list[dict]:
     """Model ``key``'s rows from every rank's records: the slower rank's ratio and ms; rank 0's ops, bytes and
     memory (``ours`` and ``peer``: work, views, sent, held, peak)."""
     rows = []
-    for i, labels in enumerate(ROWS):
+    for i, labels in enumerate(chosen_rows()):
         ms = {k: max(r[key][i]["ms"][k] for r in ranks) for k in ("ours", "peer")}
         rows.append({**ranks[0][key][i], "labels": labels, "ratio": max(r[key][i]["ratio"] for r in ranks), "ms": ms})
+        if "round" in ranks[0][key][i]:  # the slower rank's inner step and syncs
+            rows[-1]["round"] = {
+                k: {part: max(r[key][i]["round"][k][part] for r in ranks) for part in ("inner", "sync")}
+                for k in ("ours", "peer")
+            }
     return rows
+
+
+def chosen_rows() -> tuple[tuple[str, str], ...]:
+    """``ROWS``, or those whose labels contain one of ``--rows``'s words (passed to the ranks as ``PEERS_ROWS``)."""
+    words = [w for w in os.environ.get("PEERS_ROWS", "").split(",") if w]
+    return tuple(r for r in ROWS if not words or any(w in label for label in r for w in words))
 
 
 def render(sections: dict[str, list[dict]]) -> str:
@@ -286,7 +337,29 @@ def render(sections: dict[str, list[dict]]) -> str:
                 + " |"
             )
         lines.append("")
+        lines += round_table(rows)
     return "\n".join(lines)
+
+
+def round_table(rows: list[dict]) -> list[str]:
+    """The round-based rows' inner step and what their syncs add to a round (:func:`inner_and_sync_ms`)."""
+    timed = [row for row in rows if "round" in row]
+    if not timed:
+        return []
+    lines = [
+        f"Round-based rows: an inner step, and what the syncs add to a round of {PERIOD} steps above {PERIOD} inner "
+        "steps (each step timed alone, the median per position of a round, the slower rank):",
+        "",
+        "| mode | inner ms | peer | × peer | sync ms per round | peer | × peer |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in timed:
+        a, b = row["round"]["ours"], row["round"]["peer"]
+        lines.append(
+            f"| {row['labels'][0]} | {a['inner']:.1f} | {b['inner']:.1f} | {_x(a['inner'], b['inner'])} "
+            f"| {a['sync']:.1f} | {b['sync']:.1f} | {_x(a['sync'], b['sync'])} |"
+        )
+    return [*lines, ""]
 
 
 def _x(ours: float, peer: float) -> str:
@@ -294,14 +367,28 @@ def _x(ours: float, peer: float) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        default=[],
+        help="only the world of 2's rows whose labels contain one of these words; "
+        "no tensor-parallel or quorum section, and the doc is left as it is",
+    )
+    args = parser.parse_args()
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Managers log every quorum and vote at INFO
+    os.environ["PEERS_ROWS"] = ",".join(args.rows)
+    if not chosen_rows():
+        parser.error(f"no row's labels contain any of {args.rows}")
     ranks = two_rank_results(__file__, lambda out, _tmp: [out], port=29563)
     sections = {title: world_rows(ranks, key) for key, (title, _) in MODELS.items()}
-    sections[TP_TITLE] = tp_rows(tp_world(port=29564))
-    sections[QUORUM_TITLE] = quorum_rows(quorum_rounds())
+    if not args.rows:
+        sections[TP_TITLE] = tp_rows(tp_world(port=29564))
+        sections[QUORUM_TITLE] = quorum_rows(quorum_rounds())
     text = render(sections)
     print(text)
-    write_section(DOC, BEGIN, END, text)
+    if not args.rows:
+        write_section(DOC, BEGIN, END, text)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""torchft's DiLoCo as a row of ``bench/peers.py``, in its world of 2: each rank one replica group of one rank
-under a lighthouse that rank 0 serves in its process, as ``bench/wan_worker.py`` runs it.
+"""torchft's DiLoCo and Streaming DiLoCo as rows of ``bench/peers.py``, in its world of 2: each rank one replica
+group of one rank under a lighthouse that rank 0 serves in its process, as ``bench/wan_worker.py`` runs it.
 
 torchft's DiLoCo as its docs run it: a ``Manager`` per group over torchft's ``ProcessGroupGloo`` with a
 synchronous quorum (DiLoCo's requirement), the user's eager loop, and the inner optimizer's post-step hook that,
 every ``sync_every`` steps, takes the pseudo-gradient, all-reduces it tensor by tensor (its default, no buckets)
 and steps the outer optimizer (the paper's Nesterov SGD, ours by default too) from the saved global weights.
+Streaming (``fragments`` > 1): the same class over a list of model fragments, one outer optimizer each (as
+torchtitan passes them), one fragment syncing every ``sync_every / fragments`` steps, its all-reduce started
+``delay`` steps before it is waited for.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.harness.launch import free_port
+from passes.partitions import module_fragments
 
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # the DiLoCo paper's outer SGD, the mode's default
 TIMEOUT = timedelta(seconds=120)
@@ -29,7 +33,9 @@ class TorchftDiLoCo:
     """A lighthouse (on rank 0), this rank's ``Manager`` and torchft's ``DiLoCo`` over ``model``, for as long as one
     row is measured; :meth:`close` ends all three."""
 
-    def __init__(self, model: nn.Module, inner: torch.optim.Optimizer, sync_every: int) -> None:
+    def __init__(
+        self, model: nn.Module, inner: torch.optim.Optimizer, sync_every: int, fragments: int = 1, delay: int = 0
+    ) -> None:
         from torchft._torchft import LighthouseServer
         from torchft.local_sgd import DiLoCo
 
@@ -39,13 +45,16 @@ class TorchftDiLoCo:
         self.server = LighthouseServer(bind=f"[::]:{port[0]}", min_replicas=world) if dist.get_rank() == 0 else None
         dist.barrier()  # the lighthouse listens before any Manager asks it for a quorum
         self.store, self.manager = torchft_manager("127.0.0.1", f"http://127.0.0.1:{port[0]}", f"peers{next(_GROUPS)}-")
-        self.model, self.inner, self.outer = model, inner, torch.optim.SGD(model.parameters(), **OUTER)
-        self.diloco = DiLoCo(self.manager, [model], inner, self.outer, sync_every=sync_every).__enter__()
+        parts = _fragments(model, fragments)
+        self.model, self.inner, self.outer = model, inner, [torch.optim.SGD(p.parameters(), **OUTER) for p in parts]
+        self.diloco = DiLoCo(
+            self.manager, parts, inner, self.outer, sync_every=sync_every, fragment_sync_delay=delay
+        ).__enter__()
 
     def kept(self) -> list[torch.Tensor]:
         """What torchft holds besides the model and the inner optimizer: the outer optimizer's momentum and what each
         fragment keeps (the global weights, its pseudo-gradients)."""
-        extra = [v for s in self.outer.state.values() for v in s.values() if torch.is_tensor(v)]
+        extra = [v for outer in self.outer for s in outer.state.values() for v in s.values() if torch.is_tensor(v)]
         for fragment in self.diloco._fragments:
             extra += _tensors(getattr(fragment, "original_parameters", {}).values())
             extra += _tensors(getattr(fragment, "_grads", {}).values())
@@ -86,6 +95,16 @@ def torchft_manager(address: str, lighthouse: str, name: str):
         init_sync=False,
     )
     return store, manager
+
+
+def _fragments(model: nn.Module, fragments: int) -> list[nn.Module]:
+    """``model`` whole (one fragment), or cut into ``fragments`` runs of whole modules balanced by size, the cut
+    ``streaming_diloco`` makes (``passes/partitions.py``), each a ``ParameterList`` of its parameters."""
+    if fragments == 1:
+        return [model]
+    named = list(model.named_parameters())
+    part = module_fragments([(name, p.numel()) for name, p in named], fragments)
+    return [nn.ParameterList([p for name, p in named if part[name] == f]) for f in range(fragments)]
 
 
 def _tensors(values: Iterable) -> list[torch.Tensor]:

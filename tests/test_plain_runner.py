@@ -1,13 +1,16 @@
 """The plain runner (``transpiler/runtime/plain_runner.py``) folds what is the same every step, and nothing else,
-and lets a copy cast.
+lets a copy cast, and calls each op's C++ entry without a Python frame.
 
 Each rule on a graph written here, run against the unfolded graph; then a transformers GPT-2 with dropout under
-bf16 autocast, whose folded step is bitwise its unfolded one step after step. Quick: about 6 s.
+bf16 autocast, whose folded step is bitwise its unfolded one step after step; then the direct calls, counted with a
+profile hook, on a step that runs them bitwise as the program's own module. Quick: about 7 s.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -17,7 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from transpiler import transpile
-from transpiler.runtime.plain_runner import MAX_FOLDED_BYTES, PlainRunner, plain_runner, runs_on_gpu
+from transpiler.runtime.failures import failing_node
+from transpiler.runtime.plain_runner import MAX_FOLDED_BYTES, PlainRunner, direct_calls, plain_runner, runs_on_gpu
 
 pytestmark = pytest.mark.quick
 aten = torch.ops.aten
@@ -164,8 +168,8 @@ def test_gpt2_with_dropout_under_autocast_folds_and_keeps_its_bits():
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         built = steps[0].prepare((ids,))
-    # the plain runner, as a GPU's step has it; the twin runs the graph modules as built, as the CPU does
-    built.runners = {v: PlainRunner(p.graph_module) for v, p in built.programs.items()}
+    # the plain runner, as a GPU's step has it; the twin's only calls the ops directly, as the CPU's does
+    built.runners = {v: PlainRunner(p.graph_module, fold=True) for v, p in built.programs.items()}
     for i in range(3):
         losses = []
         for step in steps:
@@ -177,6 +181,69 @@ def test_gpt2_with_dropout_under_autocast_folds_and_keeps_its_bits():
     built = steps[0]._state.built
     run, program = built.runners["step"].module, built.programs["step"].graph_module
     assert run is not program and not runs_on_gpu(program)
-    assert steps[1]._state.built.runners["step"] is steps[1]._state.built.programs["step"].graph_module
+    assert not steps[1]._state.built.runners["step"].fold
     assert targets(run).count(aten.as_strided.default) < targets(program).count(aten.as_strided.default)
     assert targets(run).count(aten.bernoulli.p) == targets(program).count(aten.bernoulli.p) > 0
+
+
+def python_calls(run) -> Counter:
+    """The Python functions ``run()`` enters, by name (a profile hook sees every Python frame pushed)."""
+    calls: Counter = Counter()
+
+    def hook(frame, event, _arg):
+        if event == "call":
+            calls[frame.f_code.co_qualname] += 1
+
+    sys.setprofile(hook)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_direct_calls_push_no_python_frame_per_op_and_keep_every_bit():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    loss_fn = nn.CrossEntropyLoss()
+    steps = [transpile(m, torch.optim.AdamW(m.parameters()), "none", loss_fn, (x, y)) for m in (model, twin)]
+    built = steps[1].prepare((x, y))
+    built.runners = {v: p.graph_module for v, p in built.programs.items()}  # as built: OpOverload.__call__ per op
+    for _ in range(3):
+        assert torch.equal(steps[0](x, y), steps[1](x, y))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    program = built.programs["step"].graph_module
+    run = steps[0]._state.built.runners["step"].module
+    ops = sum(isinstance(t, torch._ops.OpOverload) for t in targets(program))
+    assert ops > 50 and targets(run) == targets(program)  # the copy's graph still names the ops
+    values = (n.meta["val"] for n in program.graph.nodes if n.op == "placeholder")
+    inputs = [torch.ones(v.shape, dtype=v.dtype) for v in values]
+    assert python_calls(lambda: program(*inputs))["OpOverload.__call__"] >= ops
+    assert python_calls(lambda: run(*inputs))["OpOverload.__call__"] == 0
+
+
+def test_direct_calls_leave_the_module_they_copy_as_it_was():
+    def build(g, _):
+        x = g.placeholder("x")
+        return (g.call_function(aten.mul.Tensor, (g.call_function(aten.sin.default, (x,)), x)),)
+
+    gm = module(build, torch.ones(3))
+    code = gm.code
+    run = direct_calls(gm)
+    x = torch.randn(3)
+    assert torch.equal(run(x)[0], gm(x)[0]) and gm.code == code and "torch.ops.aten" in code
+    assert "torch.ops" not in run.code and targets(run) == targets(gm)
+
+
+def test_a_failure_in_the_direct_copy_names_its_node_as_the_program_does():
+    def build(g, _):
+        x = g.placeholder("x")
+        return (g.call_function(aten.mm.default, (g.call_function(aten.relu.default, (x,)), x)),)
+
+    run = PlainRunner(module(build, torch.ones(2, 2)))
+    with pytest.raises(RuntimeError) as failed:
+        run(torch.ones(2, 3))  # mm of 2x3 by 2x3
+    node = failing_node(failed.value, run.module)
+    assert node is not None and node.name == "mm_default" and node.target is aten.mm.default

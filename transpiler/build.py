@@ -213,15 +213,15 @@ def check_frozen_whole(model: torch.nn.Module, whole: dict[str, tuple[int, ...]]
 
 def runners_for(programs: dict[str, StepProgram], *, compile: bool, cuda_graph: bool) -> dict[str, Callable]:
     """What runs each variant: compiled, captured (one memory pool for all variants), both (the captured device
-    part compiled), or on a GPU its graph module with casting copies fused and constants folded (``plain_runner``);
-    a variant left out runs its graph module as built."""
+    part compiled), or its graph module with its ops called directly, and on a GPU with casting copies fused and
+    constants folded too (``plain_runner``)."""
     if cuda_graph:
         pool = cuda_graph_module.CAPTURER.new_pool()
         wrap = CompiledProgram if compile else None
         return {v: CapturedProgram(p, v, pool, wrap, cuda_graph_module.CAPTURER) for v, p in programs.items()}
     if compile:
         return {v: CompiledProgram(p.graph_module, v) for v, p in programs.items()}
-    return {v: PlainRunner(p.graph_module) for v, p in programs.items() if runs_on_gpu(p.graph_module)}
+    return {v: PlainRunner(p.graph_module, fold=runs_on_gpu(p.graph_module)) for v, p in programs.items()}
 
 
 def fit_budget(traced: StepProgram, variants: dict[str, list[Pass]], execution: Execution) -> None:

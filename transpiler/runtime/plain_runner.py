@@ -1,4 +1,14 @@
-"""What runs the uncompiled, uncaptured step: its program's graph, with two rewrites that leave every bit as it was.
+"""What runs the uncompiled, uncaptured step: its program's graph, with rewrites that leave every bit as it was.
+
+On every device the copy that runs calls each operator's C++ entry directly (:func:`direct_calls`): the program's
+generated code calls ``torch.ops.aten.mm.default(...)``, a Python method (``OpOverload.__call__``) that only
+forwards to ``OpOverload._op``, so every op of the step pushed a Python frame. Beside the call itself, CPython 3.11
+keeps frames in 16 KiB chunks that it maps and unmaps as the stack crosses them; the generated ``forward`` of a
+program of 1,400 nodes fills most of a chunk by itself, and where it happened to leave less room than an op's
+frame, every op of the step mapped a chunk and unmapped it again (``mmap``/``munmap``, page faults, TLB shootdowns
+to the process's other threads). Which case a process fell into depended on how deep its stack was when the step
+ran (running the same bench as ``__main__`` or through ``runpy`` flipped it): the narrow GPT's flat programs ran at
+2-3x their step time in some runs of ``python -m bench.peers`` (docs/performance.md). A C++ entry pushes no frame.
 
 On a GPU the uncompiled step is host-bound where its kernels are small: every op costs the host a dispatch, a
 non-view op a kernel launch too. The program (dumps, verifiers, checkpoints, the cost model) keeps every node;
@@ -18,16 +28,15 @@ non-view op a kernel launch too. The program (dumps, verifiers, checkpoints, the
   no attribute (the step may write those), nothing returns it, and it is at most :data:`MAX_FOLDED_BYTES`.
 
 Inductor does both itself under ``compile=True``, and a captured step replays its kernels without the host, so
-only the plain runner rewrites, and only on a GPU (:func:`runs_on_gpu`), where its gain is measured
-(docs/gpu.md). It was taken off the CPU when ``python -m bench.peers`` ran some narrow rows at 2.3x their step
-time with it; the same slow rows came back without it (docs/performance.md), so the runner was not their cause,
-but its gain on the CPU is not measured, and the CPU runs the graph module as built.
+only the plain runner rewrites. It casts and folds on a GPU only (:func:`runs_on_gpu`), where that gain is
+measured (docs/gpu.md); on the CPU it is not measured.
 """
 
 from __future__ import annotations
 
 import copy
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -45,22 +54,26 @@ def runs_on_gpu(gm: fx.GraphModule) -> bool:
 
 
 class PlainRunner:
-    """Runs a program's graph module as :func:`plain_runner` rewrites it, the rewrite made on first use: a program
-    built and never run (every rank's, built in one process for a static check) costs no more to build."""
+    """Runs a program's graph module with its ops called directly (:func:`direct_calls`) and, with ``fold`` (on a
+    GPU), as :func:`plain_runner` rewrites it; the rewrite made on first use: a program built and never run (every
+    rank's, built in one process for a static check) costs no more to build."""
 
-    def __init__(self, program_module: fx.GraphModule) -> None:
+    def __init__(self, program_module: fx.GraphModule, fold: bool = False) -> None:
         self.program_module = program_module
+        self.fold = fold
         self._module: fx.GraphModule | None = None
 
     @property
     def module(self) -> fx.GraphModule:
         """The graph module that runs (its generated code is what a failure's traceback shows)."""
         if self._module is None:
-            self._module = plain_runner(self.program_module)
+            self._module = direct_calls(plain_runner(self.program_module) if self.fold else self.program_module)
         return self._module
 
     def __call__(self, *inputs) -> tuple:
-        return self.module(*inputs)
+        # its generated forward itself: the module's call wrapper (torch.fx's _WrappedCall) drops the traceback of
+        # an error raised on a line of that code, which now calls C++ directly, and the node it names is lost
+        return self.module.forward(*inputs)
 
 
 def plain_runner(gm: fx.GraphModule) -> fx.GraphModule:
@@ -97,6 +110,39 @@ def plain_runner(gm: fx.GraphModule) -> fx.GraphModule:
         if not copies[node].users:
             graph.erase_node(copies[node])
     return fx.GraphModule(attrs, graph, class_name=type(gm).__name__)
+
+
+def direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` (the same attributes) whose generated code calls each operator's C++ entry
+    (``OpOverload._op``) instead of the ``OpOverload``, which pushes a Python frame only to call it (module
+    docstring). The copy's nodes keep their ``OpOverload`` targets, so a failure names the node as the program's
+    does; only its code, generated with a stand-in per operator, finds the C++ entry under that name."""
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    graph.output(graph.graph_copy(gm.graph, {}))
+    ops = {n: n.target for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
+    stand_ins = {op: _stand_in(op) for op in dict.fromkeys(ops.values())}
+    for node, op in ops.items():
+        node.target = stand_ins[op]
+    module = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    for node, op in ops.items():
+        node.target = op
+    entries = {id(stand_in): op._op for op, stand_in in stand_ins.items()}
+    scope = type(module).forward.__globals__
+    for name, value in list(scope.items()):
+        scope[name] = entries.get(id(value), value)
+    return module
+
+
+def _stand_in(op: torch._ops.OpOverload) -> Callable:
+    """A function named after ``op`` for the code generator to call; :func:`direct_calls` binds its name to
+    ``op``'s C++ entry in the generated code's globals, so it is called only where that binding is undone."""
+
+    def stand_in(*args, **kwargs):
+        return op(*args, **kwargs)
+
+    stand_in.__name__ = stand_in.__qualname__ = str(op).replace(".", "_").replace("::", "_")
+    return stand_in
 
 
 def _cast_copied(node: fx.Node) -> fx.Node | None:
