@@ -3,8 +3,9 @@
     PYTHONPATH=$PWD python3 -m bench.gpu_host [--models gpt2] [--out docs/gpu_host.md]
 
 bench/gpu.py's workloads and variants (eager, DDP, the transpiled ``fused_allreduce`` step), plus the same step
-run by its program's graph module as built, without the plain runner's rewrites (casting copies, folded constants:
-``transpiler/runtime/plain_runner.py``, on a GPU only): their A/B in one run. Timed as bench/gpu.py times (the
+run by its program's graph module as built, without the plain runner's rewrites (casting copies and folded
+constants on a GPU only, and each op's C++ entry called directly on any device: ``transpiler/runtime/plain_runner.py``):
+their A/B in one run. Timed as bench/gpu.py times (the
 variants take turns, 5 rounds (``--rounds``) of 5 steps after 3 warm-ups, CUDA-synchronised), each ratio the
 median over rounds of the variant's time over DDP's in the same round; then each variant is
 profiled over 3 steps with ``torch.profiler``: kernels, device time, the aten ops it dispatched from the host,
