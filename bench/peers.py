@@ -90,7 +90,8 @@ MODELS: dict[str, tuple[str, Callable[[], nn.Module]]] = {
     "narrow": ("narrow GPT (12 blocks, d=16: the host's dispatching is the step)", lambda: NarrowGPT()),
     "wide": ("wide GPT (4 blocks, d=256)", lambda: NarrowGPT(blocks=4, dim=256, heads=4)),
 }
-STREAMING_LABEL = f"streaming_diloco H={2 * PERIOD}, 2 fragments, τ=1"  # a fragment syncs every PERIOD steps
+STREAMING = StreamingDiLoCo(sync_every=2 * PERIOD, fragments=2, fragment_sync_delay=1)  # a fragment every PERIOD
+STREAMING_LABEL = f"streaming_diloco H={STREAMING.sync_every}, {STREAMING.fragments} fragments, τ=1"
 # (mode's label, peer's label): each built by :func:`build`
 ROWS: tuple[tuple[str, str], ...] = (
     ("fused_allreduce", "DDP"),
@@ -103,7 +104,7 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("demo (SGD)", "bloc97's DeMo"),
     (f"sparseloco H={PERIOD}", f"tplr's SparseLoCo, H={PERIOD}"),
     (f"diloco H={PERIOD}", f"torchft DiLoCo, H={PERIOD}"),
-    (STREAMING_LABEL, f"torchft Streaming DiLoCo, H={2 * PERIOD}, 2 fragments, τ=1"),
+    (STREAMING_LABEL, f"torchft Streaming DiLoCo, H={STREAMING.sync_every}, {STREAMING.fragments} fragments, τ=1"),
 )
 SPARSELOCO = SparseLoCo(sync_every=PERIOD)  # the mode's defaults; tplr's optimizer gets the same
 
@@ -137,8 +138,9 @@ def build(label: str, base: nn.Module, batches: list[tuple]) -> Built:
         return Built(lambda: loop(*next(feed)), lambda: held_bytes(model, loop.inner, loop.kept()))
     if label.startswith("torchft"):
         inner = adamw(model.parameters())
-        streaming = {"sync_every": 2 * PERIOD, "fragments": 2, "delay": 1} if "Streaming" in label else {}
-        peer = TorchftDiLoCo(model, inner, **({"sync_every": PERIOD} | streaming))
+        s = STREAMING
+        streaming = (s.sync_every, s.fragments, s.fragment_sync_delay) if "Streaming" in label else (PERIOD,)
+        peer = TorchftDiLoCo(model, inner, *streaming)
         return Built(_eager(model, inner, feed), lambda: held_bytes(model, inner, peer.kept()), peer.close)
     if label.startswith("bloc97"):
         wrapped, optimizer = model, AuthorsDeMo(model.parameters(), lr=LR)  # their loop: no DDP, no all-reduce
@@ -170,7 +172,7 @@ ROWS_OURS = {
     "demo (SGD)": "demo",
     f"sparseloco H={PERIOD}": SPARSELOCO,
     f"diloco H={PERIOD}": DiLoCo(sync_every=PERIOD),
-    STREAMING_LABEL: StreamingDiLoCo(sync_every=2 * PERIOD, fragments=2, fragment_sync_delay=1),
+    STREAMING_LABEL: STREAMING,
 }
 # the rows whose steps differ within a round of PERIOD steps: an inner step and what the syncs add, apart
 ROUND_BASED = (f"local_sgd k={PERIOD}", f"sparseloco H={PERIOD}", f"diloco H={PERIOD}", STREAMING_LABEL)

@@ -43,18 +43,18 @@ def test_torchft_streaming_peer_syncs_the_fragments_the_mode_syncs():
     from torch import nn
 
     from bench.models import NarrowGPT, narrow_batch
+    from bench.peers import STREAMING
     from bench.peers_torchft import _fragments
-    from transpiler import StaticWorld, StreamingDiLoCo, transpile
+    from transpiler import StaticWorld, transpile
 
     torch.manual_seed(0)
     model = NarrowGPT()
     names = {id(p): n for n, p in model.named_parameters()}
-    parts = [[names[id(p)] for p in part.parameters()] for part in _fragments(model, 2)]
+    parts = [[names[id(p)] for p in part.parameters()] for part in _fragments(model, STREAMING.fragments)]
     assert sorted(n for part in parts for n in part) == sorted(names.values()) and all(parts)
     batch = narrow_batch("gpt", 2, torch.Generator().manual_seed(0))
-    mode = StreamingDiLoCo(sync_every=8, fragments=2, fragment_sync_delay=1)
     world = StaticWorld(size=2, rank=0)
-    step = transpile(model, torch.optim.AdamW(model.parameters()), mode, nn.CrossEntropyLoss(), batch, mesh=world)
+    step = transpile(model, torch.optim.AdamW(model.parameters()), STREAMING, nn.CrossEntropyLoss(), batch, mesh=world)
     sent = []
     for variant in ("sync0", "sync1"):
         nodes = step.programs[variant].graph.nodes

@@ -83,10 +83,7 @@ def plain_runner(gm: fx.GraphModule) -> fx.GraphModule:
     plan = _foldable(gm.graph)
     if not plan and not casts:
         return gm
-    graph = fx.Graph()
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    copies: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, copies))
+    graph, copies = _graph_copy(gm)
     for cast in casts:
         twin = copies[cast]
         (user,) = twin.users
@@ -117,9 +114,7 @@ def direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
     (``OpOverload._op``) instead of the ``OpOverload``, which pushes a Python frame only to call it (module
     docstring). The copy's nodes keep their ``OpOverload`` targets, so a failure names the node as the program's
     does; only its code, generated with a stand-in per operator, finds the C++ entry under that name."""
-    graph = fx.Graph()
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    graph.output(graph.graph_copy(gm.graph, {}))
+    graph, _ = _graph_copy(gm)
     ops = {n: n.target for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
     stand_ins = {op: _stand_in(op) for op in dict.fromkeys(ops.values())}
     for node, op in ops.items():
@@ -132,6 +127,15 @@ def direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
     for name, value in list(scope.items()):
         scope[name] = entries.get(id(value), value)
     return module
+
+
+def _graph_copy(gm: fx.GraphModule) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """A copy of ``gm``'s graph, its code generator included, and each node's copy."""
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    copies: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    return graph, copies
 
 
 def _stand_in(op: torch._ops.OpOverload) -> Callable:
