@@ -1,33 +1,46 @@
 """``overlap-quorum``: under a torchft quorum, cast the step's commit vote where the step can no longer fail for a
-lost peer, and (``wait``) wait for a quorum taken beside the step where the step first needs it.
+lost peer, wait for its count before the step writes into its inputs, and (``wait``) wait for a quorum taken
+beside the step where the step first needs it.
 
-Requires: a functional step whose sums across replica groups run on the quorum's process group: the program's
-group (a group of one rank), or its axis ``across`` (a group of several ranks, which reduces in two levels).
-Guarantees: ``transpiler::cast_vote`` right after the last wait of any collective, so the vote overlaps what the
-update still computes; with ``wait``, ``transpiler::await_quorum`` on the input of the first collective on that
-group, so that the forward, the backward and every collective inside the group run while the quorum is taken,
-and nothing leaves for another group before it is known. Both are ``role=communication`` and change no value: the
-arithmetic, and with it every bitwise claim of the mode, stays as it was. The runtime decides what they do
-(``transpiler/runtime/quorum.py``); a dump shows where the step blocks.
+Requires: a step whose sums across replica groups run on the quorum's process group: the program's group (a
+group of one rank), or its axis ``across`` (a group of several ranks, which reduces in two levels); its update
+functional, or in place (``flatten-update``, ``reinplace-optimizer``) with nothing a collective needs written.
+Guarantees: ``transpiler::cast_vote`` right after the last wait of any collective; where the step writes into its
+inputs, every write moved after it (with what it needs that no collective needs) and ``transpiler::await_vote``
+before the first, so that a step the quorum does not commit stops there, leaving every input as it was (a
+functional update instead computes while the vote is counted); with ``wait``, ``transpiler::await_quorum`` on
+the input of the first collective on that group, so that the forward, the backward and every collective inside
+the group run while the quorum is taken, and nothing leaves for another group before it is known. A write that a
+collective needs (a ZeRO shard, all-gathered once updated) is refused with a ConfigurationError: such a mode's
+update stays functional under a quorum (``Strategy.under_quorum``). The nodes are ``role=communication`` and
+change no value: the arithmetic, and with it every bitwise claim of the mode, stays as it was. The runtime
+decides what they do (``transpiler/runtime/quorum.py``); a dump shows where the step blocks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.fx as fx
+
 from transpiler.errors import ConfigurationError
 from transpiler.graph.collectives import is_collective, is_wait
-from transpiler.graph.edit import emit
+from transpiler.graph.edit import ancestors, emit
 from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import StepProgram
-from transpiler.graph.quorum_ops import AWAIT_QUORUM, CAST_VOTE, is_quorum_node
+from transpiler.graph.quorum_ops import AWAIT_QUORUM, AWAIT_VOTE, CAST_VOTE, is_quorum_node
+from transpiler.graph.views import is_view
 
 
 @dataclass(frozen=True)
 class OverlapQuorum(Pass):
     name = "overlap-quorum"
-    summary = "cast the torchft vote after the last wait; wait for the quorum at the first collective across groups"
+    requires = frozenset()  # a functional update or one in place (whose writes it holds back until the vote)
+    summary = (
+        "cast the torchft vote after the last wait and await it before the first write in place; wait for the "
+        "quorum at the first collective across groups"
+    )
     wait: bool = option(False, help="wait at the first collective across groups for a quorum taken beside the step")
 
     def run(self, program: StepProgram) -> bool:
@@ -47,5 +60,61 @@ class OverlapQuorum(Pass):
             first.update_arg(0, awaited)
         last = [n for n in graph.nodes if is_wait(n)][-1]
         with graph.inserting_after(last):
-            emit(graph, CAST_VOTE, ([last], group), role="communication")
+            vote = emit(graph, CAST_VOTE, ([last], group), role="communication")
+        written = _held_back(graph, vote, last)
+        if written is not None:
+            with graph.inserting_before(written):
+                emit(graph, AWAIT_VOTE, ([last], group), role="communication")
         return True
+
+
+def _held_back(graph: fx.Graph, vote: fx.Node, last: fx.Node) -> fx.Node | None:
+    """Move every write into an input, and what it needs that no collective needs, after ``vote``; the first
+    write (None: the update writes new tensors). A write a collective needs (a ZeRO shard, all-gathered once
+    updated), or one that a node the collectives need read afterwards, is refused."""
+    nodes = list(graph.nodes)
+    place = {n: i for i, n in enumerate(nodes)}
+    writes = [n for n in nodes if written_input(n) is not None]
+    if not writes:
+        return None
+    needed = ancestors([n for n in nodes if is_collective(n) or is_wait(n)], ordered=True)
+    span = nodes[place[writes[0]] : place[vote]]
+    moving = [n for n in span if n not in needed]
+    roots = {written_input(n) for n in moving} - {None}
+    blocking = [n.name for n in span if n in needed and (written_input(n) is not None or _reads(n) & roots)]
+    if blocking:
+        raise ConfigurationError(
+            f"overlap-quorum: {blocking[:3]} must run before the step's last collective and write into its inputs, "
+            "or read what the update writes, so a step the quorum does not commit would have changed them. Under a "
+            "quorum leave out 'reinplace-optimizer' and 'flatten-update' for this mode: its update then writes "
+            "new tensors."
+        )
+    for node in reversed(moving):
+        vote.append(node)
+    return next(n for n in graph.nodes if written_input(n) is not None)
+
+
+def _root(value: object) -> fx.Node | None:
+    """The node a value views, through any chain of views."""
+    while isinstance(value, fx.Node) and is_view(value):
+        value = value.args[0]
+    return value if isinstance(value, fx.Node) else None
+
+
+def _reads(node: fx.Node) -> set[fx.Node]:
+    return {_root(value) for value in node.all_input_nodes}
+
+
+def written_input(node: fx.Node) -> fx.Node | None:
+    """The program input (or view of one) ``node`` writes into, where its schema marks an argument ``a!``."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return None
+    for argument, value in zip(schema.arguments, node.args, strict=False):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        for tensor in value if isinstance(value, (list, tuple)) else [value]:
+            root = _root(tensor)
+            if root is not None and root.op == "placeholder":
+                return root
+    return None

@@ -711,10 +711,14 @@ def test_the_quorum_and_the_vote_are_nodes_where_the_step_needs_them(mode, ranks
     """``overlap-quorum`` (about 0.5 s an example): in a data-parallel mode the vote is cast right after the last
     wait of any collective, reading it; with ``async_quorum`` the quorum is awaited on the input of the first
     collective on torchft's group (labelled ``quorum``), and every collective before it stays inside the group.
-    DiLoCo's programs hold neither: its syncs take their quorum before the step and vote after it. The nodes add
-    no arithmetic: each is an alias or returns nothing."""
+    No node writes into an input (a parameter, state or flat buffer) before the vote is awaited: ``allreduce`` and
+    ``fused_allreduce`` update in place (AdamW's chain on flat buffers), after one ``await_vote``; ZeRO's update is
+    functional, and ZeRO-1/2's copies of the gathered parameters into theirs wait for the vote too. DiLoCo's
+    programs hold none of these nodes: its syncs take their quorum before the step and vote after it. The nodes
+    add no arithmetic: each is an alias or returns nothing."""
+    from passes.overlap_quorum import written_input
     from transpiler.graph.collectives import is_collective, is_wait
-    from transpiler.graph.quorum_ops import AWAIT_QUORUM, CAST_VOTE
+    from transpiler.graph.quorum_ops import AWAIT_QUORUM, AWAIT_VOTE, CAST_VOTE
 
     model = MLP()
     ft = FaultTolerance(async_quorum=beside)
@@ -722,7 +726,7 @@ def test_the_quorum_and_the_vote_are_nodes_where_the_step_needs_them(mode, ranks
     extra = {"replica_mode": "zero1"} if mode == "diloco" and ranks > 1 else {}
     step = transpile(
         model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.optim.AdamW(model.parameters(), lr=0.1),
         mode_config(mode, **extra),
         LOSS,
         inputs,
@@ -733,13 +737,21 @@ def test_the_quorum_and_the_vote_are_nodes_where_the_step_needs_them(mode, ranks
         nodes = list(program.graph.nodes)
         awaits = [n for n in nodes if n.target is AWAIT_QUORUM]
         votes = [n for n in nodes if n.target is CAST_VOTE]
+        counted = [n for n in nodes if n.target is AWAIT_VOTE]
         if mode == "diloco":
-            assert not awaits and not votes, variant
+            assert not awaits and not votes and not counted, variant
             continue
         across = [n for n in nodes if is_collective(n) and n.args[-1] == "quorum"]
         waits = [n for n in nodes if is_wait(n)]
         assert across, "the sums across groups run on torchft's group"
         assert len(votes) == 1 and votes[0].args[0] == [waits[-1]] and votes[0].prev is waits[-1]
+        writes = [i for i, n in enumerate(nodes) if written_input(n) is not None]
+        in_place = [n for n in nodes if n.target is torch.ops.aten.lerp_.Scalar]
+        assert bool(in_place) == (mode in ("allreduce", "fused_allreduce")), "Adam's exp_avg updated in place"
+        assert len(counted) == (1 if writes else 0)
+        assert bool(writes) == (mode != "zero3"), "ZeRO-3 holds shards, which the runtime writes back"
+        if writes:
+            assert nodes.index(votes[0]) < nodes.index(counted[0]) < writes[0]
         if not beside:
             assert not awaits
             continue
@@ -895,36 +907,40 @@ def test_a_group_alone_on_a_bound_device_registers_and_is_the_step_without_a_quo
         dist.distributed_c10d._get_default_group().bound_device_id = torch.device("cuda", 0)
         modes = ("fused_allreduce", "zero2", "zero3", "streaming_diloco")
         worst = one_group_against_plain(torch.device("cpu"), modes)
-        refused = _refused_until_it_gives_up(max_retries=2)
+        refused = [_refused_until_it_gives_up(mode, max_retries=2) for mode in ("fused_allreduce", "zero2")]
     finally:
         dist.destroy_process_group()
     assert worst == {"fused_allreduce": 0.0, "zero2": 0.0, "zero3": 0.0, "streaming_diloco": 0.0}
-    assert refused == 3
+    assert refused == [3, 3]
     # destroy_process_group() cleared every registered group, the private one of a step without a world too (the
     # suite's later tests in this process failed on it once): the step registers it again
     alone(*batch)
 
 
-def _refused_until_it_gives_up(max_retries: int) -> int:
+def _refused_until_it_gives_up(mode: str, max_retries: int) -> int:
     """A group alone whose every step is voted against: the steps it ran before the step raised the
-    CommunicationError of ``FaultTolerance.max_retries`` (saying what to check), each one uncommitted. Then the
-    lighthouse goes, and the next step raises a CommunicationError naming it after ``quorum_timeout``."""
+    CommunicationError of ``FaultTolerance.max_retries`` (saying what to check), each one uncommitted and leaving
+    the parameters and optimizer state bit for bit as they were (``fused_allreduce`` updates in place after its
+    ``await_vote``; ``zero2`` copies the gathered parameters into the model's after it). Then the lighthouse goes,
+    and the next step raises a CommunicationError naming it after ``quorum_timeout``."""
     from tests.quorum_alone import lighthouse
     from transpiler.errors import CommunicationError
 
     port = free_port()
     server = lighthouse(port)
     model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     step = transpile(
         model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        "fused_allreduce",
+        optimizer,
+        mode,
         LOSS,
         fault_tolerance=FaultTolerance(
-            f"http://localhost:{port}", "refused", max_retries=max_retries, timeout=30, quorum_timeout=3
+            f"http://localhost:{port}", f"refused-{mode}", max_retries=max_retries, timeout=30, quorum_timeout=3
         ),
     )
     x, y = torch.randn(4, 20), torch.randint(0, 5, (4,))
+    before = copy.deepcopy((model.state_dict(), _state_entries(optimizer)))
     runs = 0
     try:
         with pytest.raises(CommunicationError, match="3 steps in a row did not commit.*max_retries"):
@@ -933,6 +949,11 @@ def _refused_until_it_gives_up(max_retries: int) -> int:
                 step.quorum.manager.report_error(RuntimeError("a vote against this step (the test's)"))
                 step(x, y)
                 assert not step.committed
+                for name, value in model.state_dict().items():
+                    assert torch.equal(value, before[0][name]), (mode, runs, name)
+                entries = _state_entries(optimizer)
+                assert entries.keys() == before[1].keys(), (mode, runs)
+                assert all(torch.equal(value, before[1][key]) for key, value in entries.items()), (mode, runs)
                 runs += 1
         server.kill()
         server.wait(timeout=30)
@@ -943,6 +964,12 @@ def _refused_until_it_gives_up(max_retries: int) -> int:
         server.kill()
         server.wait(timeout=30)
     return runs + 1
+
+
+def _state_entries(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], torch.Tensor]:
+    """Each tensor of the optimizer's state, by parameter index and entry."""
+    state = optimizer.state_dict()["state"]
+    return {(index, entry): value for index, held in state.items() for entry, value in held.items()}
 
 
 @pytest.mark.quick

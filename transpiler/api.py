@@ -96,14 +96,7 @@ def transpile(
     optimizer, config = checked_arguments(model, optimizer, fault_tolerance, trace), as_config(config)
     planned = tensor_parallel_planned(model, mesh, pipeline)
     placement, stage = place(mesh, execution, planned, pipeline, trace, fault_tolerance)
-    surroundings = Surroundings(
-        tensor_parallel=planned,
-        quorum_group=placement.world_size if fault_tolerance is not None else None,
-        async_quorum=fault_tolerance is not None and fault_tolerance.async_quorum,
-        cuda_graph=execution.cuda_graph,
-        pipeline=pipeline is not None,
-    )
-    strategy = config.strategy(surroundings)
+    strategy = config.strategy(surroundings(planned, placement, fault_tolerance, execution, pipeline))
     strategy.check(optimizer)
     outer = outer_for(strategy, outer_optimizer, optimizer, config.mode)
     quorum, seats, placement = seat(fault_tolerance, strategy, placement, mesh, example_inputs, config.mode)
@@ -136,6 +129,24 @@ def transpile(
     if example_inputs is not None:
         step.prepare(tuple(example_inputs))
     return step
+
+
+def surroundings(
+    planned: bool,
+    placement: Placement,
+    fault_tolerance: FaultTolerance | None,
+    execution: Execution,
+    pipeline: PipelineParallel | None,
+) -> Surroundings:
+    """What the mode's config is built into: a tensor-parallel plan, a quorum, compiled or captured, a pipeline."""
+    return Surroundings(
+        tensor_parallel=planned,
+        quorum_group=placement.world_size if fault_tolerance is not None else None,
+        async_quorum=fault_tolerance is not None and fault_tolerance.async_quorum,
+        cuda_graph=execution.cuda_graph,
+        compiled=execution.compile,
+        pipeline=pipeline is not None,
+    )
 
 
 def planned_arguments(

@@ -29,15 +29,16 @@ def fake_mode(graph: fx.Graph) -> FakeTensorMode | None:
     return next((n.meta["val"].fake_mode for n in graph.nodes if isinstance(n.meta.get("val"), FakeTensor)), None)
 
 
-def ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
-    """``nodes`` and every node they read, directly or not."""
+def ancestors(nodes: list[fx.Node], ordered: bool = False) -> set[fx.Node]:
+    """``nodes`` and every node they read, directly or not (``ordered``: every node they must come after,
+    :func:`dependencies`)."""
     seen: set[fx.Node] = set()
     stack = list(nodes)
     while stack:
         node = stack.pop()
         if node not in seen:
             seen.add(node)
-            stack.extend(node.all_input_nodes)
+            stack.extend(dependencies(node) if ordered else node.all_input_nodes)
     return seen
 
 

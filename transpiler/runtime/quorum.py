@@ -19,11 +19,12 @@ collectives run on it). What this module adds to a step, around the same rewritt
   {participants=true}``) gets this quorum's size, so the mean is over the groups that take part and a quorum
   change never retraces;
 - **the vote** (:meth:`Quorum.run`): torchft's commit vote, cast by the program's ``transpiler::cast_vote`` node
-  once its last collective is waited for, on the quorum's thread, while the update computes. The program's
-  updates are functional (its
-  pipeline has no ``reinplace-optimizer``), so a step that does not commit (a peer died mid-step, the quorum
-  fell below ``min_replicas``) writes nothing back: parameters, optimizer state, schedule and data position
-  stay as they were, bit for bit, and the next call retries under the new quorum.
+  once its last collective is waited for, on the quorum's thread. A step that does not commit (a peer died
+  mid-step, the quorum fell below ``min_replicas``) writes nothing back: parameters, optimizer state, schedule and
+  data position stay as they were, bit for bit, and the next call retries under the new quorum. Where the
+  update writes in place (``allreduce`` and ``fused_allreduce``, uncompiled), the program's
+  ``transpiler::await_vote`` node waits for the count before the first write and stops the program there when
+  it says no (:class:`VotedDown`); elsewhere the update is functional and computes while the vote is counted.
 
 Under DiLoCo only the syncs read the participant count, and only they take a quorum and vote (:meth:`seat_for`);
 inner steps talk to no other group. A group joins at its first step, whatever it is (:meth:`join`).
@@ -69,6 +70,10 @@ class Seat:
 class QuorumMoved(Exception):
     """Raised at a step's ``await_quorum`` node: the quorum taken beside the step is not the one the step was
     computed for (a group left or joined, or this group must heal). Nothing has left for another group yet."""
+
+
+class VotedDown(Exception):
+    """Raised at a step's ``await_vote`` node: the quorum does not commit the step. Nothing is written yet."""
 
 
 class Quorum:
@@ -133,7 +138,7 @@ class Quorum:
         self._token = torch.zeros(1, device="cuda" if nccl else "cpu")  # what they all-reduce when they meet
         self._received: dict | None = None  # the state a heal brought, applied on the step's thread
         self._load: Callable[[dict], None] | None = None
-        quorum_ops.serve(self.group_name, quorum_ops.QuorumHooks(self._settle, self._cast_vote))
+        quorum_ops.serve(self.group_name, quorum_ops.QuorumHooks(self._settle, self._cast_vote, self._await_vote))
 
     def placement(self, placement: Placement, two_level: bool) -> Placement:
         """Where the programs' collectives go: on the group's own world where the strategy reduces in two levels
@@ -231,6 +236,8 @@ class Quorum:
             self._heal()
             log.warning("replica group %r: %s; the step runs again under it", self.setting.replica_id, moved)
             return None, False
+        except VotedDown:  # the update in place stopped before its first write: the vote below says no again
+            pass
         except NoQuorumError:
             self.seat = None
             raise
@@ -339,6 +346,12 @@ class Quorum:
         """The program's ``cast_vote``: every collective is waited for, so the vote goes out while the update
         computes."""
         self._voting = self._thread.submit(self.manager.should_commit)
+
+    def _await_vote(self) -> None:
+        """The program's ``await_vote``, before its update writes in place: the vote counted; VotedDown when the
+        step does not commit, so that nothing is written."""
+        if not self._voting.result():
+            raise VotedDown("the vote said no")
 
 
 def across_groups(axes: tuple[dict[str, tuple[int, ...]], ...], group_name: str) -> dict[tuple[int, ...], str]:

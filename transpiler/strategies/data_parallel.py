@@ -60,6 +60,7 @@ class DataParallel(ModeConfig):
             {"fused": True},
         ),
     )
+    in_place_under_quorum = True
     fused: bool = own(True, help="gradients in dtype/size buckets, one all-reduce each; false: one per gradient")
     bucket_cap_mb: float | str = knob(25.0, of="fuse-allreduce")
     first_bucket_mb: float = knob(1.0, of="fuse-allreduce")

@@ -51,6 +51,7 @@ class Surroundings:
     quorum_group: int | None = None  # under a torchft quorum: the ranks of this replica group
     async_quorum: bool = False  # the quorum taken beside the step (FaultTolerance.async_quorum)
     cuda_graph: bool = False
+    compiled: bool = False  # each program compiled (Inductor orders an op that returns nothing by its data only)
     pipeline: bool = False  # the step is one stage of a pipeline
 
 
@@ -65,6 +66,9 @@ class ModeConfig(PassKnobs):
     # under a quorum, its reductions are made in the group, then summed across the groups (for a group of any size;
     # data parallel only for a group of several ranks, since one rank sums across the groups directly)
     two_levels_under_quorum: ClassVar[bool] = False
+    # under a quorum, its update writes nothing before its last collective, so it may run in place, held back until
+    # the vote is counted (overlap-quorum); a ZeRO update precedes its all-gather, and stays functional
+    in_place_under_quorum: ClassVar[bool] = False
 
     @property
     def mode(self) -> str:
@@ -115,7 +119,8 @@ class ModeConfig(PassKnobs):
             return strategy
         two_level = self.two_levels_under_quorum or (self.mode in ("allreduce", "fused_allreduce") and group > 1)
         vote = strategy.outer is None  # DiLoCo's syncs take their quorum before the step and vote after it
-        return strategy.under_quorum(vote=vote, wait=surroundings.async_quorum, two_level=two_level)
+        in_place = self.in_place_under_quorum and not (surroundings.compiled or surroundings.cuda_graph)
+        return strategy.under_quorum(vote=vote, wait=surroundings.async_quorum, two_level=two_level, in_place=in_place)
 
     def to_dict(self) -> dict[str, Any]:
         """``{"mode": name, field: value, ...}``, less the fields the name sets."""

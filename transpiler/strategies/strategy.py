@@ -106,7 +106,7 @@ class Strategy:
         shards), and an optimizer that needs whole tensors is refused (``WholeTensorRefused``)."""
         return dataclasses.replace(self, checks=(*self.checks, WholeTensorRefused()))
 
-    def under_quorum(self, *, vote: bool, wait: bool, two_level: bool) -> Strategy:
+    def under_quorum(self, *, vote: bool, wait: bool, two_level: bool, in_place: bool = False) -> Strategy:
         """This strategy for one replica group under a torchft quorum (``transpile(fault_tolerance=...)``).
 
         ``scale-loss-grad`` (and DiLoCo's ``diloco-outer-step``) divide by the step's input ``participants``, not
@@ -114,16 +114,19 @@ class Strategy:
         ``broadcast-params`` goes: torchft makes every group start from the first one's state (``init_sync``) and
         heals a late group from a peer, each rank from the rank of its place in a peer group, so some ranks of a
         group may heal and others not, and a broadcast inside the group would be run by some of its ranks only (the
-        ranks must start alike: a seeded model, as under torchft). ``flatten-update`` and ``reinplace-optimizer``
-        go, so that the update writes new tensors and a step the quorum does not commit leaves the old ones
-        untouched; the update stays multi-tensor (``foreach-update``). With ``vote`` the step ends with
-        ``overlap-quorum``, the commit vote cast once its last collective is waited for (``wait``: and the wait at
-        its first collective across groups for a quorum taken while it ran); DiLoCo's syncs take their quorum
-        before the step and vote after it. With ``two_level`` (HSDP's layout: a group of several ranks) each
-        reducing pass reduces in the group, then sums each bucket or shard across the groups (axis ``across``)."""
+        ranks must start alike: a seeded model, as under torchft). A step the quorum does not commit must leave
+        every input untouched: with ``in_place`` (an update that writes nothing before its last collective, run
+        uncompiled) ``flatten-update`` and ``reinplace-optimizer`` stay and ``overlap-quorum`` holds the first write
+        until the vote is counted; else they go, and the update writes new tensors (multi-tensor still,
+        ``foreach-update``). With ``vote`` the step ends with ``overlap-quorum``, the commit vote cast once its
+        last collective is waited for (``wait``: and the wait at its first collective across groups for a quorum
+        taken while it ran); DiLoCo's syncs take their quorum before the step and vote after it. With
+        ``two_level`` (HSDP's layout: a group of several ranks) each reducing pass reduces in the group, then sums
+        each bucket or shard across the groups (axis ``across``)."""
 
         def rewritten(pipeline: list[Pass]) -> list[Pass]:
-            kept = [_counting(p) for p in pipeline if p.name not in DROPPED_UNDER_QUORUM]
+            dropped = DROPPED_UNDER_QUORUM - (IN_PLACE if in_place and vote else frozenset())
+            kept = [_counting(p) for p in pipeline if p.name not in dropped]
             kept = [_across(p) for p in kept] if two_level else kept
             return [*kept, passes.OverlapQuorum(wait=wait)] if vote else kept
 
@@ -162,8 +165,10 @@ class RankPlan:
 
 
 # the passes a step under a quorum leaves out: a broadcast that not every rank of a group would run, and the
-# in-place update, so that an uncommitted step leaves the old values untouched (Strategy.under_quorum)
-DROPPED_UNDER_QUORUM = frozenset({"broadcast-params", "flatten-update", "reinplace-optimizer"})
+# in-place update (IN_PLACE), so that an uncommitted step leaves the old values untouched, unless the vote holds
+# the update's writes back (Strategy.under_quorum)
+IN_PLACE = frozenset({"flatten-update", "reinplace-optimizer"})
+DROPPED_UNDER_QUORUM = frozenset({"broadcast-params"}) | IN_PLACE
 
 
 def _across(p: Pass) -> Pass:
