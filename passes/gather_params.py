@@ -3,11 +3,13 @@
 Requires: ``shard-optimizer`` before it, so every parameter output is this rank's updated slice
 ``p.view(-1)[lo:hi]`` (``program.shards``) and every reduce-scatter's ``collective`` meta holds its bucket's
 layout (``grads``, ``starts``, ``length``). Loss scaling and clipping run between the two, on the slices.
-Guarantees: each bucket's updated shard is all-gathered (``all_gather_into_tensor``) in bucket order, and
-every parameter's new values are copied out of it into the parameter in place, so after the step every rank's
-parameters hold the full updated values, as with DDP. A rank that owns nothing of a bucket sends zeros. A
-bucket that ``flatten-update`` made flat is gathered whole: the shard its runs wrote is sent, and the gathered
-bucket is copied into the flat parameters in one copy.
+Guarantees: each bucket's updated shard is all-gathered (``all_gather_into_tensor``) in bucket order, and every
+parameter's new values are copied out of it into the parameter in place, so after the step every rank's parameters hold
+the full updated values, as with DDP (``in_place=false``: the new values are the step's outputs, views of the gathered
+bucket, which the runtime binds once the step is kept: a DiLoCo sync under a quorum, voted on after it runs, must leave
+the parameters as they were when it does not commit). A rank that owns nothing of a bucket sends zeros. A bucket that
+``flatten-update`` made flat is gathered whole: the shard its runs wrote is sent, and the gathered bucket is copied
+into the flat parameters in one copy.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from transpiler.errors import ConfigurationError
 from transpiler.graph.collectives import C10D, WAIT
 from transpiler.graph.edit import Cursor
+from transpiler.graph.options import option
 from transpiler.graph.pipeline import Fact, Pass
 from transpiler.graph.ports import Port
 from transpiler.graph.program import StepProgram
@@ -35,6 +39,7 @@ class GatherParams(Pass):
     requires = frozenset({Fact.FUNCTIONAL, Fact.STATE_SHARDED})
     ensures = frozenset({Fact.WHOLE_PARAMETERS})
     summary = "all-gather each bucket's updated parameter shards and copy them into the parameters"
+    in_place: bool = option(True, help="copy the gathered values into the parameters; false: they are the outputs")
 
     def run(self, program: StepProgram) -> bool:
         kinds = {n.meta["collective"]["kind"] for n in program.graph.nodes if "collective" in n.meta}
@@ -42,7 +47,7 @@ class GatherParams(Pass):
             return False
         buckets = sharded_buckets(program)
         for bucket in buckets:
-            _gather(program, bucket)
+            _gather(program, bucket, self.in_place)
         return bool(buckets)
 
 
@@ -89,10 +94,16 @@ def _gather_flat(program: StepProgram, bucket: dict, flat: fx.Node) -> None:
     cursor.emit(aten.copy_.default, (flat, cursor.emit(WAIT, (gathered,), **comm)), **comm)
 
 
-def _gather(program: StepProgram, bucket: dict) -> None:
-    """All-gather one bucket's updated shard and copy every parameter's new values into it, in place."""
+def _gather(program: StepProgram, bucket: dict, in_place: bool) -> None:
+    """All-gather one bucket's updated shard and copy every parameter's new values into it, in place (else: the
+    parameter's output is its view of the gathered bucket)."""
     flat = f"grads{bucket['bucket']}.param"
     if any(b.port == flat for b in program.flat_buffers):
+        if not in_place:
+            raise ConfigurationError(
+                f"gather-params{{in-place=false}}: bucket {bucket['bucket']} is flat ('flatten-update'), and its "
+                "parameters are views of one buffer the gather writes. Leave out flatten-update, or in-place=false."
+            )
         _gather_flat(program, bucket, input_node(program, Port("flat", flat)))
         return
     names, starts, length = bucket["grads"], bucket["starts"], bucket["length"]
@@ -110,5 +121,5 @@ def _gather(program: StepProgram, bucket: dict) -> None:
     for name, param, start in zip(names, params, starts):
         part = cursor.emit(aten.slice.Tensor, (full, 0, start, start + param.meta["val"].numel()), **comm)
         whole = cursor.emit(aten.view.default, (part, list(param.meta["val"].shape)), **comm)
-        values[where[name]] = cursor.emit(aten.copy_.default, (param, whole), **comm)
+        values[where[name]] = cursor.emit(aten.copy_.default, (param, whole), **comm) if in_place else whole
     set_output_values(program, values)

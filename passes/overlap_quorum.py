@@ -30,7 +30,7 @@ from transpiler.graph.options import option
 from transpiler.graph.pipeline import Pass
 from transpiler.graph.program import StepProgram
 from transpiler.graph.quorum_ops import AWAIT_QUORUM, AWAIT_VOTE, CAST_VOTE, is_quorum_node
-from transpiler.graph.views import is_view
+from transpiler.graph.views import viewed_root, written_input
 
 
 @dataclass(frozen=True)
@@ -94,27 +94,5 @@ def _held_back(graph: fx.Graph, vote: fx.Node, last: fx.Node) -> fx.Node | None:
     return next(n for n in graph.nodes if written_input(n) is not None)
 
 
-def _root(value: object) -> fx.Node | None:
-    """The node a value views, through any chain of views."""
-    while isinstance(value, fx.Node) and is_view(value):
-        value = value.args[0]
-    return value if isinstance(value, fx.Node) else None
-
-
-def _reads(node: fx.Node) -> set[fx.Node]:
-    return {_root(value) for value in node.all_input_nodes}
-
-
-def written_input(node: fx.Node) -> fx.Node | None:
-    """The program input (or view of one) ``node`` writes into, where its schema marks an argument ``a!``."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is None:
-        return None
-    for argument, value in zip(schema.arguments, node.args, strict=False):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        for tensor in value if isinstance(value, (list, tuple)) else [value]:
-            root = _root(tensor)
-            if root is not None and root.op == "placeholder":
-                return root
-    return None
+def _reads(node: fx.Node) -> set[fx.Node | None]:
+    return {viewed_root(value) for value in node.all_input_nodes}

@@ -714,11 +714,12 @@ def test_the_quorum_and_the_vote_are_nodes_where_the_step_needs_them(mode, ranks
     No node writes into an input (a parameter, state or flat buffer) before the vote is awaited: ``allreduce`` and
     ``fused_allreduce`` update in place (AdamW's chain on flat buffers), after one ``await_vote``; ZeRO's update is
     functional, and ZeRO-1/2's copies of the gathered parameters into theirs wait for the vote too. DiLoCo's
-    programs hold none of these nodes: its syncs take their quorum before the step and vote after it. The nodes
-    add no arithmetic: each is an alias or returns nothing."""
-    from passes.overlap_quorum import written_input
+    programs hold none of these nodes: its syncs take their quorum before the step and vote after it, so they write
+    into no input (with ZeRO-1 inside a group of several ranks, the gathered parameters are outputs). The nodes add
+    no arithmetic: each is an alias or returns nothing."""
     from transpiler.graph.collectives import is_collective, is_wait
     from transpiler.graph.quorum_ops import AWAIT_QUORUM, AWAIT_VOTE, CAST_VOTE
+    from transpiler.graph.views import written_input
 
     model = MLP()
     ft = FaultTolerance(async_quorum=beside)
@@ -738,8 +739,9 @@ def test_the_quorum_and_the_vote_are_nodes_where_the_step_needs_them(mode, ranks
         awaits = [n for n in nodes if n.target is AWAIT_QUORUM]
         votes = [n for n in nodes if n.target is CAST_VOTE]
         counted = [n for n in nodes if n.target is AWAIT_VOTE]
-        if mode == "diloco":
+        if mode == "diloco":  # voted on after the step: nothing written in it (ZeRO-1's gathered values are outputs)
             assert not awaits and not votes and not counted, variant
+            assert all(written_input(n) is None for n in nodes), variant
             continue
         across = [n for n in nodes if is_collective(n) and n.args[-1] == "quorum"]
         waits = [n for n in nodes if is_wait(n)]

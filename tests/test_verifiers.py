@@ -16,6 +16,7 @@ from transpiler.graph.verify import (
     check_collectives_waited,
     check_cross_rank,
     check_gradient_reductions,
+    check_writes_wait_for_the_vote,
 )
 from transpiler.runtime.process_group import Placement
 from transpiler.trace.tracer import trace_step
@@ -122,3 +123,30 @@ def test_a_bucket_buffer_read_outside_its_views_is_caught():
         program.graph.call_function(torch.ops.aten.clone.default, (ready.args[0],))
     with pytest.raises(VerificationError, match="not its views"):
         check_bucket_views(program, True)
+
+
+def test_a_write_into_an_input_before_the_quorum_vote_is_counted_is_caught():
+    """A step a quorum votes on (built to be looked at: a world of 2, torchft's group the label ``quorum``): the
+    in-place update of ``fused_allreduce`` waits for the vote at ``await_vote``; without that node, its first
+    write into an input is named."""
+    from transpiler import FaultTolerance, StaticWorld, transpile
+    from transpiler.graph.quorum_ops import AWAIT_VOTE
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    loss = nn.CrossEntropyLoss()
+    step = transpile(
+        model,
+        optimizer,
+        "fused_allreduce",
+        loss,
+        BATCH,
+        fault_tolerance=FaultTolerance(),
+        mesh=StaticWorld(size=2, rank=1),
+    )
+    program = step.programs["step"]
+    check_writes_wait_for_the_vote(program, True)
+    program.graph.erase_node(next(n for n in program.graph.nodes if n.target is AWAIT_VOTE))
+    check_writes_wait_for_the_vote(program, False)  # between passes: not yet
+    with pytest.raises(VerificationError, match="writes into input .* before the quorum's vote is counted"):
+        check_writes_wait_for_the_vote(program, True)

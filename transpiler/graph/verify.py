@@ -19,6 +19,8 @@ from .bucket_layout import WHOLE_SHAPE, check_bucket_views
 from .collectives import CommOp, collective_sequence, communication_plan, is_collective, is_wait
 from .ports import GLOBAL, IN_FLIGHT, OUTER, PRIVATE, PortKind
 from .program import ROLES, StepProgram
+from .quorum_ops import AWAIT_VOTE
+from .views import written_input
 
 
 def check_roles(program: StepProgram, final: bool) -> None:
@@ -218,6 +220,23 @@ def check_fragments(programs: dict[str, StepProgram], variants: list[str], sync_
             )
 
 
+def check_writes_wait_for_the_vote(program: StepProgram, final: bool) -> None:
+    """A step a torchft quorum votes on (it reads the participant count) writes into its inputs only after its
+    ``await_vote``: a step that does not commit must leave every input as it was (``overlap-quorum``)."""
+    if not final or not any(port.kind == PortKind.QUORUM for port in program.inputs):
+        return
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.target is AWAIT_VOTE:
+            return
+        written = written_input(node)
+        if written is not None:
+            raise VerificationError(
+                f"node '{node.name}' writes into input '{written.name}' before the quorum's vote is counted, so a "
+                "step that does not commit would change it. Under a quorum the pass that wrote it must leave the "
+                "value as an output (see Strategy.under_quorum), or overlap-quorum must hold the write back."
+            )
+
+
 DEFAULT_VERIFIERS = [
     check_roles,
     check_collectives_waited,
@@ -225,6 +244,7 @@ DEFAULT_VERIFIERS = [
     check_bucket_views,
     check_outer_reads_averaged,
     check_private_state_stays,
+    check_writes_wait_for_the_vote,
 ]
 
 

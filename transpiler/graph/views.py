@@ -102,3 +102,25 @@ def contiguous_views(root: fx.Node) -> dict[fx.Node, tuple[int, int]]:
             elif user.target is aten.split_with_sizes.default and user.args[0] is node:
                 stack.append(user)
     return found
+
+
+def viewed_root(value: object) -> fx.Node | None:
+    """The node a value views, through any chain of views (itself when it views nothing; None for a non-node)."""
+    while isinstance(value, fx.Node) and is_view(value):
+        value = value.args[0]
+    return value if isinstance(value, fx.Node) else None
+
+
+def written_input(node: fx.Node) -> fx.Node | None:
+    """The program input ``node`` writes into, itself or through a view (an argument its schema marks ``a!``)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return None
+    for argument, value in zip(schema.arguments, node.args, strict=False):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        for tensor in value if isinstance(value, (list, tuple)) else [value]:
+            root = viewed_root(tensor)
+            if root is not None and root.op == "placeholder":
+                return root
+    return None

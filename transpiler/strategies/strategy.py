@@ -114,19 +114,21 @@ class Strategy:
         ``broadcast-params`` goes: torchft makes every group start from the first one's state (``init_sync``) and
         heals a late group from a peer, each rank from the rank of its place in a peer group, so some ranks of a
         group may heal and others not, and a broadcast inside the group would be run by some of its ranks only (the
-        ranks must start alike: a seeded model, as under torchft). A step the quorum does not commit must leave
-        every input untouched: with ``in_place`` (an update that writes nothing before its last collective, run
-        uncompiled) ``flatten-update`` and ``reinplace-optimizer`` stay and ``overlap-quorum`` holds the first write
-        until the vote is counted; else they go, and the update writes new tensors (multi-tensor still,
-        ``foreach-update``). With ``vote`` the step ends with ``overlap-quorum``, the commit vote cast once its
-        last collective is waited for (``wait``: and the wait at its first collective across groups for a quorum
-        taken while it ran); DiLoCo's syncs take their quorum before the step and vote after it. With
-        ``two_level`` (HSDP's layout: a group of several ranks) each reducing pass reduces in the group, then sums
-        each bucket or shard across the groups (axis ``across``)."""
+        ranks must start alike: a seeded model, as under torchft). A step the quorum does not commit must leave every
+        input untouched: with ``in_place`` (an update that writes nothing before its last collective, run uncompiled)
+        ``flatten-update`` and ``reinplace-optimizer`` stay and ``overlap-quorum`` holds the first write until the vote
+        is counted; else they go, and the update writes new tensors (multi-tensor still, ``foreach-update``). Without
+        ``vote`` (DiLoCo's syncs, voted on after the step) ``gather-params`` makes the gathered values the step's
+        outputs instead of copying them into the parameters mid-step. With ``vote`` the step ends with
+        ``overlap-quorum``, the commit vote cast once its last collective is waited for (``wait``: and the wait at its
+        first collective across groups for a quorum taken while it ran); DiLoCo's syncs take their quorum before the
+        step and vote after it. With ``two_level`` (HSDP's layout: a group of several ranks) each reducing pass
+        reduces in the group, then sums each bucket or shard across the groups (axis ``across``)."""
 
         def rewritten(pipeline: list[Pass]) -> list[Pass]:
             dropped = DROPPED_UNDER_QUORUM - (IN_PLACE if in_place and vote else frozenset())
             kept = [_counting(p) for p in pipeline if p.name not in dropped]
+            kept = kept if vote else [_unwritten(p) for p in kept]
             kept = [_across(p) for p in kept] if two_level else kept
             return [*kept, passes.OverlapQuorum(wait=wait)] if vote else kept
 
@@ -174,6 +176,12 @@ DROPPED_UNDER_QUORUM = frozenset({"broadcast-params"}) | IN_PLACE
 def _across(p: Pass) -> Pass:
     """The gradients' reduction in the group, with each reduced bucket or shard then summed across the groups."""
     return dataclasses.replace(p, across=True) if p.reduces_gradients and hasattr(p, "across") else p
+
+
+def _unwritten(p: Pass) -> Pass:
+    """Under a quorum voted on after the step (DiLoCo's syncs): the parameters' gathered values as outputs, not
+    copied into them mid-step, so that a sync that does not commit leaves them as they were."""
+    return dataclasses.replace(p, in_place=False) if p.name == "gather-params" else p
 
 
 def _counting(p: Pass) -> Pass:
