@@ -183,7 +183,7 @@ class DistributedStep:
         if self._position is not None:  # data parallel: the quorum's batches; DiLoCo: this group's own one
             self._position.commit(seat.participants if seat is not None and self.quorum.every_step else 1)
         self._last_run = LastRun.of(program, batch, torch.cuda.max_memory_allocated(built.device) if on_gpu else None)
-        metrics = feed.write_back(state, program, built, outputs)
+        metrics = feed.write_back(state, program, built, variant, inputs, outputs)
         state.flat.written(state.optimizer, skipped=metrics.get("overflow", 0.0) != 0.0)
         state.schedule.observe(variant, metrics, float(state.optimizer.param_groups[0]["lr"]))
         self.last_variant, self.last_metrics = variant, metrics

@@ -30,7 +30,8 @@ def inputs(
     quorum: dict[str, torch.Tensor] | None = None,
 ) -> list:
     """The program's inputs, in port order (``quorum``: this step's quorum values, under fault tolerance)."""
-    kinds = {port.kind for port in program.inputs}  # a flattened program reads no parameter or state one by one
+    ports = built.ports[variant]
+    kinds = ports.kinds  # a flattened program reads no parameter or state one by one
     if PortKind.QUORUM in kinds and not quorum:
         raise ConfigurationError(
             "this program reads the step's participant count ('scale-loss-grad{participants=true}'), which only a "
@@ -40,25 +41,23 @@ def inputs(
         PortKind.QUORUM: quorum or {},
         PortKind.BUFFER: built.buffers,
         PortKind.BATCH: {f"batch{i}": t for i, t in enumerate(batch)},
-        PortKind.SCALAR: _scalars(program, built, variant),
+        PortKind.SCALAR: _scalars(ports.scalars, built, variant),
         PortKind.EXTRA: state.extra,
         PortKind.FLAT: state.flat.buffers,
     }
     if PortKind.PARAM in kinds:
-        tensors[PortKind.PARAM] = {
-            port.name: built.params[port.name].detach() for port in program.inputs if port.kind == PortKind.PARAM
-        }
+        tensors[PortKind.PARAM] = {name: built.params[name].detach() for name in ports.params}
     if PortKind.FROZEN in kinds:
         tensors[PortKind.FROZEN] = {n: p.detach() for n, p in built.frozen.items()}
     if PortKind.STATE in kinds:
-        tensors[PortKind.STATE] = _state_inputs(program, built)
-    return [tensors[port.kind][port.name] for port in program.inputs]
+        tensors[PortKind.STATE] = _state_inputs(program, built, ports.state)
+    return [tensors[kind][name] for kind, name in ports.order]
 
 
-def _state_inputs(program: StepProgram, built: Built) -> dict[str, torch.Tensor]:
+def _state_inputs(program: StepProgram, built: Built, entries: tuple) -> dict[str, torch.Tensor]:
     """The optimizers' state by port name: the inner optimizer's (:func:`_inner_state`), and the outer one's under
     ``outer/`` where the program reads it."""
-    tensors = _inner_state(program, built)
+    tensors = _inner_state(program, built, entries)
     if built.outer is not None and any(p.kind == PortKind.STATE and p.name.startswith(OUTER) for p in program.inputs):
         for i, name in enumerate(built.state.names):
             for key, t in zip(built.outer.state_keys(i), built.outer.state_tensors(i)):
@@ -66,11 +65,15 @@ def _state_inputs(program: StepProgram, built: Built) -> dict[str, torch.Tensor]
     return tensors
 
 
-def _inner_state(program: StepProgram, built: Built) -> dict[str, torch.Tensor]:
-    """The optimizer state by port name. Under a sharded mode (``program.shards``) a state tensor still shaped as
-    its parameter is cut to this rank's slice, and a stored one is replaced by its slice for good (so the whole
-    tensor is freed): ``optimizer.state`` then holds 1-D slices, a 0-d ``step`` whole."""
+def _inner_state(program: StepProgram, built: Built, entries: tuple) -> dict[str, torch.Tensor]:
+    """The optimizer state by port name (``entries``: the program's state ports, :class:`ProgramPorts`). Under
+    a sharded mode (``program.shards``) a state tensor still shaped as its parameter is cut to this rank's slice,
+    and a stored one is replaced by its slice for good (so the whole tensor is freed): ``optimizer.state`` then
+    holds 1-D slices, a 0-d ``step`` whole."""
     plan = built.plan
+    held = None if program.shards else _held_state(plan.optimizer.state, entries)
+    if held is not None:
+        return held
     tensors = {}
     for i, (name, param) in enumerate(zip(built.state.names, built.state.params)):
         bounds = program.shards.get(name)
@@ -80,6 +83,21 @@ def _inner_state(program: StepProgram, built: Built) -> dict[str, torch.Tensor]:
                 t = _own_slice(built, i, key, t, bounds, shape)
             tensors[f"{name}.{key}"] = t
     return tensors
+
+
+def _held_state(state: dict, entries: tuple) -> dict[str, torch.Tensor] | None:
+    """Each state port's tensor as the optimizer holds it, read directly; None where one is not held yet (the
+    plan creates it as eager does) or is linked to autograd (the plan feeds it detached)."""
+    tensors = {}
+    for port, param, key in entries:
+        value = state.get(param, _NONE).get(key)
+        if not isinstance(value, torch.Tensor) or value.requires_grad:
+            return None
+        tensors[port] = value
+    return tensors
+
+
+_NONE: dict = {}  # what a parameter without optimizer state holds
 
 
 def _own_slice(
@@ -107,10 +125,9 @@ def _own_slice(
     return t
 
 
-def _scalars(program: StepProgram, built: Built, variant: str) -> dict:
-    """This step's scalar inputs, each from its optimizer's plan (``outer/`` ports from the outer one's): floats
-    for the generic path, the twins' persistent tensors filled in place."""
-    names = [port.name for port in program.inputs if port.kind == PortKind.SCALAR]
+def _scalars(names: tuple[str, ...], built: Built, variant: str) -> dict:
+    """This step's scalar inputs (ports ``names``), each from its optimizer's plan (``outer/`` ports from the
+    outer one's): floats for the generic path, the twins' persistent tensors filled in place."""
     out: dict = {}
     for prefix, plan in (("", built.plan), (OUTER, built.outer)):
         mine = [n for n in names if n.startswith(OUTER) == bool(prefix)]
@@ -127,14 +144,23 @@ def _scalars(program: StepProgram, built: Built, variant: str) -> dict:
     return out
 
 
-def write_back(state: StepState, program: StepProgram, built: Built, outputs: tuple) -> dict[str, float]:
-    """Each output to where its port says; returns the metrics. A step whose loss scaling skipped the update
-    creates no optimizer state, as eager's skipped ``optimizer.step()`` does."""
+def write_back(
+    state: StepState, program: StepProgram, built: Built, variant: str, fed: list, outputs: tuple
+) -> dict[str, float]:
+    """Each output to where its port says; returns the metrics. An output that is the very tensor its port was
+    ``fed`` (an update in place) is where it belongs already: a parameter, or a state tensor the optimizer holds,
+    is skipped. A step whose loss scaling skipped the update creates no optimizer state, as eager's skipped
+    ``optimizer.step()`` does."""
     plan = built.plan
     new_states: dict[int, dict[str, torch.Tensor]] = {}
     metrics: dict[str, float] = {}
-    for port, value in zip(program.outputs, outputs):
+    ports = built.ports[variant]
+    held_state = plan.optimizer.state
+    for port, value, returned, held in zip(program.outputs, outputs, ports.returned, ports.held):
         kind = port.kind
+        if returned is not None and value is fed[returned]:
+            if held is None or held_state.get(held[0], _NONE).get(held[1]) is value:
+                continue
         if kind == PortKind.PARAM:
             built.params[port.name].data = value
         elif kind == PortKind.FROZEN:

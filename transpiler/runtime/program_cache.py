@@ -28,6 +28,7 @@ from transpiler.trace.optimizers import TWINS, OptimizerPlan
 from transpiler.trace.step_inputs import ModelState, check_batch
 
 from .handshake import Setup
+from .program_ports import ProgramPorts
 from .scalar_bank import ScalarBank
 
 log = logging.getLogger("transpiler")
@@ -54,6 +55,7 @@ class Built:
     # micro-step's program holds none: the variant that updates says)
     shards: dict[str, tuple[int, int]] = field(init=False)
     digest: bytes = field(init=False)  # of the setup: equal digests need no new handshake
+    ports: dict[str, ProgramPorts] = field(init=False)  # variant -> what its feed and write-back read per step
 
     def __post_init__(self) -> None:
         self.params = dict(zip(self.state.names, self.state.params))
@@ -67,6 +69,7 @@ class Built:
         self.shards = {n: bounds for p in self.programs.values() for n, bounds in p.shards.items()}
         self.runners = {v: self.runners.get(v, p.graph_module) for v, p in self.programs.items()}
         self.digest = hashlib.sha256(pickle.dumps(self.setup)).digest()
+        self.ports = {v: ProgramPorts.of(p, self.params) for v, p in self.programs.items()}
 
     @property
     def main(self) -> StepProgram:
