@@ -61,14 +61,14 @@ class OverlapQuorum(Pass):
         last = [n for n in graph.nodes if is_wait(n)][-1]
         with graph.inserting_after(last):
             vote = emit(graph, CAST_VOTE, ([last], group), role="communication")
-        written = _held_back(graph, vote, last)
+        written = _held_back(graph, vote)
         if written is not None:
             with graph.inserting_before(written):
                 emit(graph, AWAIT_VOTE, ([last], group), role="communication")
         return True
 
 
-def _held_back(graph: fx.Graph, vote: fx.Node, last: fx.Node) -> fx.Node | None:
+def _held_back(graph: fx.Graph, vote: fx.Node) -> fx.Node | None:
     """Move every write into an input, and what it needs that no collective needs, after ``vote``; the first
     write (None: the update writes new tensors). A write a collective needs (a ZeRO shard, all-gathered once
     updated), or one that a node the collectives need read afterwards, is refused."""
@@ -91,7 +91,7 @@ def _held_back(graph: fx.Graph, vote: fx.Node, last: fx.Node) -> fx.Node | None:
         )
     for node in reversed(moving):
         vote.append(node)
-    return next(n for n in graph.nodes if written_input(n) is not None)
+    return writes[0]  # still the first: the writes before the vote move in order, those after it stay
 
 
 def _reads(node: fx.Node) -> set[fx.Node | None]:
