@@ -12,8 +12,11 @@ may be overwritten; the in-place form returns nothing, so its readers then read
 the tensors it wrote, and record it in ``meta["after"]`` for what reorders
 nodes. The kernels are the same, so results are bitwise unchanged; what goes
 away is a fresh allocation per parameter and state tensor each step. A
-``copy_`` that then writes a value back where it already is goes too. Runs
-last: no pass after it needs to see the functional form.
+``copy_`` that then writes a value back where it already is goes too. First
+(``fold-step-size``, on by default) Adam's ``addcdiv(p, exp_avg * s, denom)``
+takes the step size as its value, as eager's does, on the CPU
+(``fold_step_size.py``): no product tensor per parameter each step, the same
+bits. Runs last: no pass after it needs to see the functional form.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ import torch
 import torch.fx as fx
 
 from transpiler.graph.edit import AFTER, position
+from transpiler.graph.options import option
 from transpiler.graph.pipeline import Fact, Pass
 from transpiler.graph.program import StepProgram
 from transpiler.graph.views import contiguous_views, flat_range
+
+from .fold_step_size import fold_step_sizes
 
 aten = torch.ops.aten
 INPLACE = {
@@ -137,8 +143,16 @@ class ReinplaceOptimizer(Pass):
     name = "reinplace-optimizer"
     invalidates = frozenset({Fact.FUNCTIONAL})
     summary = "turn out-of-place optimizer updates into in-place ones where nothing reads the old value"
+    # off where Inductor compiles the program: it fuses the product into the update itself, and has no lowering
+    # for the multi-tensor op the fold makes (ModeConfig.strategy)
+    fold_step_size: bool = option(
+        True, help="on the CPU, Adam's step size as addcdiv's value (eager's form), not multiplied in first"
+    )
 
     def run(self, program: StepProgram) -> bool:
+        folded = fold_step_sizes(program.graph) if self.fold_step_size else 0
+        if folded:
+            program.decisions["reinplace-optimizer"] = f"step size as addcdiv's value: {folded} ops"
         storage = _Storage(program)
         written: set[fx.Node] = set()
         for node in program.graph.nodes:
@@ -161,7 +175,7 @@ class ReinplaceOptimizer(Pass):
                 and _reinplace_foreach(node, storage)
             ):
                 written.add(node)
-        return _drop_self_copies(program, storage) or bool(written)
+        return _drop_self_copies(program, storage) or bool(written) or folded > 0
 
 
 def _reinplace_foreach(node: fx.Node, storage: _Storage) -> bool:

@@ -115,6 +115,8 @@ class ModeConfig(PassKnobs):
         strategy = compose(config.recipe(), config.wrapping())
         if surroundings.tensor_parallel:
             strategy = strategy.beside_tensor_parallel()
+        if surroundings.compiled:
+            strategy = strategy.compiled()
         if group is None:
             return strategy
         two_level = self.two_levels_under_quorum or (self.mode in ("allreduce", "fused_allreduce") and group > 1)

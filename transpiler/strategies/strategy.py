@@ -106,6 +106,16 @@ class Strategy:
         shards), and an optimizer that needs whole tensors is refused (``WholeTensorRefused``)."""
         return dataclasses.replace(self, checks=(*self.checks, WholeTensorRefused()))
 
+    def compiled(self) -> Strategy:
+        """This strategy for programs Inductor compiles: ``reinplace-optimizer`` leaves Adam's step size multiplied
+        in (Inductor fuses that product into the update, and has no lowering for the op the fold makes)."""
+
+        def unfolded(p: Pass) -> Pass:
+            return dataclasses.replace(p, fold_step_size=False) if p.name == "reinplace-optimizer" else p
+
+        variants = {variant: [unfolded(p) for p in pipeline] for variant, pipeline in self.variants.items()}
+        return dataclasses.replace(self, variants=variants)
+
     def under_quorum(self, *, vote: bool, wait: bool, two_level: bool, in_place: bool = False) -> Strategy:
         """This strategy for one replica group under a torchft quorum (``transpile(fault_tolerance=...)``).
 

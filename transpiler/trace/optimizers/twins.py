@@ -13,7 +13,9 @@ schedulers keep working, and a compiled or captured program serves every step
 carries the same bits (measured on CPU, and checked by the bitwise tests):
 ``add(p, g, alpha=s)`` is ``addcmul(p, g, s)``, and ``addcdiv(p, a, d, value=s)``
 is ``addcdiv(p, a * s, d)``; ``mul``/``div`` by a 0-d float64 tensor equal
-``mul``/``div`` by the float.
+``mul``/``div`` by the float. On the CPU ``reinplace-optimizer`` folds that
+product back into ``addcdiv``'s value (``passes/fold_step_size.py``): eager's
+call, and eager's bits in bfloat16 too, where the product rounds on its own.
 """
 
 from __future__ import annotations
