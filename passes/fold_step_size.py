@@ -49,6 +49,7 @@ def fold_step_sizes(graph: fx.Graph) -> int:
 
 
 def _value(node: fx.Node) -> object:
+    """The ``value`` an ``addcdiv`` (or its multi-tensor twin) passes, positional or keyword (default 1)."""
     if len(node.args) > 3:
         return node.args[3]
     return node.kwargs.get("value", 1)
