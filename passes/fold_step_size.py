@@ -32,18 +32,19 @@ def fold_step_sizes(graph: fx.Graph) -> int:
     """Fold each ``addcdiv(p, a * s, d)`` of the update (per tensor, or a multi-tensor op over a multi-tensor
     product) into ``_foreach_addcdiv.Tensor(p, a, d, s repeated)``; how many it folded."""
     folded = 0
+    repeated: dict[tuple[fx.Node, int], fx.Node] = {}  # (step size, count) -> its repeat, made once
     for node in list(graph.nodes):
         if node.meta.get("role") != "optimizer" or _value(node) != 1:
             continue
         if node.target is aten._foreach_addcdiv.Scalar:
             product = _product_of_items(node.args[1])
             if product is not None:
-                _replace(graph, node, node.args[0], product, node.args[2], items=False)
+                _replace(graph, node, node.args[0], product, node.args[2], repeated, items=False)
                 folded += 1
         elif node.target is aten.addcdiv.default:
             product = node.args[1]
             if _scaled(product) and _fits([node.args[0], product.args[0], node.args[2]], product):
-                _replace(graph, node, [node.args[0]], product, [node.args[2]], items=True)
+                _replace(graph, node, [node.args[0]], product, [node.args[2]], repeated, items=True)
                 folded += 1
     return folded
 
@@ -68,16 +69,15 @@ def _host_scalar(value: object) -> bool:
     return isinstance(val, torch.Tensor) and val.dim() == 0 and val.device.type == "cpu"
 
 
+def _float_on_cpu(val: object) -> bool:
+    return isinstance(val, torch.Tensor) and val.dtype in _FLOATS and val.device.type == "cpu"
+
+
 def _fits(tensors: list[object], product: fx.Node) -> bool:
     """Whether every tensor is a floating-point CPU tensor of the product's shape (no broadcast)."""
     shape = product.meta.get("val").shape if isinstance(product.meta.get("val"), torch.Tensor) else None
-    for t in tensors:
-        val = t.meta.get("val") if isinstance(t, fx.Node) else None
-        if not isinstance(val, torch.Tensor) or val.dtype not in _FLOATS or val.device.type != "cpu":
-            return False
-        if val.shape != shape:
-            return False
-    return True
+    vals = [t.meta.get("val") if isinstance(t, fx.Node) else None for t in tensors]
+    return all(_float_on_cpu(val) and val.shape == shape for val in vals)
 
 
 def _product_of_items(items: object) -> fx.Node | None:
@@ -99,20 +99,30 @@ def _product_of_items(items: object) -> fx.Node | None:
             return None
     if not _host_scalar(product.args[1]):
         return None
-    vals = [i.meta.get("val") for i in items]
-    if not all(isinstance(v, torch.Tensor) and v.dtype in _FLOATS and v.device.type == "cpu" for v in vals):
-        return None
-    return product
+    return product if all(_float_on_cpu(item.meta.get("val")) for item in items) else None
 
 
-def _replace(graph: fx.Graph, node: fx.Node, params: list, product: fx.Node, denoms: list, *, items: bool) -> None:
-    """``node`` (an ``addcdiv`` over ``product``'s results) as one ``_foreach_addcdiv.Tensor``; ``items``: the
-    node was per tensor, so its readers read the new op's one result."""
+def _replace(
+    graph: fx.Graph,
+    node: fx.Node,
+    params: list,
+    product: fx.Node,
+    denoms: list,
+    repeated: dict[tuple[fx.Node, int], fx.Node],
+    *,
+    items: bool,
+) -> None:
+    """``node`` (an ``addcdiv`` over ``product``'s results) as one ``_foreach_addcdiv.Tensor``, reading the step
+    size repeated (from ``repeated`` when another fold made it already); ``items``: the node was per tensor, so its
+    readers read the new op's one result."""
     factors = product.args[0] if isinstance(product.args[0], (list, tuple)) else [product.args[0]]
-    # the scalars right after the inputs: they read one, and an update that reads no collective goes first in
-    # schedule-collectives' order, so a second run of it finds them in place
-    first = next(n for n in graph.nodes if n.op == "placeholder")
-    values = Cursor(graph, first).emit(aten.repeat.default, (product.args[1], [len(params)]), role="optimizer")
+    key = (product.args[1], len(params))
+    if key not in repeated:
+        # right after the inputs: it reads one, and an update that reads no collective goes first in
+        # schedule-collectives' order, so a second run of it finds it in place
+        first = next(n for n in graph.nodes if n.op == "placeholder")
+        repeated[key] = Cursor(graph, first).emit(aten.repeat.default, (key[0], [key[1]]), role="optimizer")
+    values = repeated[key]
     cursor = Cursor(graph, node.prev)
     meta = {k: v for k, v in node.meta.items() if k not in ("val", "stack_trace")}
     vals = [node.meta["val"]] if items else node.meta["val"]

@@ -16,7 +16,7 @@ away is a fresh allocation per parameter and state tensor each step. A
 (``fold-step-size``, on by default) Adam's ``addcdiv(p, exp_avg * s, denom)``
 takes the step size as its value, as eager's does, on the CPU
 (``fold_step_size.py``): no product tensor per parameter each step, the same
-bits. Runs last: no pass after it needs to see the functional form.
+bits in float32 and float64, eager's in bfloat16. Runs last: no pass after it needs to see the functional form.
 """
 
 from __future__ import annotations
