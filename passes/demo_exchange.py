@@ -19,7 +19,7 @@ The momentum itself never leaves the rank: the verifier ``check_private_state_st
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -51,10 +51,18 @@ class DeMoExchange(BucketedGradientPass):
     quantization_range: float = option(6.0, minimum=0, help="the quantiser's range, in standard deviations")
     sign: bool = option(True, help="the optimizer steps on the sign of the decoded mean (DeMo); off: the mean")
     weight_decay: float = option(0.0, minimum=0, help="DeMo's decoupled weight decay: θ·(1 − lr·λ) before the step")
+    inline_exchange: bool = option(
+        False,
+        help="top-k and decoding as calls Inductor compiles (compile=True); off: one op each",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_options(self.quantization_bins, "DeMo")
+
+    def for_inductor(self) -> DeMoExchange:
+        """The exchange inline, for Inductor to compile with the momentum update and the step."""
+        return replace(self, inline_exchange=True)
 
     def reduce(self, program: StepProgram, grads: list[fx.Node]) -> None:
         bad = [g.meta["grad_of"] for g in grads if g.meta["val"].dtype != torch.float32]
@@ -85,7 +93,9 @@ class DeMoExchange(BucketedGradientPass):
             lrs = [rates(n) for n in names]
             momenta = cursor.emit_each(aten._foreach_addcmul.Scalar, (before, [grads[i] for i in members], lrs), **comm)
             info = {"kind": "demo", "bucket": index, "grads": tuple(names)}
-            means, kept = exchange(program, cursor, dict(zip(names, momenta)), sparsity, basis, info)
+            means, kept = exchange(
+                program, cursor, dict(zip(names, momenta)), sparsity, basis, info, self.inline_exchange
+            )
             left |= kept
             steps = [means[n] for n in names]
             if self.sign:

@@ -32,7 +32,7 @@ The outer update reads only the averaged Δ: every node it takes as a gradient i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -91,6 +91,14 @@ class DiLoCoOuterStep(Pass):
     quantization_range: float = option(6.0, minimum=0, help="SparseLoCo: the quantiser's range, in standard deviations")
     error_decay: float = option(0.0, minimum=0, maximum=1, help="SparseLoCo: β of the error buffer e = β·e + lr·Δ")
     outer_lr: float = option(1.0, minimum=0, help="SparseLoCo: the lr that Δ enters the error buffer with")
+    inline_exchange: bool = option(
+        False,
+        help="SparseLoCo: top-k and decoding as calls Inductor compiles (compile=True); off: one op each",
+    )
+
+    def for_inductor(self) -> DiLoCoOuterStep:
+        """SparseLoCo's exchange inline, for Inductor to compile (plain DiLoCo sends no selection)."""
+        return replace(self, inline_exchange=True) if self.topk else self
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -225,7 +233,7 @@ class DiLoCoOuterStep(Pass):
         sparsity = sparse_pseudo_exchange.Sparsity(
             self.chunk_size, self.topk, True, self.quantization_bins, self.quantization_range
         )
-        means, kept = sparse_pseudo_exchange.exchange(program, cursor, buffers, sparsity)
+        means, kept = sparse_pseudo_exchange.exchange(program, cursor, buffers, sparsity, inline=self.inline_exchange)
         for name, mean in means.items():
             mean.meta["averaged_delta_of"] = name
         return means, kept

@@ -22,7 +22,7 @@ bits in float32 and float64, eager's in bfloat16. Runs last: no pass after it ne
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -148,6 +148,10 @@ class ReinplaceOptimizer(Pass):
     fold_step_size: bool = option(
         True, help="on the CPU, Adam's step size as addcdiv's value (eager's form), not multiplied in first"
     )
+
+    def for_inductor(self) -> ReinplaceOptimizer:
+        """Unfolded: Inductor fuses the product into the update and has no lowering for the folded op."""
+        return replace(self, fold_step_size=False)
 
     def run(self, program: StepProgram) -> bool:
         folded = fold_step_sizes(program.graph) if self.fold_step_size else 0

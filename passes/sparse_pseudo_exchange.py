@@ -279,13 +279,25 @@ def decode_mean(received: torch.Tensor, shapes: tuple[tuple[int, int, int], ...]
     return tuple(means)
 
 
-@torch.library.custom_op("transpiler::sparse_select", mutates_args=())
-def _select_op(
+def select_call(
     rows: list[torch.Tensor], ks: list[int], chunk: int, topk: int, scaled: bool, bins: int, sigmas: float
 ) -> list[torch.Tensor]:
-    """:func:`select` as one graph op: ``compile=True`` runs it as it is, where Inductor took minutes over the
-    unrolled tiles, quantisers and packing of every parameter (163 s for a 6-parameter MLP's sync)."""
+    """:func:`select` called with a graph node's arguments: the body of ``transpiler::sparse_select``, and the
+    node's target itself in a program Inductor compiles (``inline``), where Dynamo traces it."""
     return list(select(rows, tuple(ks), Sparsity(chunk, topk, scaled, bins, sigmas)))
+
+
+def decode_call(
+    received: torch.Tensor, shapes: list[int], chunk: int, topk: int, scaled: bool, bins: int, sigmas: float
+) -> list[torch.Tensor]:
+    """:func:`decode_mean` called as :func:`select_call`; ``shapes`` the ``(rows, width, k)`` of each parameter, in
+    a row."""
+    triples = tuple(tuple(shapes[i : i + 3]) for i in range(0, len(shapes), 3))
+    return list(decode_mean(received, triples, Sparsity(chunk, topk, scaled, bins, sigmas)))
+
+
+_select_op = torch.library.custom_op("transpiler::sparse_select", select_call, mutates_args=())
+_decode_op = torch.library.custom_op("transpiler::sparse_decode_mean", decode_call, mutates_args=())
 
 
 @_select_op.register_fake
@@ -295,15 +307,6 @@ def _select_fake(rows, ks, chunk, topk, scaled, bins, sigmas):
     size = sum(message_parts(shapes, spec).values())
     dense = [rows[0].new_empty(sum(shapes[i][0] for i in g), shapes[g[0]][1]) for g in groups_of(shapes)]
     return [rows[0].new_empty(size, dtype=torch.uint8), *dense]
-
-
-@torch.library.custom_op("transpiler::sparse_decode_mean", mutates_args=())
-def _decode_op(
-    received: torch.Tensor, shapes: list[int], chunk: int, topk: int, scaled: bool, bins: int, sigmas: float
-) -> list[torch.Tensor]:
-    """:func:`decode_mean` as one graph op; ``shapes`` the ``(rows, width, k)`` of each parameter, in a row."""
-    triples = tuple(tuple(shapes[i : i + 3]) for i in range(0, len(shapes), 3))
-    return list(decode_mean(received, triples, Sparsity(chunk, topk, scaled, bins, sigmas)))
 
 
 @_decode_op.register_fake
@@ -326,11 +329,14 @@ def exchange(
     sparsity: Sparsity,
     bases: Callable[[int], tuple[fx.Node, fx.Node]] | None = None,
     info: dict | None = None,
+    inline: bool = False,
 ) -> tuple[dict[str, fx.Node], dict[str, fx.Node]]:
     """Send the top-k of every tile of the buffers ``buffers`` (by parameter); returns the mean over the ranks
     that chose each entry and the buffer left on this rank (``e − ê``), each by parameter in the parameter's
     shape. With ``bases`` (the forward and inverse DCT of a tile side, graph constants) the top-k is taken of each
-    tile's coefficients; what was sent leaves the buffer through the inverse, and the mean comes back through it."""
+    tile's coefficients; what was sent leaves the buffer through the inverse, and the mean comes back through it.
+    The selection and the decoding are one graph op each (``transpiler::sparse_select``, ``sparse_decode_mean``),
+    or with ``inline`` (a program Inductor compiles) Python calls Dynamo traces, so Inductor compiles them too."""
     comm = {"role": "communication"}
     tilings = {name: Tiling.of(tuple(node.meta["val"].shape), sparsity.chunk) for name, node in buffers.items()}
 
@@ -343,7 +349,7 @@ def exchange(
     ]
     ks = [sparsity.k(t.width) for t in tilings.values()]
     fields = (sparsity.chunk, sparsity.topk, sparsity.scaled, sparsity.bins, sparsity.sigmas)
-    chosen = cursor.emit(SELECT, (rows, ks, *fields), **comm)
+    chosen = cursor.emit(select_call if inline else SELECT, (rows, ks, *fields), **comm)
     message = cursor.emit(operator.getitem, (chosen, 0), **comm, sent=True)  # all that leaves the rank
     size = message.meta["val"].numel()
     shapes = tuple((t.rows, t.width, k) for t, k in zip(tilings.values(), ks))
@@ -357,7 +363,9 @@ def exchange(
     }
     gathered = cursor.emit(C10D.all_gather_into_tensor.default, (message, world, group), collective=info, **comm)
     received = cursor.emit(aten.view.default, (cursor.emit(WAIT, (gathered,), **comm), [world, size]), **comm)
-    decoded = cursor.emit(DECODE_MEAN, (received, [n for shape in shapes for n in shape], *fields), **comm)
+    decoded = cursor.emit(
+        decode_call if inline else DECODE_MEAN, (received, [n for shape in shapes for n in shape], *fields), **comm
+    )
     places = {}  # each parameter's group and its first row and rows there
     for g, members in enumerate(groups_of(shapes)):
         firsts = [sum(shapes[j][0] for j in members[:n]) for n in range(len(members))]

@@ -237,3 +237,14 @@ def resumed_matches(mode: str, options: dict, inner, folder, via: str) -> list[t
                 saved = copy.deepcopy(step.state_dict()) if via == "state" else step.save_checkpoint(folder)
         ends[how] = dict(model.named_parameters())
     return [(n, torch.equal(p, ends["resumed"][n])) for n, p in ends["straight"].items()]
+
+
+EXCHANGE_OPS = frozenset({"transpiler::sparse_select", "transpiler::sparse_decode_mean"})
+
+
+def exchange_ops_run(step, batch) -> set[str]:
+    """The sparse exchange's custom ops that one call of ``step(*batch)`` dispatches (torch.profiler's events): a
+    program that runs them as opaque ops does, one whose exchange Inductor compiled does not."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step(*batch)
+    return {e.name for e in prof.events()} & EXCHANGE_OPS

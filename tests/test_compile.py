@@ -18,11 +18,33 @@ from torch import nn
 
 from bench.harness.launch import ROOT
 from bench.tiny_models import MLP, make_batch
+from tests.helpers import strategy_of
 from transpiler import Clipping, ConfigurationError, DataParallel, Execution, LossScaling, transpile
 from transpiler.graph.collectives import C10D
 from transpiler.runtime.compile import CompiledProgram, functional_copy
+from transpiler.strategies.mode_config import Surroundings
 
 aten = torch.ops.aten
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("mode", ["fused_allreduce", "zero2", "diloco", "demo", "sparseloco"])
+def test_a_compiled_strategy_takes_each_pass_in_the_form_inductor_compiles(mode):
+    """Under ``compile=True`` ``reinplace-optimizer`` leaves Adam's step size multiplied in (Inductor fuses the
+    product and has no lowering for the folded op) and the sparse exchange is called inline (Inductor compiles it:
+    tests/test_demo.py and tests/test_diloco_w1.py see no opaque op run); nothing else changes, and uncompiled
+    specs carry neither option."""
+    compiled = strategy_of(mode, Surroundings(compiled=True)).specs()
+    plain = strategy_of(mode).specs()
+    assert compiled.keys() == plain.keys()
+    for variant, spec in compiled.items():
+        assert "reinplace-optimizer{fold-step-size=false}" in spec
+        exchanges = mode == "demo" or (mode == "sparseloco" and variant == "sync")
+        assert ("inline-exchange=true" in spec) == exchanges
+        for option in ("{fold-step-size=false}", ",inline-exchange=true", "{inline-exchange=true}"):
+            spec = spec.replace(option, "")
+        assert spec == plain[variant]
+        assert "fold-step-size" not in plain[variant] and "inline-exchange" not in plain[variant]
 
 
 def test_world_size_1_with_wrappers_matches_the_uncompiled_step():

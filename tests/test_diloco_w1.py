@@ -18,6 +18,7 @@ from torch import nn
 
 from bench.tiny_models import MLP, TiedLM, make_batch
 from passes.partitions import module_fragments
+from tests.helpers import EXCHANGE_OPS, exchange_ops_run
 from transpiler import (
     Accumulation,
     Clipping,
@@ -411,8 +412,9 @@ def test_global_weights_before_any_step_are_the_parameters_and_other_modes_have_
 @pytest.mark.parametrize("mode", ["diloco", "streaming_diloco", "sparseloco"])
 def test_compiled_programs_follow_the_uncompiled_ones_and_compile_once(mode):
     """compile=True over 4 outer rounds: each variant compiles once (the exchange carried between two compiled
-    programs included; SparseLoCo's message read in place, its float32 parts 4-byte aligned), and the weights stay
-    within 1e-5 of the uncompiled step's (Inductor fuses and rounds otherwise)."""
+    programs included; SparseLoCo's message read in place, its float32 parts 4-byte aligned; its top-k, packing
+    and decoding compiled too: no opaque exchange op runs, where the uncompiled sync runs one each), and the weights
+    stay within 1e-5 of the uncompiled step's (Inductor fuses and rounds otherwise)."""
     options = {"sync_every": 4}
     if mode == "streaming_diloco":
         options |= {"fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5, "exchange_dtype": "int4"}
@@ -430,9 +432,11 @@ def test_compiled_programs_follow_the_uncompiled_ones_and_compile_once(mode):
         for flag, m in models.items()
     }
     torch._dynamo.utils.counters.clear()
+    ran: dict[bool, set[str]] = {flag: set() for flag in steps}
     for x, y in data(16):
-        for step in steps.values():
-            step(x, y)
+        for flag, step in steps.items():
+            ran[flag] |= exchange_ops_run(step, (x, y))
+    assert ran == {False: EXCHANGE_OPS if mode == "sparseloco" else set(), True: set()}
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(steps[True].programs)
     for (name, a), b in zip(models[True].named_parameters(), models[False].parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)

@@ -15,10 +15,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from passes.fold_step_size import fold_step_sizes
-from tests.helpers import strategy_of
 from transpiler import DiLoCo, StaticWorld, mode_config, transpile
 from transpiler.graph.edit import emit
-from transpiler.strategies.mode_config import Surroundings
 
 pytestmark = pytest.mark.quick
 aten = torch.ops.aten
@@ -119,14 +117,3 @@ def test_adamws_programs_pass_the_step_size_as_a_value_and_train_as_eager(config
     assert {u.target for u in slot.users} == {aten.repeat.default}
     targets = {n.target for n in program.graph.nodes}
     assert aten._foreach_addcdiv_.Tensor in targets and "step size" in program.decisions["reinplace-optimizer"]
-
-
-def test_a_compiled_program_keeps_the_product_for_inductor():
-    """Inductor fuses the product into the update and has no lowering for the folded op: under ``compile=True``
-    every variant's ``reinplace-optimizer`` says so in its spec; uncompiled, the spec is unchanged."""
-    for mode in ("fused_allreduce", "diloco", "zero2"):
-        compiled = strategy_of(mode, Surroundings(compiled=True)).specs()
-        plain = strategy_of(mode).specs()
-        for variant, spec in compiled.items():
-            assert spec == plain[variant].replace("reinplace-optimizer", "reinplace-optimizer{fold-step-size=false}")
-            assert "fold-step-size=false" in spec

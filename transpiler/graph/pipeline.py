@@ -84,6 +84,11 @@ class Pass:
     def run(self, program: StepProgram) -> bool:
         raise NotImplementedError
 
+    def for_inductor(self) -> Pass:
+        """This pass as it should run in a program ``torch.compile`` takes (``Strategy.compiled``): itself, unless
+        a pass has a form Inductor compiles better."""
+        return self
+
     def __post_init__(self) -> None:
         """Options are parsed strictly, whether the pass is built from Python or from a spec."""
         for name, spec in field_options(type(self)).items():

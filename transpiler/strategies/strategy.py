@@ -107,13 +107,11 @@ class Strategy:
         return dataclasses.replace(self, checks=(*self.checks, WholeTensorRefused()))
 
     def compiled(self) -> Strategy:
-        """This strategy for programs Inductor compiles: ``reinplace-optimizer`` leaves Adam's step size multiplied
-        in (Inductor fuses that product into the update, and has no lowering for the op the fold makes)."""
-
-        def unfolded(p: Pass) -> Pass:
-            return dataclasses.replace(p, fold_step_size=False) if p.name == "reinplace-optimizer" else p
-
-        variants = {variant: [unfolded(p) for p in pipeline] for variant, pipeline in self.variants.items()}
+        """This strategy for programs Inductor compiles, each pass as :meth:`Pass.for_inductor` gives it:
+        ``reinplace-optimizer`` leaves Adam's step size multiplied in (Inductor fuses that product into the update,
+        and has no lowering for the op the fold makes); the sparse exchanges (SparseLoCo's, DeMo's) call their
+        selection and decoding inline, for Inductor to compile with the rest rather than run as opaque ops."""
+        variants = {variant: [p.for_inductor() for p in pipeline] for variant, pipeline in self.variants.items()}
         return dataclasses.replace(self, variants=variants)
 
     def under_quorum(self, *, vote: bool, wait: bool, two_level: bool, in_place: bool = False) -> Strategy:
