@@ -11,8 +11,9 @@ schedulers keep working, and a compiled or captured program serves every step
 (a Python float would be baked into either). Where eager passes the double as
 ``alpha=``/``value=``, which take no tensor, the update uses the form that
 carries the same bits in float32 and float64 (measured on CPU, and checked by the
-bitwise tests; in bfloat16 and float16 ``addcmul`` casts ``s`` to the dtype first,
-where eager's ``alpha`` stays a float: docs/bitwise.md):
+bitwise tests; in bfloat16 and float16 both cast ``s`` to the dtype, and eager's
+``add`` kernel computes the last ``numel % vector width`` entries of a tensor in a
+scalar loop of its own, where a few differ: docs/bitwise.md):
 ``add(p, g, alpha=s)`` is ``addcmul(p, g, s)``, and ``addcdiv(p, a, d, value=s)``
 is ``addcdiv(p, a * s, d)``; ``mul``/``div`` by a 0-d float64 tensor equal
 ``mul``/``div`` by the float. On the CPU ``reinplace-optimizer`` folds that
