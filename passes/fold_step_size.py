@@ -10,9 +10,10 @@ list of Python doubles); ``_foreach_addcdiv.Tensor`` takes those doubles as a 1-
 which the program makes from ``s`` with one small op (``repeat``). Its CPU kernel is the per-tensor
 ``addcdiv``'s: float32 and float64 compute ``p + v * a / d`` in the dtype, ``v`` cast to it, the bits of the
 product multiplied in first; bfloat16 and float16 compute it in float and round once, where the product rounded
-``a * s`` on its own: there the fold gives eager's bits and the traced form did not (a bfloat16 MLP's AdamW
-differed from eager's at its second step). ``tests/test_fold_step_size.py`` holds both. On a GPU the kernel would
-read its scalars on the host: left as traced.
+``a * s`` on its own: there the fold gives eager's bits in bfloat16 and the traced form did not (a bfloat16
+MLP's AdamW differed from eager's at its second step; float16 AdamW leaves eager elsewhere, docs/bitwise.md).
+``tests/test_fold_step_size.py`` holds both. On a GPU the kernel would read its scalars on the host: left as
+traced.
 """
 
 from __future__ import annotations
