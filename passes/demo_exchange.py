@@ -93,9 +93,8 @@ class DeMoExchange(BucketedGradientPass):
             lrs = [rates(n) for n in names]
             momenta = cursor.emit_each(aten._foreach_addcmul.Scalar, (before, [grads[i] for i in members], lrs), **comm)
             info = {"kind": "demo", "bucket": index, "grads": tuple(names)}
-            means, kept = exchange(
-                program, cursor, dict(zip(names, momenta)), sparsity, basis, info, self.inline_exchange
-            )
+            buffers = dict(zip(names, momenta))
+            means, kept = exchange(program, cursor, buffers, sparsity, basis, info, inline=self.inline_exchange)
             left |= kept
             steps = [means[n] for n in names]
             if self.sign:

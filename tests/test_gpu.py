@@ -30,6 +30,7 @@ pytestmark = [
 DEVICE = torch.device("cuda", 0)
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, foreach=False),
+    "sgd_plain": lambda p: torch.optim.SGD(p, lr=0.01),  # DeMo's: SGD without momentum
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, foreach=False),
     "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, foreach=True),
 }
@@ -181,18 +182,15 @@ def test_the_compiled_sparse_exchange_runs_inside_inductors_program_and_follows_
     """compile=True calls the exchange's top-k, packing and decoding inline (issue 77; on the CPU since ff9b1ad,
     written without a GPU to run it on): on CUDA too no opaque exchange op runs in a compiled step, and 6 steps
     stay within 1e-5 of the uncompiled ones (DeMo: SGD on the sign; SparseLoCo: AdamW, a sync every 2 steps)."""
-    options, make_opt = (DEMO, lambda p: torch.optim.SGD(p, lr=0.01)) if mode == "demo" else ({"sync_every": 2}, None)
-    make_opt = make_opt or OPTIMIZERS["adamw"]
+    options, opt_name = (DEMO, "sgd_plain") if mode == "demo" else ({"sync_every": 2}, "adamw")
     torch.manual_seed(0)
     base = make_model("mlp").to(DEVICE)
     models = {flag: copy.deepcopy(base) for flag in (False, True)}
+    config, loss_fn = mode_config(mode, **options), nn.CrossEntropyLoss()
     steps = {
-        flag: transpile(
-            m, make_opt(m.parameters()), mode_config(mode, **options), nn.CrossEntropyLoss(),
-            execution=Execution(compile=flag),
-        )
+        flag: transpile(m, OPTIMIZERS[opt_name](m.parameters()), config, loss_fn, execution=Execution(compile=flag))
         for flag, m in models.items()
-    }  # fmt: skip
+    }
     gen = torch.Generator().manual_seed(1)
     ran: dict[bool, set[str]] = {False: set(), True: set()}
     for _ in range(6):
