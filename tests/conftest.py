@@ -36,22 +36,22 @@ def pytest_configure(config):
 # handed out in collection order (`--no-loadscope-reorder`): the heaviest first, then the others in the shuffled
 # order, so the last file a worker takes is a light one and the two end together (xdist's own order, by number
 # of tests, can leave files of few but long tests, such as a world of 8, for the end).
-FILE_SECONDS = {  # commit 86a24a1, 2026-11-29
-    "test_tensor_parallel.py": 344,
-    "test_recompute.py": 292,
-    "test_zero.py": 228,
-    "test_quorum.py": 192,
-    "test_pipeline.py": 133,
-    "test_quorum_example.py": 109,
-    "test_zero_static.py": 87,
-    "test_pipeline_3d.py": 85,
-    "test_diloco_w1.py": 77,
-    "test_properties.py": 72,
-    "test_flat_update.py": 71,
-    "test_wan.py": 69,
-    "test_elastic.py": 63,
-    "test_foreach_update.py": 60,
-    "test_diloco.py": 60,
+FILE_SECONDS = {  # commit 174c1d5 on the AMD EPYC, 2026-12-01
+    "test_quorum.py": 292,
+    "test_tensor_parallel.py": 254,
+    "test_zero.py": 243,
+    "test_diloco_w1.py": 213,
+    "test_recompute.py": 187,
+    "test_mode_ops_gate.py": 162,
+    "test_demo.py": 120,
+    "test_pipeline.py": 115,
+    "test_zero_static.py": 100,
+    "test_pipeline_features.py": 100,
+    "test_quorum_example.py": 79,
+    "test_restarts.py": 68,
+    "test_multihost.py": 67,
+    "test_pipeline_3d.py": 61,
+    "test_elastic.py": 58,
 }
 
 

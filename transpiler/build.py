@@ -240,6 +240,7 @@ def fit_budget(traced: StepProgram, variants: dict[str, list[Pass]], execution: 
     if budget:
         fraction, size = execution.memory_budget, execution.memory_budget_bytes
         fit = PASSES["recompute"](memory_budget=fraction or 0.0, memory_budget_bytes=size or 0)
+        traced.own_graphs()  # a reused trace's graphs are the cache's (StepProgram.sharing_graphs)
         Pipeline([fit], list(DEFAULT_VERIFIERS), verify=execution.verify, on_pass=execution.on_pass).run(traced)
 
 
@@ -289,7 +290,9 @@ def rewrite(
     2-D layout (``program.axes``; none: one dimension). Without a live world (``transpiler dump``, a step built
     ahead), it also builds the other ranks' programs, history-free, and checks that all ranks agree; in a live
     world the ranks check the same at the startup handshake (``runtime/handshake.py``) on the programs they
-    actually built, so each rank runs the pipeline once, not W times."""
+    actually built, so each rank runs the pipeline once, not W times. A live rank keeps no history either (the
+    code after each pass, for ``transpiler dump`` and a ``StaticWorld`` build; ``Execution(on_pass=...)`` sees
+    each pass live)."""
     subgroups = dict(subgroups or {})
 
     def for_rank(r: int, callback=None, history: bool = True) -> StepProgram:
@@ -304,7 +307,7 @@ def rewrite(
         Pipeline(passes, verifiers, verify=verify, on_pass=callback, keep_history=history).run(program)
         return program
 
-    mine = for_rank(placement.rank, on_pass)
+    mine = for_rank(placement.rank, on_pass, history=not placement.live)
     if verify:
         check_output_shapes(mine)
     if verify and placement.world_size > 1 and not placement.live:

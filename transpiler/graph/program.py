@@ -149,13 +149,24 @@ class StepProgram:
     def clone(self, *, rank: int | None = None) -> StepProgram:
         """A deep copy whose graph can be rewritten without touching this one: the graphs copied, every list
         and dict field copied shallowly (ports, buckets and layouts are immutable), the rest shared."""
-        copied = {
-            f.name: copy.copy(value) if isinstance(value := getattr(self, f.name), list | dict) else value
-            for f in dataclasses.fields(self)
-        }
-        copied["graph_module"] = fx.GraphModule(self.graph_module, copy.deepcopy(self.graph_module.graph))
-        if self.startup is not None:
-            copied["startup"] = fx.GraphModule(self.startup, copy.deepcopy(self.startup.graph))
+        program = self.sharing_graphs()
+        program.own_graphs()
         if rank is not None:
-            copied["rank"] = rank
-        return StepProgram(**copied)
+            program.rank = rank
+        return program
+
+    def sharing_graphs(self) -> StepProgram:
+        """A copy whose fields can be set without touching this one, its graphs still this one's: what a build
+        starts from, which rewrites only clones of it (a trace kept for reuse is handed out so, not deep-copied)."""
+        return StepProgram(
+            **{
+                f.name: copy.copy(value) if isinstance(value := getattr(self, f.name), list | dict) else value
+                for f in dataclasses.fields(self)
+            }
+        )
+
+    def own_graphs(self) -> None:
+        """Give this program copies of its graphs, before rewriting them in place."""
+        self.graph_module = fx.GraphModule(self.graph_module, copy.deepcopy(self.graph_module.graph))
+        if self.startup is not None:
+            self.startup = fx.GraphModule(self.startup, copy.deepcopy(self.startup.graph))

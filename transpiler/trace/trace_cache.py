@@ -65,8 +65,8 @@ class TraceCache:
             self._traces.move_to_end(trace.signature)
             self.hits += 1
             return trace, state, plan
-        self._traces[trace.signature] = trace  # kept as traced; the caller gets a copy, which its build may change
+        self._traces[trace.signature] = trace  # kept as traced; the caller's copy shares its graphs, never rewritten
         while len(self._traces) > self.max_traces:
             self._traces.popitem(last=False)
         self.misses += 1
-        return dataclasses.replace(trace, program=trace.program.clone()), state, plan
+        return dataclasses.replace(trace, program=trace.program.sharing_graphs()), state, plan

@@ -69,7 +69,7 @@ def trace_step(
                 "model, optimizer and batch with transpiler.trace_training_step(), or leave trace= out."
             )
         plan.adopt(known.learnt)
-        return StepTrace(known.program.clone(), signature, known.learnt), state, plan
+        return StepTrace(known.program.sharing_graphs(), signature, known.learnt), state, plan
     step_fn = StepFunction(model, loss_fn, autocast, inputs)
     with marked_stages(model, split_points):
         functional = _traced(step_fn, inputs, batch)
