@@ -239,7 +239,7 @@ def test_builds_from_a_cache_share_its_graph_and_never_rewrite_it():
     budget = transpile(
         *_model_and_optimizer(sgd), "none", LOSS, batch, trace=cache, execution=Execution(memory_budget=0.0)
     )
-    assert budget.program.decisions.get("recompute") or budget.program.graph_module.code != code
+    assert "recompute" in budget.program.decisions  # the budget rewrote its traced step
     assert (cache.misses, cache.hits) == (1, 2)
     assert kept.program.graph_module.code == code and len(kept.program.graph.nodes) == nodes
 
