@@ -18,9 +18,11 @@ budget, its time to it is ``--ddp-steps`` × its median step, marked as projecte
 Reported per rate: the time to the target (and the steps), the held-out loss at the budget, compute utilisation
 (steps × the median traced inner step of ``diloco H=50`` at the same rate, a step with no exchange, over the clock),
 the bytes through each host's interface from its kernel counters against what the mode says it sent, and the largest
-message. Figures: held-out loss against time per rate, and a timeline of rank 0's steps for Streaming DiLoCo at the
-lowest rate. ``--report`` writes the tables and figures again from ``--out``'s ``results.json`` (with the setting
-it was run with), running nothing.
+message; and, for the ``diloco H=15`` runs beside torchft's, every round rank by rank (the inner steps' CPU-seconds
+and span, the cores kept busy, how far apart the ranks began and ended the sync, the exchange once all had begun it,
+and each host's TCP retransmissions). Figures: held-out loss against time per rate, and a timeline of rank 0's steps
+for Streaming DiLoCo at the lowest rate. ``--report`` writes the tables and figures again from ``--out``'s
+``results.json`` (with the setting it was run with), running nothing.
 """
 
 from __future__ import annotations

@@ -92,35 +92,105 @@ def tables(results: list[dict], setting: dict) -> str:
             )
         lines.append("")
     lines += against_torchft(results)
+    lines += rank_table(results)
     lines += timeline_table(results)
     return "\n".join(lines)
 
 
 def against_torchft(results: list[dict]) -> list[str]:
-    """This project's ``diloco H=15`` against torchft's DiLoCo at the same H: steps per second of the clock, and
-    how far apart the held-out losses are at the steps both kept (at W=2 they are equal; at W=4 gloo sums one
+    """This project's ``diloco H=15`` runs against torchft's DiLoCo at the same H: steps per second of the clock,
+    and how far apart the held-out losses are at the steps both kept (at W=2 they are equal; at W=4 gloo sums one
     bucket here and each tensor alone there, in other orders)."""
     lines = [
         "`diloco H=15` against torchft's DiLoCo H=15 (the same algorithm, start and data):",
         "",
-        "| rate | ours: steps/s | torchft: steps/s | ours / torchft | sync (ours / torchft) | held-out losses at the "
-        "same steps |",
-        "|---:|---:|---:|---:|---:|---|",
+        "| rate | run | ours: steps/s | torchft: steps/s | ours / torchft | sync (ours / torchft) | held-out losses "
+        "at the same steps |",
+        "|---:|---|---:|---:|---:|---:|---|",
     ]
     for rate in dict.fromkeys(r["rate"] for r in results):
         rows = {r["label"]: r for r in results if r["rate"] == rate}
-        ours, theirs = rows.get("diloco H=15"), rows.get("torchft DiLoCo H=15")
-        if ours is None or theirs is None:
-            continue
-        speed = [(r["series"][-1][0] - r["untimed"]) / r["series"][-1][1] for r in (ours, theirs)]
-        common = min(len(ours["series"]), len(theirs["series"]))
-        apart = max(abs(a[2] / b[2] - 1) for a, b in zip(ours["series"][:common], theirs["series"][:common]))
-        lines.append(
-            f"| {rate:g} Mbit/s | {speed[0]:.2f} | {speed[1]:.2f} | {speed[0] / speed[1]:.2f} "
-            f"| {ours['program_ms']['sync']:.0f} / {theirs['program_ms']['sync']:.0f} ms "
-            f"| {common} kept by both, at most {apart:.1e} apart (relative) |"
-        )
+        theirs = rows.get("torchft DiLoCo H=15")
+        for label, ours in rows.items():
+            if theirs is not None and label.startswith("diloco H=15"):
+                lines.append(beside_torchft(rate, ours, theirs))
     return [*lines, ""] if len(lines) > 4 else []
+
+
+def beside_torchft(rate: float, ours: dict, theirs: dict) -> str:
+    """One row of ``against_torchft``."""
+    speed = [(r["series"][-1][0] - r["untimed"]) / r["series"][-1][1] for r in (ours, theirs)]
+    common = min(len(ours["series"]), len(theirs["series"]))
+    apart = max(abs(a[2] / b[2] - 1) for a, b in zip(ours["series"][:common], theirs["series"][:common]))
+    return (
+        f"| {rate:g} Mbit/s | {ours['label']} | {speed[0]:.2f} | {speed[1]:.2f} | {speed[0] / speed[1]:.2f} "
+        f"| {ours['program_ms']['sync']:.0f} / {theirs['program_ms']['sync']:.0f} ms "
+        f"| {common} kept by both, at most {apart:.1e} apart (relative) |"
+    )
+
+
+def rounds(ranks: list[list]) -> list[dict[str, float]]:
+    """Each DiLoCo round of every rank's steps (``ranks``: per rank, (begin, wall s, CPU s, program) per step,
+    the same programs at the same positions): the inner steps' CPU-seconds over all ranks and their span on the
+    machine's clock, from the first rank's first to the last rank's last; how far apart the ranks began the sync;
+    how long the exchange took after the last rank began it (the median rank's end), and how far apart the ranks
+    ended it."""
+    syncs = [i for i, step in enumerate(ranks[0]) if step[3] == "sync"]
+    out = []
+    for before, at in zip([-1, *syncs], syncs):
+        inner = range(before + 1, at)
+        if not inner:
+            continue
+        first = min(steps[inner[0]][0] for steps in ranks)
+        last = max(steps[inner[-1]][0] + steps[inner[-1]][1] for steps in ranks)
+        arrivals = [steps[at][0] for steps in ranks]
+        ends = sorted(steps[at][0] + steps[at][1] for steps in ranks)
+        out.append(
+            {
+                "cpu": sum(steps[i][2] for steps in ranks for i in inner),
+                "span": last - first,
+                "busy": sum(steps[i][2] for steps in ranks for i in inner) / (last - first),
+                "spread": max(arrivals) - min(arrivals),
+                "exchange": ends[len(ends) // 2] - max(arrivals),
+                "ends": ends[-1] - ends[0],
+            }
+        )
+    return out
+
+
+def rank_table(results: list[dict]) -> list[str]:
+    """``diloco H=15`` and torchft's DiLoCo rank by rank: per round, what the inner steps cost in CPU-seconds (over
+    all ranks) and on the clock, how many cores that kept busy, how far apart the ranks reached the sync, and how
+    long the exchange took once all had."""
+    rows = [r for r in results if r["label"].startswith(("diloco H=15", "torchft DiLoCo H=15")) and r.get("ranks")]
+    if not rows:
+        return []
+    lines = [
+        f"Rank by rank (every rank's steps on the machine's clock; medians over rounds; {os.cpu_count()} cores): "
+        "the inner steps' CPU-seconds over all ranks, their span from the first rank's first to the last rank's "
+        "last, the cores they kept busy (CPU over span), how far apart the ranks began the sync, the exchange from "
+        "the last rank's start to the median rank's end, how far apart the ranks ended it, and the TCP segments "
+        "each host sent again over the run (a shaped link's full queue drops them):",
+        "",
+        "| rate | run | rounds | inner CPU-s | inner span | busy cores | starts apart | exchange | ends apart "
+        "| resent per host |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        each = rounds(r["ranks"])
+        if not each:
+            continue
+
+        def median(key: str, each: list[dict] = each) -> float:
+            return sorted(x[key] for x in each)[len(each) // 2]
+
+        resent = r.get("retransmitted", [])
+        lines.append(
+            f"| {r['rate']:g} Mbit/s | {r['label']} | {len(each)} | {median('cpu'):.2f} s | {median('span'):.2f} s "
+            f"| {median('busy'):.2f} | {1000 * median('spread'):.0f} ms | {median('exchange'):.2f} s "
+            f"| {1000 * median('ends'):.0f} ms | {sum(resent) / max(len(resent), 1):,.0f} |"
+        )
+    return [*lines, ""]
 
 
 def timeline_table(results: list[dict]) -> list[str]:

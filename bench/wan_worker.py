@@ -6,7 +6,8 @@ the run, so that evaluation takes no time from training) and while the ranks agr
 the budget is spent (the slower rank's clock decides). An exchange in flight goes on moving while the clock stands:
 those pauses are a few milliseconds every ``EVERY`` steps. Each variant's first step, which traces its programs, is
 taken before the clock starts, and its time reported as ``setup_s`` (PowerSGD's first two: torch's hook all-reduces
-plainly until its ``start_powerSGD_iter``, 2 at the least).
+plainly until its ``start_powerSGD_iter``, 2 at the least). Every rank's steps (start on the machine's clock, wall
+and CPU seconds, program) and its host's TCP retransmissions go to rank 0 for the report's rank-by-rank table.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ VARIANTS = {  # label -> (kind, options); kind: "ddp", "torchft", or one of this
     "DDP + PowerSGD r=4": ("ddp", {"hook": "powersgd"}),
     "DDP + fp16": ("ddp", {"hook": "fp16"}),
     "diloco H=15": ("diloco", {"sync_every": 15}),
+    "diloco H=15, 1 MiB buckets": ("diloco", {"sync_every": 15, "bucket_cap_mb": 1.0}),
+    "diloco H=15, per tensor": ("diloco", {"sync_every": 15, "bucket_cap_mb": 0.0, "first_bucket_mb": 0.0}),
     "diloco H=50": ("diloco", {"sync_every": 50}),
     "streaming int4 tau=1": ("streaming_diloco", {**STREAMING, "exchange_dtype": "int4"}),
     "streaming int4 tau=0": ("streaming_diloco", {**STREAMING, "exchange_dtype": "int4", "fragment_sync_delay": 0}),
@@ -79,6 +82,13 @@ def link_bytes() -> tuple[int, int]:
     """What this host's interface sent and received so far, headers included (the kernel's counters)."""
     stats = Path("/sys/class/net") / os.environ["GLOO_SOCKET_IFNAME"] / "statistics"
     return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
+def retransmitted() -> int:
+    """TCP segments this host's namespace sent again so far (``/proc/net/snmp``'s ``RetransSegs``): what a full
+    queue at a shaped link dropped."""
+    header, values = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines() if line[:4] == "Tcp:"]
+    return int(values[header.index("RetransSegs")])
 
 
 class Variant:
@@ -183,20 +193,22 @@ def run(label: str, args: argparse.Namespace, data: tuple, start: dict, counter,
     for _ in range(variant.untimed):  # traces this project's programs; the clock starts after
         variant(*windows(train, PER_RANK, gen))
     setup = time.perf_counter() - began
-    steps, clock, sent, peak, kept, timeline = variant.untimed, 0.0, 0.0, 0, [], []
+    steps, clock, sent, peak, kept, timeline, mine = variant.untimed, 0.0, 0.0, 0, [], [], []
     by_program: dict[str, list[float]] = {}
     is_ddp = label == "DDP"
     limit = args.ddp_budget if is_ddp else args.budget
     dist.barrier(group=control)
     tx0, rx0 = link_bytes()
+    resent = retransmitted()
     while True:
         x, y = windows(train, PER_RANK, gen)
         tx = link_bytes()[0]
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.process_time()
         ran = variant(x, y)
-        took = time.perf_counter() - begin
+        took, cpu = time.perf_counter() - begin, time.process_time() - cpu
         (s, p), program = variant.sent(ran), ran.rstrip("0123456789")
         timeline.append((clock, took, program, link_bytes()[0] - tx))
+        mine.append((begin, took, cpu, program))
         clock, steps, sent, peak = clock + took, steps + 1, sent + s, max(peak, p)
         by_program.setdefault(program, []).append(took)
         if steps % EVERY:
@@ -214,9 +226,11 @@ def run(label: str, args: argparse.Namespace, data: tuple, start: dict, counter,
         for at, when, weights in kept:
             model.load_state_dict(weights)
             series.append((at, when, held_out_loss(model, held)))
-    per_rank = torch.tensor([tx1 - tx0, rx1 - rx0, sent, peak], dtype=torch.float64)
+    per_rank = torch.tensor([tx1 - tx0, rx1 - rx0, sent, peak, retransmitted() - resent], dtype=torch.float64)
     gathered = [torch.zeros_like(per_rank) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, per_rank, group=control)
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine, group=control)
     return {
         "label": label,
         "steps": steps,
@@ -229,7 +243,9 @@ def run(label: str, args: argparse.Namespace, data: tuple, start: dict, counter,
         "link_rx": [float(g[1]) for g in gathered],
         "mode_sent": [float(g[2]) for g in gathered],
         "peak_message": max(float(g[3]) for g in gathered),
+        "retransmitted": [int(g[4]) for g in gathered],
         "timeline": timeline,
+        "ranks": ranks,  # every rank's steps: (begin on the machine's monotonic clock, wall s, CPU s, program)
         "params": variant.params,
     }
 

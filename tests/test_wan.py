@@ -5,6 +5,8 @@
 - A step's collectives go through the shaping buckets: every byte a run's modes say they sent left its host's
   interface, the buckets counted all of it, and the interface sent at most 10% more (headers, the stop votes,
   torchft's heartbeats).
+- Every rank's steps are kept (wall and CPU seconds, program), the same programs on both ranks, rank 0's the very
+  timeline it reports, and the report sets the two DiLoCo runs side by side per round from them.
 - This project's ``diloco`` and torchft's own ``DiLoCo`` (its Manager, a lighthouse, the same H, the same outer
   Nesterov SGD), from the same weights and data, give the same held-out losses after each sync, exactly: at W=2
   each sum has two terms, so gloo's order cannot matter (at W=4 it does: bench/wan.py finds them 1e-7 apart).
@@ -20,6 +22,7 @@ import pytest
 
 from bench.harness.hosts import Hosts, launch_workers, measure_mbit, namespaces_unavailable
 from bench.wan import WORKER
+from bench.wan_report import rank_table
 
 REASON = namespaces_unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
@@ -61,6 +64,12 @@ def test_a_short_shaped_run_sends_through_the_buckets_and_our_diloco_matches_tor
         assert seen <= 1.10 * said + 2**20, (rank, seen, said)
         assert bucket["shaped_tx"] >= seen, (rank, bucket, seen)  # the host's bucket passed it
         assert bucket["shaped_rx"] >= said, (rank, bucket, said)  # and the switch's end, what the peer sent it
+    for r in runs.values():
+        assert len(r["ranks"]) == 2 and len(r["retransmitted"]) == 2, r.keys()
+        assert [s[3] for s in r["ranks"][0]] == [s[3] for s in r["ranks"][1]], r["label"]
+        assert [(s[1], s[3]) for s in r["ranks"][0]] == [(t[1], t[2]) for t in r["timeline"]], r["label"]
+    table = rank_table([r | {"rate": 200} for r in runs.values()])
+    assert [line.split(" | ")[1] for line in table[4:-1]] == variants[1:], table
     ours, theirs = runs["diloco H=15"]["series"], runs["torchft DiLoCo H=15"]["series"]
     common = min(len(ours), len(theirs))
     assert common >= 1 and [s[0] for s in ours[:common]] == [s[0] for s in theirs[:common]]
