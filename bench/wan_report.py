@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 from pathlib import Path
 
 MIB = 2**20
@@ -145,11 +146,12 @@ def rounds(ranks: list[list]) -> list[dict[str, float]]:
         last = max(steps[inner[-1]][0] + steps[inner[-1]][1] for steps in ranks)
         arrivals = [steps[at][0] for steps in ranks]
         ends = sorted(steps[at][0] + steps[at][1] for steps in ranks)
+        cpu = sum(steps[i][2] for steps in ranks for i in inner)
         out.append(
             {
-                "cpu": sum(steps[i][2] for steps in ranks for i in inner),
+                "cpu": cpu,
                 "span": last - first,
-                "busy": sum(steps[i][2] for steps in ranks for i in inner) / (last - first),
+                "busy": cpu / (last - first),
                 "spread": max(arrivals) - min(arrivals),
                 "exchange": ends[len(ends) // 2] - max(arrivals),
                 "ends": ends[-1] - ends[0],
@@ -180,15 +182,12 @@ def rank_table(results: list[dict]) -> list[str]:
         each = rounds(r["ranks"])
         if not each:
             continue
-
-        def median(key: str, each: list[dict] = each) -> float:
-            return sorted(x[key] for x in each)[len(each) // 2]
-
+        m = {key: statistics.median(x[key] for x in each) for key in each[0]}
         resent = r.get("retransmitted", [])
         lines.append(
-            f"| {r['rate']:g} Mbit/s | {r['label']} | {len(each)} | {median('cpu'):.2f} s | {median('span'):.2f} s "
-            f"| {median('busy'):.2f} | {1000 * median('spread'):.0f} ms | {median('exchange'):.2f} s "
-            f"| {1000 * median('ends'):.0f} ms | {sum(resent) / max(len(resent), 1):,.0f} |"
+            f"| {r['rate']:g} Mbit/s | {r['label']} | {len(each)} | {m['cpu']:.2f} s | {m['span']:.2f} s "
+            f"| {m['busy']:.2f} | {1000 * m['spread']:.0f} ms | {m['exchange']:.2f} s "
+            f"| {1000 * m['ends']:.0f} ms | {sum(resent) / max(len(resent), 1):,.0f} |"
         )
     return [*lines, ""]
 
